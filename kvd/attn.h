@@ -1,0 +1,123 @@
+/* kvd_attn: attention over what kvd holds of one layer — sealed segments
+ * answered by sampling (MagicPIG's estimator, DESIGN.md section 2) and the
+ * exact tail — and the LSE merge that joins partial results.
+ *
+ * Conventions: scores are q.k / sqrt(d) over centered keys; a partial result
+ * is (o, lse) with o normalised (the softmax-weighted mean of V) and
+ * lse = ln sum exp(score).  An empty part is (0, -inf) and merges as nothing.
+ * The q heads of a GQA group (G consecutive q heads) share one kv head.
+ *
+ * A segment holds n <= KVD_SEG_MAX tokens of every kv head of one layer:
+ * centered K and V rows (bf16), 1/|k| (f32) and the L bucket tables.  It is
+ * immutable once built and may be read by any number of threads.
+ *
+ * Scratch is per worker thread (kvd_attn_scratch); everything else is pure.
+ */
+#ifndef KVD_ATTN_H
+#define KVD_ATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kern.h"
+#include "lsh.h"
+
+struct kvd_pool;
+
+struct kvd_geom {
+	uint32_t q_heads, kv_heads, d;  /* d: head_dim, multiple of 16, <= KVD_DMAX */
+	uint32_t K, L, c;               /* K <= 16 bits, L tables, c in {1, 2} */
+};
+
+/* 0, or -KVD_EGEOM when a field is out of range or q_heads / kv_heads is
+ * not an integer <= KVD_GMAX. */
+int kvd_geom_check(const struct kvd_geom *g);
+static inline uint32_t kvd_geom_group(const struct kvd_geom *g)
+{
+	return g->q_heads / g->kv_heads;
+}
+
+struct kvd_seg_head {
+	uint16_t *k, *v;                /* [n][d] */
+	float *kinv;                    /* [n] */
+	struct kvd_lsh_tables tab;
+};
+
+struct kvd_seg {
+	uint32_t n, kv_heads, d, K, L;
+	size_t bytes;                   /* everything this segment keeps resident */
+	void *mem;
+	struct kvd_seg_head h[];        /* [kv_heads] */
+};
+
+/* Builds a segment from centered rows k, v ([kv_heads][n][d] bf16) and the
+ * keys' codes ([kv_heads][L][n]); copies everything it keeps.  Work is split
+ * over the pool (NULL: the calling thread).  0, -KVD_EGEOM, -ENOMEM. */
+int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
+		  struct kvd_seg **out);
+void kvd_seg_free(struct kvd_seg *s);
+
+/* Resident bytes of a segment of n tokens (what kvd_seg_build allocates). */
+size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n);
+
+struct kvd_attn_stats {
+	uint64_t cand;                  /* sum over q heads of sampled keys */
+	uint64_t rows;                  /* distinct K/V rows gathered (union per group) */
+	uint64_t bucket_ids;            /* bucket entries walked */
+};
+
+struct kvd_attn_scratch {
+	struct kvd_lsh_scratch lsh;
+	uint32_t cap;
+	uint64_t *bits;                 /* [cap/64]: union of the group's candidates */
+	uint16_t *mask;                 /* [cap]: which q heads sampled each id */
+	uint16_t *cand;                 /* [cap] */
+	uint32_t *rows;                 /* [cap]: the union, ascending */
+	float *kinv;                    /* [cap] */
+	float *s;                       /* [KVD_GMAX][cap] */
+};
+
+int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap);
+void kvd_attn_scratch_free(struct kvd_attn_scratch *s);
+
+/* Sampled attention of the G q heads q[G][d] (codes qc[G][L]) over kv head h
+ * of segment seg.  o[G][d], lse[G].  st may be NULL. */
+void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
+		      const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
+		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
+		      float *o, float *lse, struct kvd_attn_stats *st);
+
+/* Exact attention of G q heads over n contiguous rows k, v ([n][d] bf16):
+ * the tail, and the dense baseline.  s: scratch of KVD_GMAX * 256 floats. */
+void kvd_attn_dense(const struct kvd_kern *kk, const float *q, int G, int d,
+		    const uint16_t *k, const uint16_t *v, size_t n, float *o, float *lse,
+		    float *s);
+#define KVD_ATTN_DENSE_SCRATCH (KVD_GMAX * 256)
+
+/* (o, lse) <- merge of (o, lse) and (o2, lse2), for G heads of d. */
+void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, int G, int d);
+
+/* One layer: all q heads over the segments and the tail (tail_k/tail_v
+ * [kv_heads][tail_n][d], may be 0 tokens).  q[q_heads][d], qc[q_heads][L];
+ * o[q_heads][d], lse[q_heads].  Tasks are (segment, kv head) pairs plus the
+ * tail, spread over the pool, whose workers use scr[worker]. */
+struct kvd_layer_view {
+	const struct kvd_seg *const *seg;
+	uint32_t nseg;
+	const uint16_t *tail_k, *tail_v;
+	uint32_t tail_n;
+};
+int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+		   const struct kvd_kern *kk, const struct kvd_geom *g,
+		   const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
+		   const float *q, const uint16_t *qc, float *o, float *lse,
+		   struct kvd_attn_stats *st);
+
+/* Exact dense attention of the whole layer (the baseline to beat): the same
+ * rows as `lv`, every one of them, no sampling, spread over the pool. */
+int kvd_attn_layer_dense(struct kvd_pool *pool, const struct kvd_kern *kk,
+			 const struct kvd_geom *g, const struct kvd_layer_view *lv,
+			 const float *q, float *o, float *lse);
+
+#endif

@@ -1,0 +1,67 @@
+/* kvd_kern: the CPU kernels, one table of function pointers per ISA.
+ *
+ * kern_scalar.c is the reference; kern_avx2.c (AVX2+FMA) and kern_avx512.c
+ * (AVX-512 F/BW/VL/DQ, using AVX512_BF16 dot products where the CPU has them)
+ * must agree with it within bf16-level tolerance (tests/unit/test_kern.c).
+ *
+ * kvd_kern_get() picks the best variant the CPU supports, once, unless the
+ * environment says KVD_ISA=scalar|avx2|avx512.  kvd_kern_by_name() lets tests
+ * walk every variant; it returns NULL for one this CPU cannot run.
+ *
+ * Rows are bf16, d elements, rows of one array contiguous: row i of `base` is
+ * base + (idx ? idx[i] : i) * d.  d is a multiple of 16, at most KVD_DMAX.
+ * G (q heads sharing a kv head) is at most KVD_GMAX.  All kernels are pure and
+ * thread-safe; none allocates.
+ */
+#ifndef KVD_KERN_H
+#define KVD_KERN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVD_DMAX 256
+#define KVD_GMAX 16
+
+struct kvd_logp_tab;
+
+struct kvd_kern {
+	const char *name;
+
+	/* Bit j of codes[t*ldc + i] = (x_i . W[:, t*K + j] > 0); x_i = x + i*ldx. */
+	void (*hash)(const float *W, int d, int K, int L, const float *x, size_t ldx,
+		     size_t n, uint16_t *codes, size_t ldc);
+
+	/* s[g*lds + i] = q_g . row_i for g < G, i < m; q_g = q + g*d (float32). */
+	void (*qk)(const float *q, int G, int d, const uint16_t *base,
+		   const uint32_t *idx, size_t m, float *s, size_t lds);
+
+	/* o[g*d + j] += sum_i w[g*ldw + i] * row_i[j]. */
+	void (*pv)(const float *w, size_t ldw, int G, int d, const uint16_t *base,
+		   const uint32_t *idx, size_t m, float *o);
+
+	/* Largest of x[0..m); -inf when m == 0. */
+	float (*max)(const float *x, size_t m);
+
+	/* x[i] = exp(x[i] - mx) in place (exp(-inf) = 0); returns the sum. */
+	float (*expsum)(float *x, size_t m, float mx);
+
+	/* The sampling correction: with cos_i = s[i] * kinv[i] * qinv clamped to
+	 * [-1, 1], s[i] = s[i] * scale - lnP(theta_i), lnP from tab (linear
+	 * interpolation on theta/pi).  kinv[i] = 1/|k_i| (0 for a zero key). */
+	void (*logp)(float *s, size_t m, const float *kinv, float qinv, float scale,
+		     const struct kvd_logp_tab *tab);
+
+	/* out[i] = 1/|row_i| over n contiguous rows (0 where the row is zero). */
+	void (*kinv)(const uint16_t *rows, size_t n, int d, float *out);
+};
+
+const struct kvd_kern *kvd_kern_get(void);
+const struct kvd_kern *kvd_kern_by_name(const char *name);
+
+/* The variants, for kern.c's dispatch only. */
+extern const struct kvd_kern kvd_kern_scalar;
+extern const struct kvd_kern kvd_kern_avx2;
+extern const struct kvd_kern kvd_kern_avx512;
+extern const struct kvd_kern kvd_kern_avx512bf16;
+
+#endif

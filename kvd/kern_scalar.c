@@ -1,0 +1,131 @@
+/* The reference kernels: plain C, float32 accumulation in index order.  The
+ * SIMD variants are checked against these, so they stay obvious. */
+#include <math.h>
+
+#include "bf16.h"
+#include "kern.h"
+#include "lsh.h"
+
+static void hash_scalar(const float *W, int d, int K, int L, const float *x, size_t ldx,
+			size_t n, uint16_t *codes, size_t ldc)
+{
+	int KL = K * L;
+
+	for (size_t i = 0; i < n; i++) {
+		const float *xi = x + i * ldx;
+
+		for (int t = 0; t < L; t++) {
+			unsigned code = 0;
+
+			for (int j = 0; j < K; j++) {
+				float y = 0.0f;
+
+				for (int e = 0; e < d; e++)
+					y += xi[e] * W[(size_t)e * KL + t * K + j];
+				code |= (unsigned)(y > 0.0f) << j;
+			}
+			codes[(size_t)t * ldc + i] = (uint16_t)code;
+		}
+	}
+}
+
+static inline const uint16_t *row(const uint16_t *base, const uint32_t *idx, size_t i, int d)
+{
+	return base + (idx ? idx[i] : i) * (size_t)d;
+}
+
+static void qk_scalar(const float *q, int G, int d, const uint16_t *base,
+		      const uint32_t *idx, size_t m, float *s, size_t lds)
+{
+	for (size_t i = 0; i < m; i++) {
+		const uint16_t *r = row(base, idx, i, d);
+
+		for (int g = 0; g < G; g++) {
+			const float *qg = q + (size_t)g * d;
+			float acc = 0.0f;
+
+			for (int e = 0; e < d; e++)
+				acc += qg[e] * kvd_bf16_to_f32(r[e]);
+			s[(size_t)g * lds + i] = acc;
+		}
+	}
+}
+
+static void pv_scalar(const float *w, size_t ldw, int G, int d, const uint16_t *base,
+		      const uint32_t *idx, size_t m, float *o)
+{
+	for (size_t i = 0; i < m; i++) {
+		const uint16_t *r = row(base, idx, i, d);
+
+		for (int g = 0; g < G; g++) {
+			float wi = w[(size_t)g * ldw + i];
+			float *og = o + (size_t)g * d;
+
+			for (int e = 0; e < d; e++)
+				og[e] += wi * kvd_bf16_to_f32(r[e]);
+		}
+	}
+}
+
+static float max_scalar(const float *x, size_t m)
+{
+	float mx = -INFINITY;
+
+	for (size_t i = 0; i < m; i++)
+		mx = x[i] > mx ? x[i] : mx;
+	return mx;
+}
+
+static float expsum_scalar(float *x, size_t m, float mx)
+{
+	float sum = 0.0f;
+
+	for (size_t i = 0; i < m; i++) {
+		x[i] = expf(x[i] - mx);
+		sum += x[i];
+	}
+	return sum;
+}
+
+static void logp_scalar(float *s, size_t m, const float *kinv, float qinv, float scale,
+			const struct kvd_logp_tab *tab)
+{
+	for (size_t i = 0; i < m; i++) {
+		float c = s[i] * kinv[i] * qinv;
+
+		c = c > 1.0f ? 1.0f : c < -1.0f ? -1.0f : c;
+		float x = acosf(c) * (float)(KVD_LOGP_N / M_PI);
+		int j = (int)x;
+
+		j = j > KVD_LOGP_N ? KVD_LOGP_N : j;
+		float f = x - (float)j;
+		float lp = tab->v[j] + f * (tab->v[j + 1] - tab->v[j]);
+
+		s[i] = s[i] * scale - lp;
+	}
+}
+
+static void kinv_scalar(const uint16_t *rows, size_t n, int d, float *out)
+{
+	for (size_t i = 0; i < n; i++) {
+		float acc = 0.0f;
+
+		for (int e = 0; e < d; e++) {
+			float v = kvd_bf16_to_f32(rows[i * (size_t)d + e]);
+
+			acc += v * v;
+		}
+		out[i] = acc > 0.0f ? 1.0f / sqrtf(acc) : 0.0f;
+	}
+}
+
+const struct kvd_kern kvd_kern_scalar = {
+	.name = "scalar",
+	.hash = hash_scalar,
+	.qk = qk_scalar,
+	.pv = pv_scalar,
+	.max = max_scalar,
+	.expsum = expsum_scalar,
+	.logp = logp_scalar,
+	.kinv = kinv_scalar,
+};

@@ -1,0 +1,38 @@
+#!/bin/sh
+# Runs cmocka test binaries and keeps a tally across build variants.
+#   run.sh DIR BIN...   run each binary, print its output, add to the tally
+#   run.sh --reset      start a new tally
+#   run.sh --total      print "N passed, N failed, N skipped" and exit 1 on failures
+# A binary that exits 77 is a skip (no device, no feature) and says why.
+tally=build/test-tally
+case "${1:-}" in
+--reset) mkdir -p build; : >"$tally"; exit 0 ;;
+--total)
+	awk '{p+=$1; f+=$2; s+=$3} END {printf "tests: %d passed, %d failed, %d skipped\n", p, f, s; exit (f > 0)}' "$tally"
+	exit $?
+	;;
+esac
+shift
+mkdir -p build
+pass=0 fail=0 skip=0
+for t in "$@"; do
+	out=$("$t" 2>&1)
+	rc=$?
+	printf '%s\n' "$out"
+	if [ $rc = 77 ]; then
+		skip=$((skip + 1))
+		continue
+	fi
+	p=$(printf '%s\n' "$out" | sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' | tail -n1)
+	f=$(printf '%s\n' "$out" | sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' | tail -n1)
+	s=$(printf '%s\n' "$out" | sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' | tail -n1)
+	pass=$((pass + ${p:-0})); fail=$((fail + ${f:-0})); skip=$((skip + ${s:-0}))
+	# A crash or a sanitizer report ends the binary without cmocka's summary.
+	if [ $rc != 0 ] && [ "${f:-0}" = 0 ]; then
+		echo "run.sh: $t exited with status $rc" >&2
+		fail=$((fail + 1))
+	fi
+done
+echo "$pass $fail $skip" >>"$tally"
+echo "$(basename "$(dirname "$1")"): $pass passed, $fail failed, $skip skipped"
+[ "$fail" = 0 ]
