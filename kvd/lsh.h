@@ -69,7 +69,7 @@ static inline uint32_t kvd_lsh_bucket(const struct kvd_lsh_tables *t, uint32_t t
 struct kvd_lsh_scratch {
 	uint32_t cap;
 	uint8_t *cnt;           /* [cap] */
-	uint16_t *touched;      /* [cap] */
+	uint16_t *touched;      /* [cap + 1]: the branch-free walk writes one past */
 };
 
 int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap);
@@ -77,7 +77,9 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s);
 
 /* Local ids of the tokens whose code equals qcodes[t] in at least c of the L
  * tables (c is 1 or 2), in no particular order, into out (room for n).
- * Returns how many.  Cost: the total length of the L buckets visited. */
+ * Returns how many; 0 when the segment has more tokens than s->cap.  Codes
+ * are masked to K bits (they come from clients).  Cost: the total length of
+ * the L buckets visited. */
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out);
 

@@ -1,0 +1,372 @@
+/* SimHash tables and retrieval: see lsh.h for the conventions. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "kern.h"
+#include "lsh.h"
+#include "rng.h"
+
+void kvd_lsh_make_w(uint64_t seed, int d, int K, int L, float *W)
+{
+	size_t m = d > 0 && K > 0 && L > 0 ? (size_t)d * K * L : 0;
+
+	for (size_t e = 0; e < m; e++)
+		W[e] = (float)kvd_rng_normal_at(seed, e);
+}
+
+void kvd_lsh_hash(const float *W, int d, int K, int L,
+		  const float *x, size_t ldx, size_t n, uint16_t *codes, size_t ldc)
+{
+	kvd_kern_get()->hash(W, d, K, L, x, ldx, n, codes, ldc);
+}
+
+/* ---- tables ------------------------------------------------------------ */
+
+static int geom_ok(uint32_t n, int K, int L)
+{
+	return n >= 1 && n <= KVD_SEG_MAX && K >= 1 && K <= KVD_LSH_KMAX &&
+	       L >= 1 && L <= KVD_LSH_LMAX;
+}
+
+static size_t align64(size_t x)
+{
+	return (x + 63) & ~(size_t)63;
+}
+
+static size_t off_bytes(int K, int L)
+{
+	return align64((size_t)L * ((1u << K) + 1) * sizeof(uint16_t));
+}
+
+static size_t ids_bytes(uint32_t n, int L)
+{
+	return align64((size_t)L * n * sizeof(uint16_t));
+}
+
+size_t kvd_lsh_tables_bytes(uint32_t n, int K, int L)
+{
+	if (!geom_ok(n, K, L))
+		return 0;
+	return off_bytes(K, L) + ids_bytes(n, L) + align64((size_t)L * sizeof(uint32_t));
+}
+
+/*
+ * The build is a counting sort per table, and nearly all of its time goes to
+ * two loops over the n codes: the histogram and the placement.  Both are
+ * chains through memory (load a counter, store it back plus one), so with
+ * skewed codes -- a few hot buckets, which real keys produce -- consecutive
+ * tokens wait on each other's store-to-load forwarding.  Counting table t+1
+ * inside table t's placement loop gives the core two independent chains,
+ * which measured 1.5-2x faster on hot-bucket codes than the two loops apart
+ * (interleaving two *placements* instead is worse: the scattered writes of
+ * two tables no longer fit in L1).
+ *
+ * Counters live in the output itself: table t's off[b+1] first counts bucket
+ * b, the prefix pass turns it into the start of b, and the placement bumps it
+ * to the end of b, which is the start of b+1 -- the finished CSR offsets.
+ * All of it is uint16 arithmetic, so a segment of exactly 65536 tokens wraps
+ * the same way the stored offsets do.
+ */
+
+static inline void count_one(uint16_t *restrict h, uint16_t code, uint32_t mask)
+{
+	h[code & mask]++;
+}
+
+static void count(uint16_t *restrict h, const uint16_t *restrict c, uint32_t n, uint32_t mask)
+{
+	uint32_t i = 0;
+
+	for (; i + 4 <= n; i += 4) {
+		count_one(h, c[i], mask);
+		count_one(h, c[i + 1], mask);
+		count_one(h, c[i + 2], mask);
+		count_one(h, c[i + 3], mask);
+	}
+	for (; i < n; i++)
+		count_one(h, c[i], mask);
+}
+
+static inline void place_one(uint16_t *restrict cur, uint16_t *restrict ids, uint16_t code,
+			     uint32_t mask, uint32_t i)
+{
+	ids[cur[code & mask]++] = (uint16_t)i;
+}
+
+static void place(uint16_t *restrict cur, uint16_t *restrict ids, const uint16_t *restrict c,
+		  uint32_t n, uint32_t mask)
+{
+	uint32_t i = 0;
+
+	for (; i + 4 <= n; i += 4) {
+		place_one(cur, ids, c[i], mask, i);
+		place_one(cur, ids, c[i + 1], mask, i + 1);
+		place_one(cur, ids, c[i + 2], mask, i + 2);
+		place_one(cur, ids, c[i + 3], mask, i + 3);
+	}
+	for (; i < n; i++)
+		place_one(cur, ids, c[i], mask, i);
+}
+
+/* How far ahead the placement prefetches the line it will write. */
+#define PLACE_AHEAD 32
+/* ...when the 2^K lines being written at once outgrow L1 (48 KiB here). */
+#define PLACE_AHEAD_K 9
+
+/*
+ * place() for table t and count() for table t+1 in one loop, with two
+ * prefetches place() alone does not need: for K around 10 a table's ids are
+ * written at ~2^K places at once, more lines than L1 holds, so each store
+ * would miss; prefetching the line of token i + PLACE_AHEAD (its bucket's
+ * cursor now) cut the uniform-code build from ~11 to ~7 ms.  And table t+1's
+ * ids region, next to be scattered over, is touched in order, one line per
+ * 32 tokens, which hides its misses when the memory is cold.
+ */
+static void place_count(uint16_t *restrict cur, uint16_t *restrict ids, const uint16_t *restrict c,
+			uint16_t *restrict h, const uint16_t *restrict cn, const uint16_t *idsn,
+			uint32_t n, uint32_t mask, int ahead)
+{
+	uint32_t i = 0;
+
+	for (; i + 32 + PLACE_AHEAD <= n; i += 32) {
+		__builtin_prefetch(idsn + i, 1);
+		for (uint32_t k = i; k < i + 32; k += 4) {
+			const uint16_t *ca = c + k + PLACE_AHEAD;
+
+			if (ahead) {
+				__builtin_prefetch(&ids[cur[ca[0] & mask]], 1);
+				__builtin_prefetch(&ids[cur[ca[1] & mask]], 1);
+				__builtin_prefetch(&ids[cur[ca[2] & mask]], 1);
+				__builtin_prefetch(&ids[cur[ca[3] & mask]], 1);
+			}
+			place_one(cur, ids, c[k], mask, k);
+			count_one(h, cn[k], mask);
+			place_one(cur, ids, c[k + 1], mask, k + 1);
+			count_one(h, cn[k + 1], mask);
+			place_one(cur, ids, c[k + 2], mask, k + 2);
+			count_one(h, cn[k + 2], mask);
+			place_one(cur, ids, c[k + 3], mask, k + 3);
+			count_one(h, cn[k + 3], mask);
+		}
+	}
+	for (; i < n; i++) {
+		place_one(cur, ids, c[i], mask, i);
+		count_one(h, cn[i], mask);
+	}
+}
+
+/* Counts in off[1..nb] -> bucket starts in off[1..nb]; off[0] = 0. */
+static void starts(uint16_t *off, uint32_t nb)
+{
+	uint16_t s = 0;
+
+	off[0] = 0;
+	for (uint32_t b = 1; b <= nb; b++) {
+		uint16_t x = off[b];
+
+		off[b] = s;
+		s = (uint16_t)(s + x);
+	}
+}
+
+/* With the counts in off[1..], the bucket of token 0 holds everything iff
+ * its count is n: for n = 65536 that count reads 0, and a bucket holding
+ * token 0 cannot be empty, so the test stays exact. */
+static uint32_t full_bucket(const uint16_t *off, const uint16_t *c, uint32_t n, uint32_t mask)
+{
+	uint32_t b = c[0] & mask;
+
+	return off[b + 1] == (uint16_t)n ? b : UINT32_MAX;
+}
+
+int kvd_lsh_build(struct kvd_lsh_tables *t, void *mem, uint32_t n, int K, int L,
+		  const uint16_t *codes, size_t ldc)
+{
+	if (!geom_ok(n, K, L))
+		return -KVD_EGEOM;
+
+	uint32_t nb = 1u << K, mask = nb - 1;
+	size_t stride = (size_t)nb + 1;
+	char *p = mem;
+
+	t->n = n;
+	t->K = (uint32_t)K;
+	t->L = (uint32_t)L;
+	t->off = (uint16_t *)p;
+	t->ids = (uint16_t *)(p + off_bytes(K, L));
+	t->full = (uint32_t *)(p + off_bytes(K, L) + ids_bytes(n, L));
+
+	/* Codes are masked to K bits everywhere: they may come from a client. */
+	memset(t->off, 0, stride * sizeof(uint16_t));
+	count(t->off + 1, codes, n, mask);
+	for (int l = 0; l < L; l++) {
+		uint16_t *off = t->off + (size_t)l * stride;
+		uint16_t *ids = t->ids + (size_t)l * n;
+		const uint16_t *c = codes + (size_t)l * ldc;
+
+		t->full[l] = full_bucket(off, c, n, mask);
+		starts(off, nb);
+		if (l + 1 < L) {
+			memset(off + stride, 0, stride * sizeof(uint16_t));
+			place_count(off + 1, ids, c, off + stride + 1, c + ldc, ids + n, n, mask,
+				    K >= PLACE_AHEAD_K);
+		} else {
+			place(off + 1, ids, c, n, mask);
+		}
+	}
+	return 0;
+}
+
+/* ---- retrieval ---------------------------------------------------------- */
+
+int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap)
+{
+	memset(s, 0, sizeof *s);
+	if (cap < 1 || cap > KVD_SEG_MAX)
+		return -KVD_EGEOM;
+	s->cnt = calloc(cap, 1);
+	/* One spare slot: candidates() stores unconditionally, one past the
+	 * last id it keeps. */
+	s->touched = malloc(((size_t)cap + 1) * sizeof(uint16_t));
+	if (!s->cnt || !s->touched) {
+		kvd_lsh_scratch_free(s);
+		return -ENOMEM;
+	}
+	s->cap = cap;
+	return 0;
+}
+
+void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
+{
+	free(s->cnt);
+	free(s->touched);
+	memset(s, 0, sizeof *s);
+}
+
+/* Tables whose buckets are looked up (and their ids prefetched) ahead of the
+ * walk: each table is a separate region, so every bucket is a cache miss,
+ * and issuing a batch of them at once overlaps the misses. */
+#define CAND_BATCH 16
+
+/*
+ * The walk is branch-free: for random-looking ids "first sight" or not is
+ * unpredictable.  Every id is stored into touched[nt] and nt advances only on
+ * first sight, so touched ends up with each distinct id once; counts
+ * saturate at c so any L fits in a byte.  The last pass emits the ids that
+ * reached c and zeroes exactly the counts that were raised, so a query costs
+ * what it walks, never O(n).
+ */
+uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
+			    int c, struct kvd_lsh_scratch *s, uint16_t *out)
+{
+	if (t->n > s->cap || c < 1 || c > 255)
+		return 0;
+
+	uint8_t *restrict cnt = s->cnt;
+	uint16_t *restrict touched = s->touched;
+	uint32_t mask = (1u << t->K) - 1, nt = 0, m = 0;
+	uint8_t cc = (uint8_t)c;
+
+	for (uint32_t t0 = 0; t0 < t->L; t0 += CAND_BATCH) {
+		uint32_t nbat = t->L - t0 < CAND_BATCH ? t->L - t0 : CAND_BATCH;
+		const uint16_t *ids[CAND_BATCH];
+		uint32_t len[CAND_BATCH];
+
+		for (uint32_t k = 0; k < nbat; k++) {
+			len[k] = kvd_lsh_bucket(t, t0 + k, qcodes[t0 + k] & mask, &ids[k]);
+			__builtin_prefetch(ids[k]);
+		}
+		for (uint32_t k = 0; k < nbat; k++) {
+			const uint16_t *restrict b = ids[k];
+
+			for (uint32_t j = 0; j < len[k]; j++) {
+				uint16_t id = b[j];
+				uint8_t v = cnt[id];
+
+				touched[nt] = id;
+				nt += v == 0;
+				cnt[id] = (uint8_t)(v + (v < cc));
+			}
+		}
+	}
+	for (uint32_t k = 0; k < nt; k++) {
+		uint16_t id = touched[k];
+
+		out[m] = id;
+		m += cnt[id] >= cc;
+		cnt[id] = 0;
+	}
+	return m;
+}
+
+/* ---- collision probability --------------------------------------------- */
+
+/*
+ * ln P as a function of r = 1 - theta/pi, so the table can pass r = i/N
+ * exactly.  P(c=2) = 1 - (1-p)^(L-1) (1 + (L-1)p) = -expm1(a) with
+ * a = (L-1) log1p(-p) + log1p((L-1)p).  For small x = (L-1)p the two terms
+ * of a cancel to about -L(L-1)p^2/2 and, once p^2 drops below the rounding
+ * of x, to garbage or zero; there a is summed from its series instead:
+ *     a = sum_{k>=2} ((-1)^(k+1) x^k - (L-1) p^k) / k,
+ * whose terms alternate and shrink by about x, so no digits are lost.
+ */
+static double logp_r(double r, int K, int L, int c)
+{
+	if (K < 1 || L < 1 || (c != 1 && c != 2))
+		return NAN;
+	if (r <= 0.0)
+		return -INFINITY;
+	if (r >= 1.0)           /* every table collides */
+		return c <= L ? 0.0 : -INFINITY;
+
+	double p = pow(r, K);
+
+	if (c == 1)
+		return log(-expm1(L * log1p(-p)));
+	if (L == 1)
+		return -INFINITY;
+
+	double m = L - 1, x = m * p, a;
+
+	if (x < 0.125) {
+		double xk = x, pk = p;
+
+		a = 0.0;
+		for (int k = 2; k < 64; k++) {
+			xk *= x;
+			pk *= p;
+
+			a += ((k & 1 ? xk : -xk) - m * pk) / k;
+			/* Not the term itself: for L = 2 every odd term is 0. */
+			if (xk <= 0x1p-60 * fabs(a))
+				break;
+		}
+	} else {
+		a = m * log1p(-p) + log1p(x);
+	}
+	return log(-expm1(a));
+}
+
+double kvd_lsh_logp(double cos_theta, int K, int L, int c)
+{
+	double cs = cos_theta > 1.0 ? 1.0 : cos_theta < -1.0 ? -1.0 : cos_theta;
+
+	return logp_r(1.0 - acos(cs) / M_PI, K, L, c);
+}
+
+void kvd_logp_tab_init(struct kvd_logp_tab *tab, int K, int L, int c)
+{
+	tab->K = K;
+	tab->L = L;
+	tab->c = c;
+	for (int i = 0; i <= KVD_LOGP_N; i++) {
+		double v = logp_r((double)(KVD_LOGP_N - i) / KVD_LOGP_N, K, L, c);
+
+		/* Written as a test so that NaN (bad K, L, c) also lands on the floor. */
+		tab->v[i] = v > KVD_LOGP_FLOOR ? (float)v : KVD_LOGP_FLOOR;
+	}
+	tab->v[KVD_LOGP_N + 1] = tab->v[KVD_LOGP_N];
+}
