@@ -27,7 +27,8 @@ struct kvd_synth {
 };
 
 /* Returns 0, -EINVAL on a bad shape (n <= sinks + 1024 for needle, q_heads
- * not a multiple of kv_heads, d == 0), -ENOMEM. */
+ * not a multiple of kv_heads, d == 0; the full list is in docs/WORKLOADS.md),
+ * -ENOMEM. */
 int kvd_synth_make(struct kvd_synth *w, enum kvd_wl kind, uint32_t n, uint32_t q_heads,
 		   uint32_t kv_heads, uint32_t d, uint64_t seed);
 void kvd_synth_free(struct kvd_synth *w);
