@@ -89,7 +89,8 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      float *o, float *lse, struct kvd_attn_stats *st);
 
 /* Exact attention of G q heads over n contiguous rows k, v ([n][d] bf16):
- * the tail, and the dense baseline.  s: scratch of KVD_GMAX * 256 floats. */
+ * the tail, and the dense baseline.  s: scratch of KVD_ATTN_DENSE_SCRATCH
+ * floats (a kvd_attn_scratch's s always has room). */
 void kvd_attn_dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		    const uint16_t *k, const uint16_t *v, size_t n, float *o, float *lse,
 		    float *s);
@@ -116,8 +117,8 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 
 /* Exact dense attention of the whole layer (the baseline to beat): the same
  * rows as `lv`, every one of them, no sampling, spread over the pool. */
-int kvd_attn_layer_dense(struct kvd_pool *pool, const struct kvd_kern *kk,
-			 const struct kvd_geom *g, const struct kvd_layer_view *lv,
-			 const float *q, float *o, float *lse);
+int kvd_attn_layer_dense(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+			 const struct kvd_kern *kk, const struct kvd_geom *g,
+			 const struct kvd_layer_view *lv, const float *q, float *o, float *lse);
 
 #endif

@@ -1,0 +1,466 @@
+#include <errno.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn.h"
+#include "err.h"
+#include "pool.h"
+
+#define ALIGN64(x) (((x) + 63) & ~(size_t)63)
+
+int kvd_geom_check(const struct kvd_geom *g)
+{
+	if (!g->q_heads || !g->kv_heads || g->q_heads % g->kv_heads ||
+	    g->q_heads / g->kv_heads > KVD_GMAX)
+		return -KVD_EGEOM;
+	if (g->d < 16 || g->d > KVD_DMAX || g->d % 16)
+		return -KVD_EGEOM;
+	if (g->K < 1 || g->K > KVD_LSH_KMAX || g->L < 1 || g->L > KVD_LSH_LMAX)
+		return -KVD_EGEOM;
+	if (g->c != 1 && g->c != 2)
+		return -KVD_EGEOM;
+	return 0;
+}
+
+/* ---- segments ---------------------------------------------------------- */
+
+static size_t head_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	size_t rows = ALIGN64((size_t)n * g->d * sizeof(uint16_t));
+
+	return 2 * rows + ALIGN64((size_t)n * sizeof(float)) +
+	       kvd_lsh_tables_bytes(n, (int)g->K, (int)g->L);
+}
+
+size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	return (size_t)g->kv_heads * head_bytes(g, n);
+}
+
+struct seg_build {
+	const struct kvd_geom *g;
+	struct kvd_seg *seg;
+	const uint16_t *k, *v, *codes;
+	_Atomic int err;
+};
+
+static void seg_build_head(void *arg, uint32_t h, unsigned worker)
+{
+	struct seg_build *b = arg;
+	struct kvd_seg *s = b->seg;
+	struct kvd_seg_head *sh = &s->h[h];
+	size_t n = s->n, d = s->d, rows = ALIGN64(n * d * sizeof(uint16_t));
+	char *mem = (char *)s->mem + h * head_bytes(b->g, s->n);
+
+	sh->k = (uint16_t *)mem;
+	sh->v = (uint16_t *)(mem + rows);
+	sh->kinv = (float *)(mem + 2 * rows);
+	memcpy(sh->k, b->k + h * n * d, n * d * sizeof(uint16_t));
+	memcpy(sh->v, b->v + h * n * d, n * d * sizeof(uint16_t));
+	kvd_kern_get()->kinv(sh->k, n, (int)d, sh->kinv);
+	int rc = kvd_lsh_build(&sh->tab, mem + 2 * rows + ALIGN64(n * sizeof(float)),
+			       s->n, (int)s->K, (int)s->L, b->codes + h * s->L * n, n);
+	if (rc)
+		atomic_store(&b->err, rc);
+}
+
+int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
+		  struct kvd_seg **out)
+{
+	struct kvd_seg *s;
+	int rc = kvd_geom_check(g);
+
+	if (rc)
+		return rc;
+	if (n < 1 || n > KVD_SEG_MAX)
+		return -KVD_EGEOM;
+	s = calloc(1, sizeof *s + g->kv_heads * sizeof s->h[0]);
+	if (!s)
+		return -ENOMEM;
+	s->n = n;
+	s->kv_heads = g->kv_heads;
+	s->d = g->d;
+	s->K = g->K;
+	s->L = g->L;
+	s->bytes = kvd_seg_bytes(g, n);
+	s->mem = aligned_alloc(64, s->bytes);
+	if (!s->mem) {
+		free(s);
+		return -ENOMEM;
+	}
+
+	struct seg_build b = { g, s, k, v, codes, 0 };
+
+	if (pool)
+		kvd_pool_run(pool, g->kv_heads, seg_build_head, &b);
+	else
+		for (uint32_t h = 0; h < g->kv_heads; h++)
+			seg_build_head(&b, h, 0);
+	rc = atomic_load(&b.err);
+	if (rc) {
+		kvd_seg_free(s);
+		return rc;
+	}
+	*out = s;
+	return 0;
+}
+
+void kvd_seg_free(struct kvd_seg *s)
+{
+	if (!s)
+		return;
+	free(s->mem);
+	free(s);
+}
+
+/* ---- scratch ----------------------------------------------------------- */
+
+int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
+{
+	size_t words = (cap + 63) / 64;
+
+	memset(s, 0, sizeof *s);
+	if (cap < 1 || cap > KVD_SEG_MAX)
+		return -EINVAL;
+	s->cap = cap;
+	s->bits = calloc(words, sizeof *s->bits);
+	s->mask = calloc(cap, sizeof *s->mask);
+	s->cand = malloc(cap * sizeof *s->cand);
+	s->rows = malloc(cap * sizeof *s->rows);
+	s->kinv = malloc(cap * sizeof *s->kinv);
+	/* Dense attention reuses s in blocks of DENSE_BLOCK rows. */
+	s->s = aligned_alloc(64, ALIGN64((size_t)KVD_GMAX * (cap > 256 ? cap : 256) * sizeof(float)));
+	if (!s->bits || !s->mask || !s->cand || !s->rows || !s->kinv || !s->s ||
+	    kvd_lsh_scratch_init(&s->lsh, cap)) {
+		kvd_attn_scratch_free(s);
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
+{
+	kvd_lsh_scratch_free(&s->lsh);
+	free(s->bits);
+	free(s->mask);
+	free(s->cand);
+	free(s->rows);
+	free(s->kinv);
+	free(s->s);
+	memset(s, 0, sizeof *s);
+}
+
+/* ---- sampled attention over one segment-head ---------------------------- */
+
+static void empty_result(int G, int d, float *o, float *lse)
+{
+	memset(o, 0, (size_t)G * d * sizeof(float));
+	for (int g = 0; g < G; g++)
+		lse[g] = -INFINITY;
+}
+
+void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
+		      const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
+		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
+		      float *o, float *lse, struct kvd_attn_stats *st)
+{
+	const struct kvd_seg_head *sh = &seg->h[h];
+	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
+	const uint32_t n = seg->n, words = (n + 63) / 64;
+	uint64_t cand = 0, walked = 0;
+	uint32_t m = 0;
+
+	/* Union of the group's candidates: a bit per id for the ascending scan,
+	 * and per id the set of q heads that sampled it.  Both are reset from
+	 * the union itself, so the cost follows the sample, not n. */
+	for (int gi = 0; gi < G; gi++) {
+		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
+						 &s->lsh, s->cand);
+
+		cand += nc;
+		for (uint32_t i = 0; i < nc; i++) {
+			uint32_t id = s->cand[i];
+
+			s->bits[id >> 6] |= 1ull << (id & 63);
+			s->mask[id] |= (uint16_t)(1u << gi);
+		}
+		if (st) {
+			const uint16_t *ids;
+
+			for (int t = 0; t < L; t++)
+				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
+							 qc[(size_t)gi * L + t], &ids);
+		}
+	}
+	for (uint32_t w = 0; w < words; w++) {
+		uint64_t x = s->bits[w];
+
+		if (!x)
+			continue;
+		s->bits[w] = 0;
+		do {
+			s->rows[m++] = w * 64 + (uint32_t)__builtin_ctzll(x);
+			x &= x - 1;
+		} while (x);
+	}
+	if (st) {
+		st->cand += cand;
+		st->rows += m;
+		st->bucket_ids += walked;
+	}
+	if (m == 0) {
+		empty_result(G, d, o, lse);
+		return;
+	}
+
+	float *sc = s->s;
+	const float scale = 1.0f / sqrtf((float)d);
+
+	for (uint32_t i = 0; i < m; i++)
+		s->kinv[i] = sh->kinv[s->rows[i]];
+	kk->qk(q, G, d, sh->k, s->rows, m, sc, m);
+	for (int gi = 0; gi < G; gi++) {
+		const float *qg = q + (size_t)gi * d;
+		float nn = 0.0f;
+
+		for (int e = 0; e < d; e++)
+			nn += qg[e] * qg[e];
+		kk->logp(sc + (size_t)gi * m, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f,
+			 scale, tab);
+	}
+	/* Keys in the union that this q head did not sample weigh nothing. */
+	for (uint32_t i = 0; i < m; i++) {
+		uint32_t id = s->rows[i];
+		unsigned msk = s->mask[id];
+
+		s->mask[id] = 0;
+		for (int gi = 0; gi < G; gi++)
+			if (!(msk >> gi & 1))
+				sc[(size_t)gi * m + i] = -INFINITY;
+	}
+	float sum[KVD_GMAX];
+
+	for (int gi = 0; gi < G; gi++) {
+		float *sg = sc + (size_t)gi * m;
+		float mx = kk->max(sg, m);
+
+		if (mx == -INFINITY) {
+			memset(sg, 0, m * sizeof(float));
+			sum[gi] = 0.0f;
+			lse[gi] = -INFINITY;
+		} else {
+			sum[gi] = kk->expsum(sg, m, mx);
+			lse[gi] = mx + logf(sum[gi]);
+		}
+	}
+	memset(o, 0, (size_t)G * d * sizeof(float));
+	kk->pv(sc, m, G, d, sh->v, s->rows, m, o);
+	for (int gi = 0; gi < G; gi++) {
+		float r = sum[gi] > 0.0f ? 1.0f / sum[gi] : 0.0f;
+
+		for (int e = 0; e < d; e++)
+			o[(size_t)gi * d + e] *= r;
+	}
+}
+
+/* ---- exact attention over contiguous rows ------------------------------- */
+
+#define DENSE_BLOCK 256
+
+void kvd_attn_dense(const struct kvd_kern *kk, const float *q, int G, int d,
+		    const uint16_t *k, const uint16_t *v, size_t n, float *o, float *lse,
+		    float *s)
+{
+	float qs[KVD_GMAX * KVD_DMAX], mx[KVD_GMAX], sum[KVD_GMAX];
+	const float scale = 1.0f / sqrtf((float)d);
+
+	if (n == 0) {
+		empty_result(G, d, o, lse);
+		return;
+	}
+	/* Scaling q once makes qk produce scores directly. */
+	for (int i = 0; i < G * d; i++)
+		qs[i] = q[i] * scale;
+	for (int gi = 0; gi < G; gi++) {
+		mx[gi] = -INFINITY;
+		sum[gi] = 0.0f;
+	}
+	memset(o, 0, (size_t)G * d * sizeof(float));
+
+	for (size_t at = 0; at < n; at += DENSE_BLOCK) {
+		size_t b = n - at < DENSE_BLOCK ? n - at : DENSE_BLOCK;
+
+		kk->qk(qs, G, d, k + at * d, NULL, b, s, DENSE_BLOCK);
+		for (int gi = 0; gi < G; gi++) {
+			float *sg = s + (size_t)gi * DENSE_BLOCK;
+			float bm = kk->max(sg, b), nm = bm > mx[gi] ? bm : mx[gi];
+
+			if (nm == -INFINITY) {          /* only -inf scores so far */
+				memset(sg, 0, b * sizeof(float));
+				continue;
+			}
+			if (nm > mx[gi] && mx[gi] != -INFINITY) {
+				float r = expf(mx[gi] - nm);
+
+				sum[gi] *= r;
+				for (int e = 0; e < d; e++)
+					o[(size_t)gi * d + e] *= r;
+			}
+			mx[gi] = nm;
+			sum[gi] += kk->expsum(sg, b, nm);
+		}
+		kk->pv(s, DENSE_BLOCK, G, d, v + at * d, NULL, b, o);
+	}
+	for (int gi = 0; gi < G; gi++) {
+		float r = sum[gi] > 0.0f ? 1.0f / sum[gi] : 0.0f;
+
+		for (int e = 0; e < d; e++)
+			o[(size_t)gi * d + e] *= r;
+		lse[gi] = sum[gi] > 0.0f ? mx[gi] + logf(sum[gi]) : -INFINITY;
+	}
+}
+
+void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, int G, int d)
+{
+	for (int gi = 0; gi < G; gi++) {
+		float a = lse[gi], b = lse2[gi];
+		float *og = o + (size_t)gi * d;
+		const float *o2g = o2 + (size_t)gi * d;
+
+		if (b == -INFINITY)
+			continue;
+		if (a == -INFINITY) {
+			memcpy(og, o2g, (size_t)d * sizeof(float));
+			lse[gi] = b;
+			continue;
+		}
+		float mx = a > b ? a : b;
+		float wa = expf(a - mx), wb = expf(b - mx), r = 1.0f / (wa + wb);
+
+		for (int e = 0; e < d; e++)
+			og[e] = (wa * og[e] + wb * o2g[e]) * r;
+		lse[gi] = mx + logf(wa + wb);
+	}
+}
+
+/* ---- one layer ---------------------------------------------------------- */
+
+/* Tasks are (part, kv head) with part < nseg a segment and part == nseg the
+ * tail; each writes its own slot of `part_o`/`part_lse`, merged afterwards in
+ * part order so the result does not depend on scheduling. */
+struct layer_job {
+	struct kvd_attn_scratch *scr;
+	const struct kvd_kern *kk;
+	const struct kvd_geom *g;
+	const struct kvd_logp_tab *tab;     /* NULL: dense baseline */
+	const struct kvd_layer_view *lv;
+	const float *q;
+	const uint16_t *qc;
+	uint32_t nparts;
+	float *part_o, *part_lse;
+	struct kvd_attn_stats *st;          /* [workers] */
+};
+
+static void layer_task(void *arg, uint32_t task, unsigned worker)
+{
+	struct layer_job *j = arg;
+	const struct kvd_geom *g = j->g;
+	const struct kvd_layer_view *lv = j->lv;
+	uint32_t G = kvd_geom_group(g), d = g->d;
+	uint32_t h = task / j->nparts, part = task % j->nparts;
+	const float *q = j->q + (size_t)h * G * d;
+	float *o = j->part_o + (size_t)task * G * d, *lse = j->part_lse + (size_t)task * G;
+	struct kvd_attn_scratch *s = &j->scr[worker];
+
+	if (part < lv->nseg && j->tab) {
+		kvd_attn_sampled(j->kk, g, j->tab, lv->seg[part], h, q,
+				 j->qc + (size_t)h * G * g->L, s, o, lse,
+				 j->st ? &j->st[worker] : NULL);
+	} else if (part < lv->nseg) {
+		const struct kvd_seg_head *sh = &lv->seg[part]->h[h];
+
+		kvd_attn_dense(j->kk, q, (int)G, (int)d, sh->k, sh->v, lv->seg[part]->n, o, lse,
+			       s->s);
+	} else {
+		size_t off = (size_t)h * lv->tail_n * d;
+
+		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off, lv->tail_v + off,
+			       lv->tail_n, o, lse, s->s);
+	}
+}
+
+static int run_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+		     const struct kvd_kern *kk, const struct kvd_geom *g,
+		     const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
+		     const float *q, const uint16_t *qc, float *o, float *lse,
+		     struct kvd_attn_stats *st)
+{
+	uint32_t G = kvd_geom_group(g), d = g->d;
+	uint32_t nparts = lv->nseg + (lv->tail_n ? 1 : 0), ntasks = nparts * g->kv_heads;
+	unsigned nw = kvd_pool_size(pool);
+	struct kvd_attn_stats wst[nw];
+	int rc = kvd_geom_check(g);
+
+	if (rc)
+		return rc;
+	for (uint32_t i = 0; i < lv->nseg; i++)
+		if (lv->seg[i]->kv_heads != g->kv_heads || lv->seg[i]->d != d ||
+		    lv->seg[i]->K != g->K || lv->seg[i]->L != g->L || lv->seg[i]->n > scr[0].cap)
+			return -KVD_ESHAPE;
+
+	float *part_o = malloc(((size_t)ntasks * G * d + (size_t)ntasks * G) * sizeof(float));
+
+	if (!part_o)
+		return -ENOMEM;
+	memset(wst, 0, sizeof wst);
+	struct layer_job j = {
+		.scr = scr, .kk = kk, .g = g, .tab = tab, .lv = lv, .q = q, .qc = qc,
+		.nparts = nparts, .part_o = part_o,
+		.part_lse = part_o + (size_t)ntasks * G * d, .st = st ? wst : NULL,
+	};
+
+	kvd_pool_run(pool, ntasks, layer_task, &j);
+
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		float *oh = o + (size_t)h * G * d, *lh = lse + (size_t)h * G;
+
+		empty_result((int)G, (int)d, oh, lh);
+		for (uint32_t p = 0; p < nparts; p++) {
+			uint32_t t = h * nparts + p;
+
+			kvd_attn_merge(oh, lh, j.part_o + (size_t)t * G * d, j.part_lse + (size_t)t * G,
+				       (int)G, (int)d);
+		}
+	}
+	if (st) {
+		memset(st, 0, sizeof *st);
+		for (unsigned w = 0; w < nw; w++) {
+			st->cand += wst[w].cand;
+			st->rows += wst[w].rows;
+			st->bucket_ids += wst[w].bucket_ids;
+		}
+	}
+	free(part_o);
+	return 0;
+}
+
+int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+		   const struct kvd_kern *kk, const struct kvd_geom *g,
+		   const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
+		   const float *q, const uint16_t *qc, float *o, float *lse,
+		   struct kvd_attn_stats *st)
+{
+	if ((int)tab->K != (int)g->K || (int)tab->L != (int)g->L || (int)tab->c != (int)g->c)
+		return -KVD_ESHAPE;
+	return run_layer(pool, scr, kk, g, tab, lv, q, qc, o, lse, st);
+}
+
+int kvd_attn_layer_dense(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+			 const struct kvd_kern *kk, const struct kvd_geom *g,
+			 const struct kvd_layer_view *lv, const float *q, float *o, float *lse)
+{
+	return run_layer(pool, scr, kk, g, NULL, lv, q, NULL, o, lse, NULL);
+}

@@ -1,0 +1,204 @@
+/* Worker pool: a FIFO of jobs, each a parallel-for of independent tasks.
+ *
+ * Tasks are claimed under the pool mutex.  A task is tens of microseconds or
+ * more (a segment-head of attention), so one uncontended lock per task costs
+ * nothing measurable and keeps the claim logic obviously correct.  Completion
+ * is counted with an atomic so the submitter can spin on it without the lock.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "pool.h"
+
+#define SPIN_ITERS 20000        /* ~20-50 us of pause before a worker sleeps */
+
+struct job {
+	kvd_pool_fn fn;
+	void *arg;
+	uint32_t ntasks;
+	uint32_t next;                  /* under pool->mu */
+	_Atomic uint32_t done;
+	struct job *link;               /* under pool->mu */
+};
+
+struct worker {
+	struct kvd_pool *pool;
+	unsigned id;
+	int cpu;
+	pthread_t th;
+};
+
+struct kvd_pool {
+	pthread_mutex_t mu;
+	pthread_cond_t work;            /* a job was queued, or stop */
+	pthread_cond_t fin;             /* some job finished */
+	struct job *head, *tail;        /* jobs with unclaimed tasks */
+	_Atomic unsigned queued;        /* jobs in the list, read lock-free by spinners */
+	unsigned sleepers;
+	int stop;
+	unsigned n;
+	struct worker w[];
+};
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#endif
+}
+
+/* Called with mu held; returns with it held.  Returns 0 when the pool stops. */
+static int wait_for_job(struct kvd_pool *p)
+{
+	while (!p->head) {
+		if (p->stop)
+			return 0;
+		pthread_mutex_unlock(&p->mu);
+		for (int i = 0; i < SPIN_ITERS && !atomic_load_explicit(&p->queued, memory_order_relaxed); i++)
+			cpu_relax();
+		pthread_mutex_lock(&p->mu);
+		if (p->head || p->stop)
+			continue;
+		p->sleepers++;
+		pthread_cond_wait(&p->work, &p->mu);
+		p->sleepers--;
+	}
+	return 1;
+}
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	struct kvd_pool *p = w->pool;
+
+	if (w->cpu >= 0) {
+		cpu_set_t set;
+
+		CPU_ZERO(&set);
+		CPU_SET(w->cpu, &set);
+		/* Best effort: a restricted cpuset only costs locality. */
+		(void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+	}
+	pthread_mutex_lock(&p->mu);
+	while (wait_for_job(p)) {
+		struct job *j = p->head;
+		uint32_t t = j->next++;
+
+		if (j->next == j->ntasks) {
+			p->head = j->link;
+			if (!p->head)
+				p->tail = NULL;
+			atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
+		}
+		kvd_pool_fn fn = j->fn;
+		void *fa = j->arg;
+		uint32_t ntasks = j->ntasks;
+
+		pthread_mutex_unlock(&p->mu);
+		fn(fa, t, w->id);
+		/* Release: the task's writes happen-before the submitter's acquire
+		 * load that sees the final count.  The job lives on the submitter's
+		 * stack, so it is not touched after this add. */
+		if (atomic_fetch_add_explicit(&j->done, 1, memory_order_acq_rel) + 1 == ntasks) {
+			pthread_mutex_lock(&p->mu);
+			pthread_cond_broadcast(&p->fin);
+			pthread_mutex_unlock(&p->mu);
+		}
+		pthread_mutex_lock(&p->mu);
+	}
+	pthread_mutex_unlock(&p->mu);
+	return NULL;
+}
+
+unsigned kvd_pool_size(const struct kvd_pool *p)
+{
+	return p->n;
+}
+
+void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg)
+{
+	struct job j = { .fn = fn, .arg = arg, .ntasks = ntasks };
+
+	if (ntasks == 0)
+		return;
+	pthread_mutex_lock(&p->mu);
+	if (p->tail)
+		p->tail->link = &j;
+	else
+		p->head = &j;
+	p->tail = &j;
+	atomic_fetch_add_explicit(&p->queued, 1, memory_order_relaxed);
+	if (p->sleepers)
+		pthread_cond_broadcast(&p->work);
+	pthread_mutex_unlock(&p->mu);
+
+	for (int i = 0; i < SPIN_ITERS; i++) {
+		if (atomic_load_explicit(&j.done, memory_order_acquire) == ntasks)
+			return;
+		cpu_relax();
+	}
+	pthread_mutex_lock(&p->mu);
+	while (atomic_load_explicit(&j.done, memory_order_acquire) != ntasks)
+		pthread_cond_wait(&p->fin, &p->mu);
+	pthread_mutex_unlock(&p->mu);
+}
+
+int kvd_pool_create(unsigned nthreads, int pin, struct kvd_pool **out)
+{
+	cpu_set_t set;
+	int cpus[CPU_SETSIZE], ncpu = 0;
+	struct kvd_pool *p;
+
+	if (sched_getaffinity(0, sizeof set, &set) == 0) {
+		for (int c = 0; c < CPU_SETSIZE; c++)
+			if (CPU_ISSET(c, &set))
+				cpus[ncpu++] = c;
+	}
+	if (nthreads == 0)
+		nthreads = ncpu > 0 ? (unsigned)ncpu : 1;
+	if (nthreads > 1024)
+		return -EINVAL;
+	p = calloc(1, sizeof *p + nthreads * sizeof p->w[0]);
+	if (!p)
+		return -ENOMEM;
+	pthread_mutex_init(&p->mu, NULL);
+	pthread_cond_init(&p->work, NULL);
+	pthread_cond_init(&p->fin, NULL);
+	for (unsigned i = 0; i < nthreads; i++) {
+		struct worker *w = &p->w[i];
+
+		w->pool = p;
+		w->id = i;
+		w->cpu = pin && ncpu > 0 ? cpus[i % (unsigned)ncpu] : -1;
+		int rc = pthread_create(&w->th, NULL, worker_main, w);
+
+		if (rc) {
+			p->n = i;
+			kvd_pool_destroy(p);
+			return -rc;
+		}
+		p->n = i + 1;
+	}
+	*out = p;
+	return 0;
+}
+
+void kvd_pool_destroy(struct kvd_pool *p)
+{
+	if (!p)
+		return;
+	pthread_mutex_lock(&p->mu);
+	p->stop = 1;
+	pthread_cond_broadcast(&p->work);
+	pthread_mutex_unlock(&p->mu);
+	for (unsigned i = 0; i < p->n; i++)
+		pthread_join(p->w[i].th, NULL);
+	pthread_cond_destroy(&p->fin);
+	pthread_cond_destroy(&p->work);
+	pthread_mutex_destroy(&p->mu);
+	free(p);
+}

@@ -1,0 +1,500 @@
+/* Attention: the kernels' estimator against the same estimator in double
+ * precision, unbiasedness of exp(lse), the LSE merge, dense attention, and
+ * the layer driver — for every kernel variant this CPU runs. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "attn.h"
+#include "err.h"
+#include "lsh.h"
+#include "pool.h"
+#include "prep.h"
+#include "ref.h"
+#include "synth.h"
+#include "testutil.h"
+
+static const struct kvd_kern *kv[8];
+static int nkv;
+
+/* ---- dense attention and merge ----------------------------------------- */
+
+static void dense_ref(const float *q, int G, int d, const uint16_t *k, const uint16_t *v,
+		      size_t n, double *o, double *lse)
+{
+	float *kf = xmalloc(n * d * sizeof *kf), *vf = xmalloc(n * d * sizeof *vf);
+
+	kvd_bf16_to_f32_n(kf, k, n * d);
+	kvd_bf16_to_f32_n(vf, v, n * d);
+	for (int g = 0; g < G; g++)
+		kvd_ref_dense(q + (size_t)g * d, d, kf, vf, NULL, n, o + (size_t)g * d, &lse[g]);
+	free(kf);
+	free(vf);
+}
+
+static void test_dense_matches_double(void **state)
+{
+	static const size_t ns[] = { 1, 3, 255, 256, 257, 1000, 3000 };
+	const int G = 4, d = 128;
+	struct kvd_rng r = kvd_rng_make(11);
+	float q[4 * 128], o[4 * 128], lse[4], s[KVD_ATTN_DENSE_SCRATCH];
+	double ro[4 * 128], rlse[4];
+
+	for (size_t t = 0; t < sizeof ns / sizeof ns[0]; t++) {
+		size_t n = ns[t];
+		uint16_t *k = xmalloc(n * d * 2), *v = xmalloc(n * d * 2);
+
+		fill_bf16(k, n * d, &r, 0.0, 1.0);
+		fill_bf16(v, n * d, &r, 0.5, 1.0);
+		fill_normal(q, (size_t)G * d, &r, 0.0, 1.0);
+		dense_ref(q, G, d, k, v, n, ro, rlse);
+		for (int i = 0; i < nkv; i++) {
+			kvd_attn_dense(kv[i], q, G, d, k, v, n, o, lse, s);
+			assert_true(rel_err_fd(o, ro, (size_t)G * d) < 1e-4);
+			for (int g = 0; g < G; g++)
+				assert_true(fabs(lse[g] - rlse[g]) < 1e-4 * (1 + fabs(rlse[g])));
+		}
+		free(k);
+		free(v);
+	}
+}
+
+static void test_merge_of_halves_is_whole(void **state)
+{
+	const int G = 4, d = 64;
+	const size_t n = 700, cut = 333;
+	struct kvd_rng r = kvd_rng_make(12);
+	float q[4 * 64], o[4 * 64], lse[4], o1[4 * 64], l1[4], o2[4 * 64], l2[4];
+	float s[KVD_ATTN_DENSE_SCRATCH], none_o[4 * 64] = { 0 }, none_l[4];
+	uint16_t *k = xmalloc(n * d * 2), *v = xmalloc(n * d * 2);
+
+	fill_bf16(k, n * d, &r, 0.0, 2.0);
+	fill_bf16(v, n * d, &r, 0.5, 1.0);
+	fill_normal(q, (size_t)G * d, &r, 0.0, 1.0);
+	for (int g = 0; g < G; g++)
+		none_l[g] = -INFINITY;
+	for (int i = 0; i < nkv; i++) {
+		kvd_attn_dense(kv[i], q, G, d, k, v, n, o, lse, s);
+		kvd_attn_dense(kv[i], q, G, d, k, v, cut, o1, l1, s);
+		kvd_attn_dense(kv[i], q, G, d, k + cut * d, v + cut * d, n - cut, o2, l2, s);
+		kvd_attn_merge(o1, l1, none_o, none_l, G, d);   /* an empty part is nothing */
+		kvd_attn_merge(o1, l1, o2, l2, G, d);
+		assert_true(rel_err_ff(o1, o, (size_t)G * d) < 1e-5);
+		for (int g = 0; g < G; g++)
+			assert_true(fabsf(l1[g] - lse[g]) < 1e-5f * (1 + fabsf(lse[g])));
+		/* and an empty left side takes the right side as it is */
+		float e_o[4 * 64], e_l[4];
+
+		memset(e_o, 0, sizeof e_o);
+		for (int g = 0; g < G; g++)
+			e_l[g] = -INFINITY;
+		kvd_attn_merge(e_o, e_l, o, lse, G, d);
+		assert_memory_equal(e_o, o, sizeof e_o);
+		assert_memory_equal(e_l, lse, sizeof e_l);
+	}
+	free(k);
+	free(v);
+}
+
+/* ---- the sampled estimator --------------------------------------------- */
+
+struct layer_fix {
+	struct kvd_geom g;
+	struct kvd_synth w;
+	float *W;
+	uint16_t *qc;
+	struct kvd_prep p;
+};
+
+static void fix_make(struct layer_fix *f, enum kvd_wl kind, uint32_t n, uint32_t seg_tokens,
+		     uint32_t K, uint32_t L, uint32_t c, uint64_t seed)
+{
+	f->g = (struct kvd_geom){ .q_heads = 8, .kv_heads = 2, .d = 128, .K = K, .L = L, .c = c };
+	assert_int_equal(kvd_synth_make(&f->w, kind, n, 8, 2, 128, seed), 0);
+	f->W = xmalloc((size_t)128 * K * L * sizeof(float));
+	kvd_lsh_make_w(seed ^ 0x5eed, 128, (int)K, (int)L, f->W);
+	f->qc = xmalloc((size_t)8 * L * sizeof(uint16_t));
+	kvd_prep_query_codes(&f->g, f->W, f->w.q, f->qc);
+	/* tokens 0..3 are sinks and the last 64 the window: not kvd's */
+	assert_int_equal(kvd_prep_layer(&f->p, &f->g, f->W, f->w.k, f->w.v, n, 4, n - 64,
+					seg_tokens, NULL), 0);
+}
+
+static void fix_free(struct layer_fix *f)
+{
+	kvd_prep_free(&f->p);
+	kvd_synth_free(&f->w);
+	free(f->W);
+	free(f->qc);
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+	return (x > y) - (x < y);
+}
+
+/* The estimator in double over exactly the candidates the tables give,
+ * found here independently of kvd_attn_sampled's union bookkeeping. */
+static void sampled_ref(const struct layer_fix *f, double *o, double *lse, uint64_t *ncand)
+{
+	const struct kvd_geom *g = &f->g;
+	uint32_t G = kvd_geom_group(g), d = g->d;
+	struct kvd_lsh_scratch ls;
+	uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
+	uint32_t *idx = xmalloc(KVD_SEG_MAX * sizeof *idx);
+	double po[KVD_DMAX], pl;
+
+	assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
+	*ncand = 0;
+	for (uint32_t qh = 0; qh < g->q_heads; qh++) {
+		uint32_t h = qh / G;
+		double *oq = o + (size_t)qh * d;
+
+		memset(oq, 0, d * sizeof *oq);
+		lse[qh] = -INFINITY;
+		for (uint32_t s = 0; s < f->p.nseg; s++) {
+			const struct kvd_seg *seg = f->p.seg[s];
+			uint32_t m = kvd_lsh_candidates(&seg->h[h].tab, f->qc + (size_t)qh * g->L,
+							(int)g->c, &ls, cand);
+			float *kf = xmalloc((size_t)seg->n * d * 4), *vf = xmalloc((size_t)seg->n * d * 4);
+
+			for (uint32_t i = 0; i < m; i++)
+				idx[i] = cand[i];
+			qsort(idx, m, sizeof *idx, cmp_u32);
+			kvd_bf16_to_f32_n(kf, seg->h[h].k, (size_t)seg->n * d);
+			kvd_bf16_to_f32_n(vf, seg->h[h].v, (size_t)seg->n * d);
+			kvd_ref_sampled(f->w.q + (size_t)qh * d, (int)d, kf, vf, idx, m, (int)g->K,
+					(int)g->L, (int)g->c, po, &pl);
+			kvd_ref_merge(oq, &lse[qh], po, pl, (int)d);
+			*ncand += m;
+			free(kf);
+			free(vf);
+		}
+	}
+	kvd_lsh_scratch_free(&ls);
+	free(cand);
+	free(idx);
+}
+
+static void run_layer(const struct layer_fix *f, const struct kvd_kern *k, struct kvd_pool *pool,
+		      float *o, float *lse, struct kvd_attn_stats *st)
+{
+	unsigned nw = kvd_pool_size(pool);
+	struct kvd_attn_scratch scr[nw];
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	struct kvd_layer_view lv = kvd_prep_view(&f->p);
+
+	kvd_logp_tab_init(tab, (int)f->g.K, (int)f->g.L, (int)f->g.c);
+	for (unsigned w = 0; w < nw; w++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[w], KVD_SEG_MAX), 0);
+	assert_int_equal(kvd_attn_layer(pool, scr, k, &f->g, tab, &lv, f->w.q, f->qc, o, lse, st), 0);
+	for (unsigned w = 0; w < nw; w++)
+		kvd_attn_scratch_free(&scr[w]);
+	free(tab);
+}
+
+static void test_estimator_matches_double(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	float o[8 * 128], lse[8];
+	double ro[8 * 128], rlse[8];
+	uint64_t ncand;
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
+		for (uint32_t c = 1; c <= 2; c++) {
+			fix_make(&f, (enum kvd_wl)wl, 6000, 4096, 10, c == 2 ? 150 : 40, c, 100 + wl);
+			sampled_ref(&f, ro, rlse, &ncand);
+			print_message("  %-6s c=%u: %.2f%% of keys sampled per q head\n",
+				      kvd_wl_name((enum kvd_wl)wl), c,
+				      100.0 * ncand / (8.0 * (f.p.hi - f.p.lo)));
+			assert_true(ncand > 0);
+			for (int i = 0; i < nkv; i++) {
+				struct kvd_attn_stats st;
+
+				run_layer(&f, kv[i], pool, o, lse, &st);
+				assert_int_equal(st.cand, ncand);
+				for (int qh = 0; qh < 8; qh++) {
+					double e = rel_err_fd(o + qh * 128, ro + qh * 128, 128);
+
+					if (e > 1e-3 || fabs(lse[qh] - rlse[qh]) > 1e-3)
+						fail_msg("%s %s c=%u head %d: rel %.2e, lse %.6f vs %.6f",
+							 kv[i]->name, kvd_wl_name((enum kvd_wl)wl), c,
+							 qh, e, lse[qh], rlse[qh]);
+				}
+			}
+			fix_free(&f);
+		}
+	}
+	kvd_pool_destroy(pool);
+}
+
+/* Cutting the same tokens into two segments changes nothing: membership in
+ * the sample depends on codes alone, and the LSE merge is exact. */
+static void test_two_segments_equal_one(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix one, two;
+	float o1[8 * 128], l1[8], o2[8 * 128], l2[8];
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	fix_make(&one, KVD_WL_DENSE, 6000, 8192, 8, 60, 2, 7);
+	fix_make(&two, KVD_WL_DENSE, 6000, 3000, 8, 60, 2, 7);
+	assert_int_equal(one.p.nseg, 1);
+	assert_int_equal(two.p.nseg, 2);
+	for (int i = 0; i < nkv; i++) {
+		struct kvd_attn_stats s1, s2;
+
+		run_layer(&one, kv[i], pool, o1, l1, &s1);
+		run_layer(&two, kv[i], pool, o2, l2, &s2);
+		assert_int_equal(s1.cand, s2.cand);
+		assert_true(rel_err_ff(o2, o1, sizeof o1 / sizeof o1[0]) < 1e-5);
+		for (int h = 0; h < 8; h++)
+			assert_true(fabsf(l1[h] - l2[h]) < 1e-5f * (1 + fabsf(l1[h])));
+	}
+	fix_free(&one);
+	fix_free(&two);
+	kvd_pool_destroy(pool);
+}
+
+/* E[exp(lse)] = sum_i exp(q.k_i/sqrt d) over many independent projections.
+ * Each draw's ratio X = exp(lse) / exact is recorded; the mean must be 1
+ * within 4 standard errors (measured from the draws) — a biased estimator
+ * (TopK, or a wrong probability) fails this by many standard errors. */
+static void test_unbiased_over_seeds(void **state)
+{
+	const struct kvd_geom g = { .q_heads = 1, .kv_heads = 1, .d = 64, .K = 5, .L = 12, .c = 2 };
+	const uint32_t n = 2048, draws = 600;
+	const int d = 64;
+	struct kvd_rng r = kvd_rng_make(77);
+	uint16_t *k = xmalloc((size_t)n * d * 2), *v = xmalloc((size_t)n * d * 2);
+	uint16_t *codes = xmalloc((size_t)n * g.L * 2), qc[12];
+	float *kf = xmalloc((size_t)n * d * 4), *W = xmalloc((size_t)d * g.K * g.L * 4);
+	float q[64], o[64], lse;
+	struct kvd_attn_scratch scr;
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	double exact = 0, sum = 0, sum2 = 0;
+
+	/* keys with a spread of angles to q: a shared direction plus noise */
+	fill_normal(q, d, &r, 0.0, 1.0);
+	for (uint32_t i = 0; i < n; i++) {
+		double a = kvd_rng_normal(&r) * 0.6;
+
+		for (int e = 0; e < d; e++)
+			kf[(size_t)i * d + e] = kvd_bf16_to_f32(kvd_f32_to_bf16(
+				(float)(a * q[e] + kvd_rng_normal(&r))));
+		kvd_bf16_from_f32_n(k + (size_t)i * d, kf + (size_t)i * d, d);
+	}
+	fill_bf16(v, (size_t)n * d, &r, 0.5, 1.0);
+	for (uint32_t i = 0; i < n; i++) {
+		double s = 0;
+
+		for (int e = 0; e < d; e++)
+			s += (double)q[e] * kf[(size_t)i * d + e];
+		exact += exp(s / sqrt(d));
+	}
+	kvd_logp_tab_init(tab, (int)g.K, (int)g.L, (int)g.c);
+	assert_int_equal(kvd_attn_scratch_init(&scr, n), 0);
+	for (uint32_t t = 0; t < draws; t++) {
+		struct kvd_seg *seg;
+
+		kvd_lsh_make_w(1000 + t, d, (int)g.K, (int)g.L, W);
+		kvd_lsh_hash(W, d, (int)g.K, (int)g.L, kf, d, n, codes, n);
+		kvd_lsh_hash(W, d, (int)g.K, (int)g.L, q, d, 1, qc, 1);
+		assert_int_equal(kvd_seg_build(&g, n, k, v, codes, NULL, &seg), 0);
+		kvd_attn_sampled(kvd_kern_get(), &g, tab, seg, 0, q, qc, &scr, o, &lse, NULL);
+		double x = exp((double)lse) / exact;
+
+		sum += x;
+		sum2 += x * x;
+		kvd_seg_free(seg);
+	}
+	double mean = sum / draws, sd = sqrt(sum2 / draws - mean * mean);
+	double se = sd / sqrt(draws);
+
+	print_message("  E[exp(lse)]/exact = %.4f +- %.4f (sd of one draw %.3f, %u draws)\n",
+		      mean, se, sd, draws);
+	assert_true(sd > 0.01);         /* the test must actually sample */
+	assert_true(fabs(mean - 1.0) < 4 * se);
+	kvd_attn_scratch_free(&scr);
+	free(k);
+	free(v);
+	free(codes);
+	free(kf);
+	free(W);
+	free(tab);
+}
+
+/* The layer driver equals its parts merged by hand, tail included, and a
+ * query that collides with nothing gets the empty result. */
+static void test_layer_parts_and_tail(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	const uint32_t tail_n = 37, G = 4, d = 128;
+	struct kvd_rng r = kvd_rng_make(5);
+	uint16_t *tk = xmalloc((size_t)2 * tail_n * d * 2), *tv = xmalloc((size_t)2 * tail_n * d * 2);
+	float o[8 * 128], lse[8], po[4 * 128], pl[4], s[KVD_ATTN_DENSE_SCRATCH];
+	float want[8 * 128], wl[8];
+	struct kvd_attn_scratch scr[2];
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	fix_make(&f, KVD_WL_MIXED, 9000, 4000, 10, 100, 2, 3);
+	fill_bf16(tk, (size_t)2 * tail_n * d, &r, 0.0, 1.0);
+	fill_bf16(tv, (size_t)2 * tail_n * d, &r, 0.5, 1.0);
+	kvd_logp_tab_init(tab, 10, 100, 2);
+	for (int w = 0; w < 2; w++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[w], KVD_SEG_MAX), 0);
+
+	struct kvd_layer_view lv = kvd_prep_view(&f.p);
+
+	lv.tail_k = tk;
+	lv.tail_v = tv;
+	lv.tail_n = tail_n;
+	for (int i = 0; i < nkv; i++) {
+		assert_int_equal(kvd_attn_layer(pool, scr, kv[i], &f.g, tab, &lv, f.w.q, f.qc, o, lse,
+						NULL), 0);
+		for (uint32_t h = 0; h < 2; h++) {
+			float *wo = want + h * G * d, *wlh = wl + h * G;
+			const float *q = f.w.q + h * G * d;
+
+			for (uint32_t g = 0; g < G; g++)
+				wlh[g] = -INFINITY;
+			memset(wo, 0, G * d * sizeof *wo);
+			for (uint32_t sg = 0; sg < f.p.nseg; sg++) {
+				kvd_attn_sampled(kv[i], &f.g, tab, f.p.seg[sg], h, q, f.qc + h * G * 100,
+						 &scr[0], po, pl, NULL);
+				kvd_attn_merge(wo, wlh, po, pl, (int)G, (int)d);
+			}
+			kvd_attn_dense(kv[i], q, (int)G, (int)d, tk + h * tail_n * d, tv + h * tail_n * d,
+				       tail_n, po, pl, s);
+			kvd_attn_merge(wo, wlh, po, pl, (int)G, (int)d);
+		}
+		assert_memory_equal(o, want, sizeof o);
+		assert_memory_equal(lse, wl, sizeof lse);
+	}
+
+	/* codes no key has in any table: nothing sampled */
+	uint16_t *qc = xmalloc(8 * 100 * 2);
+	struct kvd_attn_stats st = { 0 };
+
+	for (int qh = 0; qh < 8; qh++)
+		for (int t = 0; t < 100; t++) {
+			const uint16_t *ids;
+			uint32_t b = 0;
+
+			while (b < 1024 && kvd_lsh_bucket(&f.p.seg[0]->h[qh / 4].tab, (uint32_t)t, b, &ids))
+				b++;
+			qc[qh * 100 + t] = (uint16_t)b;
+		}
+	if (f.p.nseg >= 1) {
+		kvd_attn_sampled(kv[0], &f.g, tab, f.p.seg[0], 0, f.w.q, qc, &scr[0], po, pl, &st);
+		for (uint32_t g = 0; g < G; g++)
+			assert_true(pl[g] == -INFINITY);
+		for (uint32_t e = 0; e < G * d; e++)
+			assert_true(po[e] == 0.0f);
+		assert_int_equal(st.cand, 0);
+	}
+	free(qc);
+	for (int w = 0; w < 2; w++)
+		kvd_attn_scratch_free(&scr[w]);
+	fix_free(&f);
+	free(tk);
+	free(tv);
+	free(tab);
+	kvd_pool_destroy(pool);
+}
+
+static void test_layer_dense_matches_double(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	struct kvd_attn_scratch scr[2];
+	float o[8 * 128], lse[8];
+	double ro[8 * 128], rlse[8];
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	fix_make(&f, KVD_WL_NEEDLE, 5000, 2048, 4, 4, 1, 9);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		double po[128], pl;
+
+		rlse[qh] = -INFINITY;
+		memset(ro + qh * 128, 0, 128 * sizeof(double));
+		for (uint32_t s = 0; s < f.p.nseg; s++) {
+			const struct kvd_seg *seg = f.p.seg[s];
+			uint16_t *kk = seg->h[qh / 4].k, *vv = seg->h[qh / 4].v;
+			float q[128];
+
+			memcpy(q, f.w.q + qh * 128, sizeof q);
+			dense_ref(q, 1, 128, kk, vv, seg->n, po, &pl);
+			kvd_ref_merge(ro + qh * 128, &rlse[qh], po, pl, 128);
+		}
+	}
+	for (int w = 0; w < 2; w++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[w], 2048), 0);
+	for (int i = 0; i < nkv; i++) {
+		struct kvd_layer_view lv = kvd_prep_view(&f.p);
+
+		assert_int_equal(kvd_attn_layer_dense(pool, scr, kv[i], &f.g, &lv, f.w.q, o, lse), 0);
+		assert_true(rel_err_fd(o, ro, sizeof o / sizeof o[0]) < 1e-4);
+		for (int h = 0; h < 8; h++)
+			assert_true(fabs(lse[h] - rlse[h]) < 1e-4 * (1 + fabs(rlse[h])));
+	}
+	for (int w = 0; w < 2; w++)
+		kvd_attn_scratch_free(&scr[w]);
+	fix_free(&f);
+	kvd_pool_destroy(pool);
+}
+
+static void test_bad_geometry(void **state)
+{
+	struct kvd_geom g = { .q_heads = 32, .kv_heads = 8, .d = 128, .K = 10, .L = 150, .c = 2 };
+	struct kvd_seg *seg;
+
+	assert_int_equal(kvd_geom_check(&g), 0);
+	g.c = 3;
+	assert_int_equal(kvd_geom_check(&g), -KVD_EGEOM);
+	g.c = 2;
+	g.q_heads = 30;
+	assert_int_equal(kvd_geom_check(&g), -KVD_EGEOM);
+	g.q_heads = 32;
+	g.d = 100;
+	assert_int_equal(kvd_geom_check(&g), -KVD_EGEOM);
+	g.d = 128;
+	g.K = 17;
+	assert_int_equal(kvd_geom_check(&g), -KVD_EGEOM);
+	g.K = 10;
+	assert_int_equal(kvd_seg_build(&g, 0, NULL, NULL, NULL, NULL, &seg), -KVD_EGEOM);
+	assert_int_equal(kvd_seg_build(&g, KVD_SEG_MAX + 1, NULL, NULL, NULL, NULL, &seg), -KVD_EGEOM);
+}
+
+static int setup(void **state)
+{
+	nkv = kern_variants(kv);
+	for (int i = 0; i < nkv; i++)
+		print_message("  kernels: %s\n", kv[i]->name);
+	return 0;
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_dense_matches_double),
+		cmocka_unit_test(test_merge_of_halves_is_whole),
+		cmocka_unit_test(test_estimator_matches_double),
+		cmocka_unit_test(test_two_segments_equal_one),
+		cmocka_unit_test(test_unbiased_over_seeds),
+		cmocka_unit_test(test_layer_parts_and_tail),
+		cmocka_unit_test(test_layer_dense_matches_double),
+		cmocka_unit_test(test_bad_geometry),
+	};
+
+	return cmocka_run_group_tests(tests, setup, NULL);
+}

@@ -1,0 +1,131 @@
+/* The worker pool: every task runs exactly once, on a valid worker id, and
+ * its writes are visible when kvd_pool_run() returns — also with several
+ * submitting threads at once (this test runs under TSan in `make test`). */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <cmocka.h>
+
+#include "pool.h"
+
+struct count_job {
+	unsigned nworkers;
+	uint32_t *hits;                 /* plain writes: each slot has one writer */
+	int bad_worker;                 /* written only on failure, by whoever */
+	uint64_t *per_worker;           /* [nworkers], touched only by its worker */
+};
+
+static void count_task(void *arg, uint32_t t, unsigned w)
+{
+	struct count_job *j = arg;
+
+	if (w >= j->nworkers) {
+		__atomic_store_n(&j->bad_worker, 1, __ATOMIC_RELAXED);
+		return;
+	}
+	j->hits[t]++;
+	j->per_worker[w] += t;
+}
+
+static void run_and_check(struct kvd_pool *p, uint32_t ntasks)
+{
+	unsigned nw = kvd_pool_size(p);
+	struct count_job j = { .nworkers = nw };
+	uint64_t sum = 0;
+
+	j.hits = calloc(ntasks + 1, sizeof *j.hits);
+	j.per_worker = calloc(nw, sizeof *j.per_worker);
+	assert_non_null(j.hits);
+	kvd_pool_run(p, ntasks, count_task, &j);
+	assert_int_equal(j.bad_worker, 0);
+	for (uint32_t t = 0; t < ntasks; t++)
+		assert_int_equal(j.hits[t], 1);
+	for (unsigned w = 0; w < nw; w++)
+		sum += j.per_worker[w];
+	assert_true(sum == (uint64_t)ntasks * (ntasks - (ntasks > 0)) / 2 || ntasks == 0);
+	free(j.hits);
+	free(j.per_worker);
+}
+
+static void test_each_task_once(void **state)
+{
+	struct kvd_pool *p;
+
+	for (unsigned n = 1; n <= 4; n++) {
+		assert_int_equal(kvd_pool_create(n, 0, &p), 0);
+		assert_int_equal(kvd_pool_size(p), n);
+		for (uint32_t t = 0; t < 50; t++)
+			run_and_check(p, t);
+		run_and_check(p, 10000);
+		kvd_pool_destroy(p);
+	}
+}
+
+static void test_default_size_and_pinning(void **state)
+{
+	struct kvd_pool *p;
+
+	assert_int_equal(kvd_pool_create(0, 1, &p), 0);
+	assert_true(kvd_pool_size(p) >= 1);
+	run_and_check(p, 1000);
+	kvd_pool_destroy(p);
+}
+
+struct submitter {
+	struct kvd_pool *p;
+	int rounds;
+};
+
+static void *submit_main(void *arg)
+{
+	struct submitter *s = arg;
+
+	for (int r = 0; r < s->rounds; r++)
+		run_and_check(s->p, (uint32_t)(1 + r % 37));
+	return NULL;
+}
+
+static void test_concurrent_submitters(void **state)
+{
+	struct kvd_pool *p;
+	pthread_t th[4];
+	struct submitter s;
+
+	assert_int_equal(kvd_pool_create(3, 0, &p), 0);
+	s.p = p;
+	s.rounds = 300;
+	for (int i = 0; i < 4; i++)
+		assert_int_equal(pthread_create(&th[i], NULL, submit_main, &s), 0);
+	for (int i = 0; i < 4; i++)
+		pthread_join(th[i], NULL);
+	kvd_pool_destroy(p);
+}
+
+static void test_idle_pool_sleeps_and_wakes(void **state)
+{
+	struct kvd_pool *p;
+	struct timespec ts = { 0, 20 * 1000 * 1000 };
+
+	assert_int_equal(kvd_pool_create(2, 0, &p), 0);
+	run_and_check(p, 10);
+	nanosleep(&ts, NULL);           /* past the spin: workers are asleep */
+	run_and_check(p, 10);
+	kvd_pool_destroy(p);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_each_task_once),
+		cmocka_unit_test(test_default_size_and_pinning),
+		cmocka_unit_test(test_concurrent_submitters),
+		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,76 @@
+/* Small helpers shared by the unit tests (header-only). */
+#ifndef KVD_TESTUTIL_H
+#define KVD_TESTUTIL_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+#include "kern.h"
+#include "rng.h"
+
+static inline void *xmalloc(size_t n)
+{
+	void *p = malloc(n ? n : 1);
+
+	if (!p) {
+		fprintf(stderr, "out of memory\n");
+		exit(1);
+	}
+	return p;
+}
+
+static inline void fill_normal(float *x, size_t n, struct kvd_rng *r, double mean, double sd)
+{
+	for (size_t i = 0; i < n; i++)
+		x[i] = (float)(mean + sd * kvd_rng_normal(r));
+}
+
+static inline void fill_bf16(uint16_t *x, size_t n, struct kvd_rng *r, double mean, double sd)
+{
+	for (size_t i = 0; i < n; i++)
+		x[i] = kvd_f32_to_bf16((float)(mean + sd * kvd_rng_normal(r)));
+}
+
+/* ||a - b|| / ||b|| over n doubles/floats. */
+static inline double rel_err_fd(const float *a, const double *b, size_t n)
+{
+	double num = 0, den = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		num += (a[i] - b[i]) * (a[i] - b[i]);
+		den += b[i] * b[i];
+	}
+	return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static inline double rel_err_ff(const float *a, const float *b, size_t n)
+{
+	double num = 0, den = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+		den += (double)b[i] * b[i];
+	}
+	return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* The kernel variants this CPU runs, scalar first. */
+static inline int kern_variants(const struct kvd_kern **out)
+{
+	static const char *const names[] = { "scalar", "avx2", "avx512", "avx512bf16" };
+	int n = 0;
+
+	for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+		const struct kvd_kern *k = kvd_kern_by_name(names[i]);
+
+		if (k && k->qk)
+			out[n++] = k;
+		else
+			printf("SKIP: kernel variant %s not supported on this CPU\n", names[i]);
+	}
+	return n;
+}
+
+#endif
