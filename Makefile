@@ -58,6 +58,7 @@ endif
 
 .PHONY: all deps test check check-plain test-all bench demo fuzz fuzz-smoke clean
 .DEFAULT_GOAL := all
+.SECONDARY:
 
 all: $(B)/libkvdcore.a $(B)/kvbench $(TEST_BIN)
 

@@ -12,6 +12,7 @@ case "${1:-}" in
 	exit $?
 	;;
 esac
+label=$1
 shift
 mkdir -p build
 pass=0 fail=0 skip=0
@@ -34,5 +35,5 @@ for t in "$@"; do
 	fi
 done
 echo "$pass $fail $skip" >>"$tally"
-echo "$(basename "$(dirname "$1")"): $pass passed, $fail failed, $skip skipped"
+echo "$label: $pass passed, $fail failed, $skip skipped"
 [ "$fail" = 0 ]

@@ -1,0 +1,25 @@
+/* Helpers shared by kvbench's subcommands: clocks, medians and the memory
+ * probes that give the engine's figures their floor. */
+#ifndef KVD_BENCH_H
+#define KVD_BENCH_H
+
+#include <stddef.h>
+
+struct kvd_pool;
+
+double bench_now_ms(void);
+double bench_median(double *x, int n);          /* sorts x */
+
+/* Streaming read bandwidth with every pool worker reading its own slice of
+ * a `bytes` buffer; best of `reps`.  GB/s (1e9 bytes). */
+double bench_stream_read_gbps(struct kvd_pool *pool, size_t bytes, int reps);
+
+/* Random gathers of `row` byte rows from a `bytes` table (make it larger than
+ * the last-level cache), prefetching ahead as the attention kernels do; best
+ * of `reps`.  GB/s of rows gathered. */
+double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps);
+
+/* The CPU's model name from /proc/cpuinfo, or "unknown". */
+const char *bench_cpu_name(void);
+
+#endif

@@ -1,0 +1,637 @@
+/* kvbench: measurements of kvd, one JSON object per result line with --json.
+ *
+ *   kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]
+ *                [--workload needle,dense,mixed] [--threads N] [--reps N]
+ *                [--seed S] [--seg TOKENS] [--trace DIR]
+ *   kvbench trace-dump --workload W --ctx N DIR   (writes a synthetic layer as .npy)
+ *   kvbench demo                                  (attn at a small size, as a table)
+ *
+ * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
+ * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and
+ * are attended exactly here; kvd's part is every token between.  It reports
+ * the sampled engine against the fast exact CPU attention over the same
+ * tokens, both measured in the same run, and the memory probes that bound
+ * them.  docs/ARCHITECTURE.md explains every field.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn.h"
+#include "bench.h"
+#include "err.h"
+#include "lsh.h"
+#include "npy.h"
+#include "pool.h"
+#include "prep.h"
+#include "ref.h"
+#include "synth.h"
+
+#define SINKS  4
+#define WINDOW 64
+
+struct opts {
+	int json;
+	uint32_t ctx[8], nctx;
+	uint32_t K[8], L[8], nkl;
+	uint32_t c;
+	int wl[KVD_WL_COUNT], nwl;
+	unsigned threads;
+	int reps;
+	uint64_t seed;
+	uint32_t seg;
+	const char *trace;
+};
+
+/* One layer's raw input: what a model's attention would see. */
+struct layer_in {
+	const char *name;
+	uint32_t n, q_heads, kv_heads, d;
+	const float *k, *v, *q;
+};
+
+struct probes {
+	double mem_read_gbps, gather_gbps;
+};
+
+static void die(const char *what, int err)
+{
+	fprintf(stderr, "kvbench: %s: %s\n", what, kvd_strerror(err));
+	exit(1);
+}
+
+/* ---- exact references (double) ----------------------------------------- */
+
+/* Scores of q against keys [lo, hi) of head h, scaled. */
+static void scores_d(const struct layer_in *in, uint32_t qh, const float *mean, uint32_t lo,
+		     uint32_t hi, double *s)
+{
+	uint32_t d = in->d, h = qh / (in->q_heads / in->kv_heads);
+	const float *q = in->q + (size_t)qh * d;
+
+	for (uint32_t t = lo; t < hi; t++) {
+		const float *k = in->k + ((size_t)h * in->n + t) * d;
+		double acc = 0;
+
+		for (uint32_t e = 0; e < d; e++)
+			acc += (double)q[e] * (k[e] - (mean ? mean[e] : 0.0f));
+		s[t - lo] = acc / sqrt((double)d);
+	}
+}
+
+/* softmax(s) . V over the listed tokens (idx into [0, n)), o[d], lse. */
+static void attend_d(const struct layer_in *in, uint32_t h, const double *s,
+		     const uint32_t *tok, size_t m, double *o, double *lse)
+{
+	uint32_t d = in->d;
+	double mx = -INFINITY, sum = 0;
+
+	memset(o, 0, d * sizeof *o);
+	for (size_t i = 0; i < m; i++)
+		mx = s[i] > mx ? s[i] : mx;
+	if (m == 0) {
+		*lse = -INFINITY;
+		return;
+	}
+	for (size_t i = 0; i < m; i++) {
+		const float *v = in->v + ((size_t)h * in->n + tok[i]) * d;
+		double w = exp(s[i] - mx);
+
+		sum += w;
+		for (uint32_t e = 0; e < d; e++)
+			o[e] += w * v[e];
+	}
+	for (uint32_t e = 0; e < d; e++)
+		o[e] /= sum;
+	*lse = mx + log(sum);
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return (x < y) - (x > y);
+}
+
+struct ref_out {
+	double *exact;          /* [q_heads][d]: attention over every token */
+	double *gpu_o, *gpu_l;  /* the GPU's exact part (sinks + window), centered keys */
+	double *topk;           /* [q_heads][d]: TopK(|S_h|) over kvd's part + the GPU's part */
+};
+
+/* Exact answers for every q head; cand[qh] is the size of kvd's sample for
+ * that head, which TopK gets as its budget (the comparison MagicPIG makes). */
+static void reference(const struct layer_in *in, const float *mean, uint32_t lo, uint32_t hi,
+		      const uint64_t *cand, struct ref_out *r)
+{
+	uint32_t n = in->n, d = in->d, G = in->q_heads / in->kv_heads;
+	double *s = malloc((size_t)n * sizeof *s), *sorted = malloc((size_t)n * sizeof *s);
+	uint32_t *tok = malloc((size_t)n * sizeof *tok);
+	double o2[KVD_DMAX], l2;
+
+	for (uint32_t qh = 0; qh < in->q_heads; qh++) {
+		uint32_t h = qh / G;
+		double *ex = r->exact + (size_t)qh * d, *go = r->gpu_o + (size_t)qh * d;
+		double *tk = r->topk + (size_t)qh * d, lse;
+		size_t m = 0;
+
+		/* everything, raw keys */
+		scores_d(in, qh, NULL, 0, n, s);
+		for (uint32_t t = 0; t < n; t++)
+			tok[t] = t;
+		attend_d(in, h, s, tok, n, ex, &lse);
+
+		/* TopK over kvd's part by raw score, plus sinks and window (raw) */
+		memcpy(sorted, s + lo, (hi - lo) * sizeof *s);
+		size_t budget = cand[qh] < hi - lo ? cand[qh] : hi - lo;
+		double thr = -INFINITY;
+
+		if (budget > 0) {
+			qsort(sorted, hi - lo, sizeof *sorted, cmp_desc);
+			thr = sorted[budget - 1];
+		}
+		size_t taken = 0;
+
+		for (uint32_t t = 0; t < n; t++) {
+			if (t < lo || t >= hi || (budget > 0 && s[t] > thr)) {
+				taken += t >= lo && t < hi;
+				tok[m] = t;
+				sorted[m++] = s[t];
+			}
+		}
+		for (uint32_t t = lo; t < hi && taken < budget; t++) {
+			if (s[t] == thr) {      /* ties at the threshold fill the budget */
+				tok[m] = t;
+				sorted[m++] = s[t];
+				taken++;
+			}
+		}
+		attend_d(in, h, sorted, tok, m, tk, &lse);
+
+		/* the GPU part with centered keys, to merge with kvd's answer */
+		m = 0;
+		for (uint32_t t = 0; t < n; t++)
+			if (t < lo || t >= hi)
+				tok[m++] = t;
+		for (size_t i = 0; i < m; i++) {
+			scores_d(in, qh, mean + (size_t)h * d, tok[i], tok[i] + 1, &o2[0]);
+			sorted[i] = o2[0];
+		}
+		attend_d(in, h, sorted, tok, m, go, &l2);
+		r->gpu_l[qh] = l2;
+	}
+	free(s);
+	free(sorted);
+	free(tok);
+}
+
+static double rel_err(const double *a, const double *b, size_t n)
+{
+	double num = 0, den = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		num += (a[i] - b[i]) * (a[i] - b[i]);
+		den += b[i] * b[i];
+	}
+	return sqrt(num / den);
+}
+
+/* ---- one measured configuration --------------------------------------- */
+
+struct result {
+	uint32_t ctx, K, L, c, nseg;
+	const char *workload, *isa;
+	double cand_frac, rows_frac, build_ms, hash_ms, sampled_ms, dense_ms;
+	double bytes_touched, rel_err, topk_rel_err, bytes_per_token;
+};
+
+static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
+		       uint32_t K, uint32_t L, const struct probes *pr, struct result *res)
+{
+	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c };
+	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads;
+	unsigned nw = kvd_pool_size(pool);
+	const struct kvd_kern *kk = kvd_kern_get();
+	float *W = malloc((size_t)d * K * L * sizeof *W);
+	uint16_t *qc = malloc((size_t)nq * L * sizeof *qc);
+	float *o = malloc((size_t)nq * d * sizeof *o), *lse = malloc(nq * sizeof *lse);
+	float *od = malloc((size_t)nq * d * sizeof *od), *lsed = malloc(nq * sizeof *lsed);
+	struct kvd_logp_tab *tab = malloc(sizeof *tab);
+	struct kvd_attn_scratch *scr = calloc(nw, sizeof *scr);
+	struct kvd_prep p;
+	struct kvd_attn_stats st;
+	int rc;
+
+	rc = kvd_geom_check(&g);
+	if (rc)
+		die("geometry", rc);
+	kvd_lsh_make_w(op->seed ^ 0x5eed0000ull, (int)d, (int)K, (int)L, W);
+	kvd_prep_query_codes(&g, W, in->q, qc);
+	rc = kvd_prep_layer(&p, &g, W, in->k, in->v, in->n, lo, hi, op->seg, pool);
+	if (rc)
+		die("prefill", rc);
+	kvd_logp_tab_init(tab, (int)K, (int)L, (int)op->c);
+	for (unsigned w = 0; w < nw; w++)
+		if ((rc = kvd_attn_scratch_init(&scr[w], op->seg)))
+			die("scratch", rc);
+
+	struct kvd_layer_view lv = kvd_prep_view(&p);
+	double *ts = malloc((size_t)op->reps * sizeof *ts);
+
+	/* warm-up, and the stats of the sample (identical every repetition) */
+	if ((rc = kvd_attn_layer(pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, &st)))
+		die("attend", rc);
+	for (int r = 0; r < op->reps; r++) {
+		double t = bench_now_ms();
+
+		kvd_attn_layer(pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, NULL);
+		ts[r] = bench_now_ms() - t;
+	}
+	res->sampled_ms = bench_median(ts, op->reps);
+	kvd_attn_layer_dense(pool, scr, kk, &g, &lv, in->q, od, lsed);
+	for (int r = 0; r < op->reps; r++) {
+		double t = bench_now_ms();
+
+		kvd_attn_layer_dense(pool, scr, kk, &g, &lv, in->q, od, lsed);
+		ts[r] = bench_now_ms() - t;
+	}
+	res->dense_ms = bench_median(ts, op->reps);
+	free(ts);
+
+	/* per q head sample sizes, for TopK's budget */
+	uint64_t *cand = calloc(nq, sizeof *cand);
+	uint16_t *ids = malloc(KVD_SEG_MAX * sizeof *ids);
+	uint32_t G = nq / in->kv_heads;
+
+	for (uint32_t qh = 0; qh < nq; qh++)
+		for (uint32_t s = 0; s < p.nseg; s++)
+			cand[qh] += kvd_lsh_candidates(&p.seg[s]->h[qh / G].tab, qc + (size_t)qh * L,
+						       (int)op->c, &scr[0].lsh, ids);
+	free(ids);
+
+	struct ref_out ref = {
+		.exact = malloc((size_t)nq * d * sizeof(double)),
+		.gpu_o = malloc((size_t)nq * d * sizeof(double)),
+		.gpu_l = malloc(nq * sizeof(double)),
+		.topk = malloc((size_t)nq * d * sizeof(double)),
+	};
+	double *full = malloc((size_t)nq * d * sizeof(double));
+
+	reference(in, p.mean, lo, hi, cand, &ref);
+	for (uint32_t qh = 0; qh < nq; qh++) {
+		double lo_ = ref.gpu_l[qh], part[KVD_DMAX];
+
+		memcpy(full + (size_t)qh * d, ref.gpu_o + (size_t)qh * d, d * sizeof(double));
+		for (uint32_t e = 0; e < d; e++)
+			part[e] = o[(size_t)qh * d + e];
+		kvd_ref_merge(full + (size_t)qh * d, &lo_, part, lse[qh], (int)d);
+	}
+
+	size_t bytes_seg = 0;
+
+	for (uint32_t s = 0; s < p.nseg; s++)
+		bytes_seg += p.seg[s]->bytes;
+	res->ctx = in->n;
+	res->K = K;
+	res->L = L;
+	res->c = op->c;
+	res->nseg = p.nseg;
+	res->isa = kk->name;
+	res->workload = in->name;
+	res->cand_frac = (double)st.cand / ((double)nq * (hi - lo));
+	res->rows_frac = (double)st.rows / ((double)in->kv_heads * (hi - lo));
+	res->build_ms = p.build_ms;
+	res->hash_ms = p.hash_ms;
+	res->bytes_touched = (double)st.rows * (2.0 * d * 2 + 4) + (double)st.bucket_ids * 2 +
+			     (double)nq * p.nseg * L * 4;
+	res->rel_err = rel_err(full, ref.exact, (size_t)nq * d);
+	res->topk_rel_err = rel_err(ref.topk, ref.exact, (size_t)nq * d);
+	res->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
+	(void)pr;
+
+	free(full);
+	free(ref.exact);
+	free(ref.gpu_o);
+	free(ref.gpu_l);
+	free(ref.topk);
+	free(cand);
+	for (unsigned w = 0; w < nw; w++)
+		kvd_attn_scratch_free(&scr[w]);
+	free(scr);
+	kvd_prep_free(&p);
+	free(W);
+	free(qc);
+	free(o);
+	free(lse);
+	free(od);
+	free(lsed);
+	free(tab);
+}
+
+static void print_result(const struct opts *op, const struct layer_in *in, unsigned threads,
+			 const struct probes *pr, const struct result *r, int *header)
+{
+	double floor_ms = r->bytes_touched / (pr->gather_gbps * 1e6);
+	double kv_bytes = (double)in->kv_heads * (in->n - SINKS - WINDOW) * in->d * 2.0 * 2.0;
+	double dense_gbps = kv_bytes / (r->dense_ms * 1e6);
+
+	if (op->json) {
+		printf("{\"bench\":\"attn\",\"ctx\":%u,\"q_heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,"
+		       "\"K\":%u,\"L\":%u,\"c\":%u,\"threads\":%u,\"isa\":\"%s\",\"workload\":\"%s\","
+		       "\"segments\":%u,\"cand_frac\":%.5f,\"rows_frac\":%.5f,\"build_ms\":%.2f,"
+		       "\"hash_ms\":%.1f,\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
+		       "\"bytes_touched\":%.0f,\"gather_floor_ms\":%.3f,\"mem_read_gbps\":%.2f,"
+		       "\"gather_gbps\":%.2f,\"dense_gbps\":%.2f,\"rel_err\":%.5f,"
+		       "\"topk_rel_err\":%.5f,\"bytes_per_token\":%.1f,\"cpu\":\"%s\"}\n",
+		       r->ctx, in->q_heads, in->kv_heads, in->d, r->K, r->L, r->c, threads, r->isa,
+		       r->workload, r->nseg, r->cand_frac, r->rows_frac, r->build_ms, r->hash_ms,
+		       r->sampled_ms, r->dense_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
+		       floor_ms, pr->mem_read_gbps, pr->gather_gbps, dense_gbps, r->rel_err,
+		       r->topk_rel_err, r->bytes_per_token, bench_cpu_name());
+		fflush(stdout);
+		return;
+	}
+	if (!*header) {
+		printf("%-7s %-7s %-9s %6s %8s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
+		       "workload", "cand%", "build_ms", "sampled", "dense", "speedup", "floor_ms",
+		       "rel_err", "topk_err", "B/tok");
+		*header = 1;
+	}
+	char klc[32];
+
+	snprintf(klc, sizeof klc, "%u/%u/%u", r->K, r->L, r->c);
+	printf("%-7u %-7s %-9s %6.2f %8.1f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx, klc,
+	       r->workload, 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->dense_ms,
+	       r->dense_ms / r->sampled_ms, floor_ms, r->rel_err, r->topk_rel_err,
+	       r->bytes_per_token);
+	fflush(stdout);
+}
+
+/* ---- traces ------------------------------------------------------------ */
+
+static float *load(const char *dir, const char *name, struct kvd_npy *h)
+{
+	char path[4096];
+	float *data;
+	int rc;
+
+	snprintf(path, sizeof path, "%s/%s", dir, name);
+	rc = kvd_npy_load(path, h, &data);
+	if (rc) {
+		fprintf(stderr, "kvbench: %s: %s\n", path, kvd_strerror(rc));
+		exit(1);
+	}
+	return data;
+}
+
+static void load_trace(const char *dir, struct layer_in *in, float **bufs)
+{
+	struct kvd_npy hk, hv, hq;
+
+	bufs[0] = load(dir, "keys.npy", &hk);
+	bufs[1] = load(dir, "values.npy", &hv);
+	bufs[2] = load(dir, "queries.npy", &hq);
+	if (hk.ndim != 3 || hv.ndim != 3 || hq.ndim != 2 || memcmp(hk.shape, hv.shape, sizeof hk.shape) ||
+	    hq.shape[1] != hk.shape[2] || hk.shape[0] == 0 || hq.shape[0] % hk.shape[0] ||
+	    hk.shape[1] > UINT32_MAX || hk.shape[1] <= SINKS + WINDOW) {
+		fprintf(stderr, "kvbench: %s: want keys/values [kv_heads, n, d] and queries "
+				"[q_heads, d] with q_heads a multiple of kv_heads and n > %d\n",
+			dir, SINKS + WINDOW);
+		exit(1);
+	}
+	*in = (struct layer_in){
+		.name = "trace", .n = (uint32_t)hk.shape[1], .q_heads = (uint32_t)hq.shape[0],
+		.kv_heads = (uint32_t)hk.shape[0], .d = (uint32_t)hk.shape[2],
+		.k = bufs[0], .v = bufs[1], .q = bufs[2],
+	};
+}
+
+/* ---- command line ------------------------------------------------------ */
+
+static int parse_list(const char *s, uint32_t *out, int max)
+{
+	int n = 0;
+	char *end;
+
+	while (*s && n < max) {
+		unsigned long v = strtoul(s, &end, 10);
+
+		if (end == s || v == 0 || v > UINT32_MAX)
+			return -1;
+		out[n++] = (uint32_t)v;
+		s = *end == ',' ? end + 1 : end;
+		if (*end && *end != ',')
+			return -1;
+	}
+	return n;
+}
+
+static void usage(void)
+{
+	fprintf(stderr,
+		"usage: kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]\n"
+		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
+		"                    [--seed S] [--seg TOKENS] [--trace DIR]\n"
+		"       kvbench trace-dump --workload W --ctx N DIR\n"
+		"       kvbench demo\n");
+	exit(2);
+}
+
+static void parse(int argc, char **argv, struct opts *op)
+{
+	for (int i = 0; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+
+		if (!strcmp(a, "--json")) {
+			op->json = 1;
+			continue;
+		}
+		if (!v)
+			usage();
+		i++;
+		if (!strcmp(a, "--ctx")) {
+			int n = parse_list(v, op->ctx, 8);
+
+			if (n <= 0)
+				usage();
+			op->nctx = (uint32_t)n;
+		} else if (!strcmp(a, "--kl")) {
+			op->nkl = 0;
+			for (const char *s = v; *s && op->nkl < 8;) {
+				unsigned k, l;
+				int used;
+
+				if (sscanf(s, "%ux%u%n", &k, &l, &used) != 2)
+					usage();
+				op->K[op->nkl] = k;
+				op->L[op->nkl++] = l;
+				s += used;
+				s += *s == ',';
+			}
+		} else if (!strcmp(a, "--c")) {
+			op->c = (uint32_t)atoi(v);
+		} else if (!strcmp(a, "--workload")) {
+			char buf[256], *save, *tok;
+
+			snprintf(buf, sizeof buf, "%s", v);
+			op->nwl = 0;
+			for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+				int w = kvd_wl_parse(tok);
+
+				if (w < 0 || op->nwl == KVD_WL_COUNT)
+					usage();
+				op->wl[op->nwl++] = w;
+			}
+		} else if (!strcmp(a, "--threads")) {
+			op->threads = (unsigned)atoi(v);
+		} else if (!strcmp(a, "--reps")) {
+			op->reps = atoi(v);
+		} else if (!strcmp(a, "--seed")) {
+			op->seed = strtoull(v, NULL, 0);
+		} else if (!strcmp(a, "--seg")) {
+			op->seg = (uint32_t)atoi(v);
+		} else if (!strcmp(a, "--trace")) {
+			op->trace = v;
+		} else {
+			usage();
+		}
+	}
+	if (op->reps < 1 || op->seg < 1 || op->seg > KVD_SEG_MAX || (op->c != 1 && op->c != 2))
+		usage();
+}
+
+static void defaults(struct opts *op)
+{
+	static const uint32_t ctx[] = { 16384, 65536, 98304 };
+	static const uint32_t K[] = { 10, 10, 11 }, L[] = { 150, 170, 300 };
+
+	memset(op, 0, sizeof *op);
+	memcpy(op->ctx, ctx, sizeof ctx);
+	op->nctx = 3;
+	memcpy(op->K, K, sizeof K);
+	memcpy(op->L, L, sizeof L);
+	op->nkl = 3;
+	op->c = 2;
+	for (int w = 0; w < KVD_WL_COUNT; w++)
+		op->wl[w] = w;
+	op->nwl = KVD_WL_COUNT;
+	op->reps = 15;
+	op->seed = 1;
+	op->seg = 32768;
+}
+
+static int cmd_attn(struct opts *op)
+{
+	struct kvd_pool *pool;
+	struct probes pr;
+	int rc = kvd_pool_create(op->threads, 1, &pool), header = 0;
+
+	if (rc)
+		die("worker pool", rc);
+	pr.mem_read_gbps = bench_stream_read_gbps(pool, (size_t)1 << 30, 5);
+	pr.gather_gbps = bench_gather_gbps(pool, (size_t)1 << 30, 256, 3);
+	if (!op->json)
+		printf("kvbench attn: %s, %u threads, kernels %s; streaming read %.1f GB/s, "
+		       "random 256 B gathers %.1f GB/s\n",
+		       bench_cpu_name(), kvd_pool_size(pool), kvd_kern_get()->name,
+		       pr.mem_read_gbps, pr.gather_gbps);
+
+	if (op->trace) {
+		struct layer_in in;
+		float *bufs[3];
+
+		load_trace(op->trace, &in, bufs);
+		for (uint32_t c = 0; c < op->nkl; c++) {
+			struct result r;
+
+			run_config(op, pool, &in, op->K[c], op->L[c], &pr, &r);
+			print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
+		}
+		for (int i = 0; i < 3; i++)
+			free(bufs[i]);
+	}
+	for (uint32_t ci = 0; ci < op->nctx && !op->trace; ci++) {
+		for (int wi = 0; wi < op->nwl; wi++) {
+			struct kvd_synth w;
+			struct layer_in in;
+
+			rc = kvd_synth_make(&w, (enum kvd_wl)op->wl[wi], op->ctx[ci], 32, 8, 128, op->seed);
+			if (rc)
+				die("workload", rc);
+			in = (struct layer_in){ kvd_wl_name(w.kind), w.n, w.q_heads, w.kv_heads, w.d,
+						w.k, w.v, w.q };
+			for (uint32_t c = 0; c < op->nkl; c++) {
+				struct result r;
+
+				run_config(op, pool, &in, op->K[c], op->L[c], &pr, &r);
+				print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
+			}
+			kvd_synth_free(&w);
+		}
+	}
+	kvd_pool_destroy(pool);
+	return 0;
+}
+
+static int cmd_trace_dump(int argc, char **argv)
+{
+	struct opts op;
+	const char *dir = argc > 0 ? argv[argc - 1] : NULL;
+	struct kvd_synth w;
+	char path[4096];
+	int rc;
+
+	defaults(&op);
+	if (!dir || argc % 2 == 0)
+		usage();
+	parse(argc - 1, argv, &op);
+	rc = kvd_synth_make(&w, (enum kvd_wl)op.wl[0], op.ctx[0], 32, 8, 128, op.seed);
+	if (rc)
+		die("workload", rc);
+
+	const uint64_t kshape[3] = { w.kv_heads, w.n, w.d }, qshape[2] = { w.q_heads, w.d };
+	const struct { const char *name; const float *data; int nd; const uint64_t *shape; } f[] = {
+		{ "keys.npy", w.k, 3, kshape },
+		{ "values.npy", w.v, 3, kshape },
+		{ "queries.npy", w.q, 2, qshape },
+	};
+
+	for (int i = 0; i < 3; i++) {
+		snprintf(path, sizeof path, "%s/%s", dir, f[i].name);
+		rc = kvd_npy_save(path, f[i].data, f[i].nd, f[i].shape);
+		if (rc) {
+			fprintf(stderr, "kvbench: %s: %s\n", path, kvd_strerror(rc));
+			return 1;
+		}
+	}
+	kvd_synth_free(&w);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct opts op;
+
+	if (argc < 2)
+		usage();
+	defaults(&op);
+	if (!strcmp(argv[1], "attn")) {
+		parse(argc - 2, argv + 2, &op);
+		return cmd_attn(&op);
+	}
+	if (!strcmp(argv[1], "trace-dump"))
+		return cmd_trace_dump(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "demo")) {
+		op.ctx[0] = 16384;
+		op.nctx = 1;
+		op.nkl = 1;
+		op.reps = 9;
+		printf("kvd demo (until the daemon lands): one Llama-3.1-8B-shaped layer, 16k context,\n"
+		       "4 sinks + 64-token window exact, the rest sampled by kvd's engine (K=10, L=150).\n\n");
+		return cmd_attn(&op);
+	}
+	usage();
+	return 2;
+}

@@ -1,0 +1,167 @@
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bench.h"
+#include "pool.h"
+#include "rng.h"
+
+double bench_now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return (x > y) - (x < y);
+}
+
+double bench_median(double *x, int n)
+{
+	qsort(x, (size_t)n, sizeof *x, cmp_d);
+	return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+struct mem_job {
+	const uint64_t *buf;
+	size_t words, row_words, nrows;
+	const uint32_t *idx;
+	size_t nidx;
+	unsigned nw;
+	uint64_t sink[64 * 8];          /* one cache line per worker */
+};
+
+static void stream_task(void *arg, uint32_t t, unsigned w)
+{
+	struct mem_job *j = arg;
+	size_t per = j->words / j->nw, lo = t * per, hi = lo + per;
+	uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+
+	for (size_t i = lo; i + 8 <= hi; i += 8) {
+		a0 += j->buf[i];
+		a1 += j->buf[i + 1];
+		a2 += j->buf[i + 2];
+		a3 += j->buf[i + 3];
+		a4 += j->buf[i + 4];
+		a5 += j->buf[i + 5];
+		a6 += j->buf[i + 6];
+		a7 += j->buf[i + 7];
+	}
+	j->sink[(t % 64) * 8] += a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
+}
+
+#define GATHER_AHEAD 16
+
+static void gather_task(void *arg, uint32_t t, unsigned w)
+{
+	struct mem_job *j = arg;
+	size_t per = j->nidx / j->nw, lo = t * per, hi = lo + per;
+	uint64_t acc = 0;
+
+	for (size_t i = lo; i < hi; i++) {
+		if (i + GATHER_AHEAD < hi) {
+			const char *p = (const char *)(j->buf + j->idx[i + GATHER_AHEAD] * j->row_words);
+
+			for (size_t c = 0; c < j->row_words * 8; c += 64)
+				__builtin_prefetch(p + c);
+		}
+		const uint64_t *r = j->buf + j->idx[i] * j->row_words;
+
+		for (size_t e = 0; e < j->row_words; e++)
+			acc += r[e];
+	}
+	j->sink[(t % 64) * 8] += acc;
+}
+
+static uint64_t *big_buffer(size_t bytes)
+{
+	uint64_t *b = aligned_alloc(4096, bytes);
+
+	if (!b) {
+		fprintf(stderr, "kvbench: cannot allocate %zu MB for the memory probe\n", bytes >> 20);
+		exit(1);
+	}
+	/* Touch every page so the probe measures DRAM, not page faults. */
+	for (size_t i = 0; i < bytes / 8; i++)
+		b[i] = i * 0x9e3779b97f4a7c15ull;
+	return b;
+}
+
+double bench_stream_read_gbps(struct kvd_pool *pool, size_t bytes, int reps)
+{
+	struct mem_job *j = calloc(1, sizeof *j);
+	double best = 0;
+
+	j->buf = big_buffer(bytes);
+	j->words = bytes / 8;
+	j->nw = kvd_pool_size(pool);
+	for (int r = 0; r < reps; r++) {
+		double t = bench_now_ms();
+
+		kvd_pool_run(pool, j->nw, stream_task, j);
+		double gbps = (double)(j->words / j->nw * j->nw * 8) / ((bench_now_ms() - t) * 1e6);
+
+		best = gbps > best ? gbps : best;
+	}
+	free((void *)j->buf);
+	free(j);
+	return best;
+}
+
+double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps)
+{
+	struct mem_job *j = calloc(1, sizeof *j);
+	struct kvd_rng rng = kvd_rng_make(42);
+	double best = 0;
+	uint32_t *idx;
+
+	j->buf = big_buffer(bytes);
+	j->row_words = row / 8;
+	j->nrows = bytes / row;
+	j->nw = kvd_pool_size(pool);
+	j->nidx = j->nrows / 2;
+	idx = malloc(j->nidx * sizeof *idx);
+	for (size_t i = 0; i < j->nidx; i++)
+		idx[i] = kvd_rng_below(&rng, (uint32_t)j->nrows);
+	j->idx = idx;
+	for (int r = 0; r < reps; r++) {
+		double t = bench_now_ms();
+
+		kvd_pool_run(pool, j->nw, gather_task, j);
+		double gbps = (double)(j->nidx / j->nw * j->nw * row) / ((bench_now_ms() - t) * 1e6);
+
+		best = gbps > best ? gbps : best;
+	}
+	free(idx);
+	free((void *)j->buf);
+	free(j);
+	return best;
+}
+
+const char *bench_cpu_name(void)
+{
+	static char name[128] = "unknown";
+	char line[256];
+	FILE *f = fopen("/proc/cpuinfo", "r");
+
+	if (!f)
+		return name;
+	while (fgets(line, sizeof line, f)) {
+		char *c = strchr(line, ':');
+
+		if (strncmp(line, "model name", 10) == 0 && c) {
+			snprintf(name, sizeof name, "%s", c + 2);
+			name[strcspn(name, "\n")] = 0;
+			break;
+		}
+	}
+	fclose(f);
+	return name;
+}
