@@ -24,8 +24,9 @@ endif
 
 WARN    := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wno-unused-parameter -Werror
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fno-plt -I. -Ikvd
-LDLIBS  += -lm -pthread
+# -fPIC: the same objects go into libkvclient.so.
+CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ishm -Iproto -Igpu-client -I$(B)/proto
+LDLIBS  += -lprotobuf-c -linih -lsystemd -lm -pthread
 
 ifneq ($(SAN),)
 CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -37,14 +38,18 @@ endif
 ISA_avx2   := -mavx2 -mfma -mf16c
 ISA_avx512 := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
 
-CORE_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c))
-CORE_OBJ := $(CORE_SRC:%.c=$(B)/%.o)
+PROTO_C  := $(B)/proto/kvd.pb-c.c
+CORE_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c)) $(wildcard shm/*.c)
+CORE_OBJ := $(CORE_SRC:%.c=$(B)/obj/%.o) $(B)/proto/kvd.pb-c.o
+CLIENT_SRC := $(wildcard gpu-client/*.c)
+CLIENT_OBJ := $(CLIENT_SRC:%.c=$(B)/obj/%.o)
 BENCH_SRC := $(wildcard bench/*.c)
-BENCH_OBJ := $(BENCH_SRC:%.c=$(B)/%.o)
-TEST_SRC := $(wildcard tests/unit/test_*.c)
-TEST_BIN := $(TEST_SRC:tests/unit/%.c=$(B)/tests/%)
+BENCH_OBJ := $(BENCH_SRC:%.c=$(B)/obj/%.o)
+TEST_SRC := $(wildcard tests/unit/test_*.c tests/stress/test_*.c tests/integration/test_*.c)
+TEST_BIN := $(addprefix $(B)/tests/,$(notdir $(TEST_SRC:.c=)))
 TEST_COMMON := $(filter-out tests/unit/test_%.c,$(wildcard tests/unit/*.c))
-TEST_COMMON_OBJ := $(TEST_COMMON:%.c=$(B)/%.o)
+TEST_OBJ := $(addprefix $(B)/tests/obj/,$(notdir $(TEST_SRC:.c=.o)))
+TEST_COMMON_OBJ := $(TEST_COMMON:%.c=$(B)/obj/%.o)
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 
@@ -60,15 +65,27 @@ endif
 .DEFAULT_GOAL := all
 .SECONDARY:
 
-all: $(B)/libkvdcore.a $(B)/kvbench $(TEST_BIN)
+all: $(B)/libkvdcore.a $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(TEST_BIN)
+
+$(B)/proto/kvd.pb-c.c $(B)/proto/kvd.pb-c.h: proto/kvd.proto
+	$(call msg,PROTOC,$<)
+	$(Q)mkdir -p $(B)/proto
+	$(Q)protoc-c --c_out=$(B)/proto -Iproto $<
+
+# Everything may include the generated header: generate it first.
+$(CORE_OBJ) $(CLIENT_OBJ) $(BENCH_OBJ) $(TEST_OBJ): | $(B)/proto/kvd.pb-c.h
+
+$(B)/proto/kvd.pb-c.o: $(B)/proto/kvd.pb-c.c
+	$(call msg,CC,$<)
+	$(Q)$(CC) $(filter-out -Wshadow -Wstrict-prototypes,$(CFLAGS)) -c $< -o $@
 
 deps:
 	$(Q)sh tools/deps.sh
 
-$(B)/kvd/kern_avx2.o: EXTRA := $(ISA_avx2)
-$(B)/kvd/kern_avx512.o: EXTRA := $(ISA_avx512)
+$(B)/obj/kvd/kern_avx2.o: EXTRA := $(ISA_avx2)
+$(B)/obj/kvd/kern_avx512.o: EXTRA := $(ISA_avx512)
 
-$(B)/%.o: %.c
+$(B)/obj/%.o: %.c
 	$(call msg,CC,$<)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(CFLAGS) $(EXTRA) -c $< -o $@
@@ -77,23 +94,48 @@ $(B)/libkvdcore.a: $(CORE_OBJ)
 	$(call msg,AR,$@)
 	$(Q)rm -f $@ && ar rcs $@ $^
 
-$(B)/kvbench: $(BENCH_OBJ) $(B)/libkvdcore.a
+$(B)/kvd: $(B)/obj/kvd/main.o $(B)/libkvdcore.a
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
 
-$(B)/tests/%: $(B)/tests/unit/%.o $(TEST_COMMON_OBJ) $(B)/libkvdcore.a
+# libkvclient exports kvc_* only (gpu-client/libkvclient.map).
+$(B)/libkvclient.so: $(CLIENT_OBJ) $(B)/libkvdcore.a gpu-client/libkvclient.map
+	$(call msg,LD,$@)
+	$(Q)$(CC) -shared $(LDFLAGS) -Wl,--version-script=gpu-client/libkvclient.map \
+		$(CLIENT_OBJ) $(B)/libkvdcore.a $(LDLIBS) -o $@
+
+$(B)/kvbench: $(BENCH_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
+	$(call msg,LD,$@)
+	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
+
+# Test binaries link the client objects statically (they test internals too).
+$(B)/tests/%: $(B)/tests/obj/%.o $(TEST_COMMON_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(LDFLAGS) $^ -lcmocka $(LDLIBS) -o $@
 
+$(B)/tests/obj/%.o: tests/unit/%.c
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(CFLAGS) -Itests/unit -c $< -o $@
+$(B)/tests/obj/%.o: tests/stress/%.c
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(CFLAGS) -Itests/unit -c $< -o $@
+$(B)/tests/obj/%.o: tests/integration/%.c
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(CFLAGS) -Itests/unit -c $< -o $@
+
 # Fuzz targets always use clang's libFuzzer with ASan+UBSan, whatever SAN says.
-FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -fsanitize=fuzzer,address,undefined
-build/fuzz/%: tests/fuzz/%.c $(CORE_SRC)
+FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ishm -Iproto -Igpu-client -Ibuild/proto \
+	-fsanitize=fuzzer,address,undefined
+build/fuzz/%: tests/fuzz/%.c $(CORE_SRC) build/proto/kvd.pb-c.c
 	$(call msg,FUZZ,$@)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) -Wno-unused-command-line-argument \
-		$(ISA_avx512) $< $(filter-out %/kern_avx2.c %/kern_avx512.c,$(CORE_SRC)) \
-		kvd/kern_avx2.c kvd/kern_avx512.c -lm -pthread -o $@
+		$(ISA_avx512) $< $(CORE_SRC) build/proto/kvd.pb-c.c \
+		-lprotobuf-c -linih -lsystemd -lm -pthread -o $@
 
 # `check` builds and runs the unit tests of the current variant.
 check: all
@@ -131,4 +173,5 @@ demo: deps all
 clean:
 	rm -rf build
 
--include $(CORE_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(TEST_COMMON_OBJ:.o=.d) $(TEST_BIN:$(B)/tests/%=$(B)/tests/unit/%.d)
+-include $(CORE_OBJ:.o=.d) $(CLIENT_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(TEST_COMMON_OBJ:.o=.d) \
+	$(TEST_OBJ:.o=.d) $(B)/obj/kvd/main.d

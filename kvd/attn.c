@@ -12,7 +12,7 @@
 
 int kvd_geom_check(const struct kvd_geom *g)
 {
-	if (!g->q_heads || !g->kv_heads || g->q_heads % g->kv_heads ||
+	if (!g->q_heads || !g->kv_heads || g->q_heads > KVD_QHEADS_MAX || g->q_heads % g->kv_heads ||
 	    g->q_heads / g->kv_heads > KVD_GMAX)
 		return -KVD_EGEOM;
 	if (g->d < 16 || g->d > KVD_DMAX || g->d % 16)
@@ -385,7 +385,7 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		kvd_attn_dense(j->kk, q, (int)G, (int)d, sh->k, sh->v, lv->seg[part]->n, o, lse,
 			       s->s);
 	} else {
-		size_t off = (size_t)h * lv->tail_n * d;
+		size_t off = (size_t)h * (lv->tail_cap ? lv->tail_cap : lv->tail_n) * d;
 
 		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off, lv->tail_v + off,
 			       lv->tail_n, o, lse, s->s);

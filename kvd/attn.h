@@ -24,13 +24,15 @@
 
 struct kvd_pool;
 
+#define KVD_QHEADS_MAX 1024
+
 struct kvd_geom {
 	uint32_t q_heads, kv_heads, d;  /* d: head_dim, multiple of 16, <= KVD_DMAX */
 	uint32_t K, L, c;               /* K <= 16 bits, L tables, c in {1, 2} */
 };
 
-/* 0, or -KVD_EGEOM when a field is out of range or q_heads / kv_heads is
- * not an integer <= KVD_GMAX. */
+/* 0, or -KVD_EGEOM when a field is out of range (q_heads <= KVD_QHEADS_MAX)
+ * or q_heads / kv_heads is not an integer <= KVD_GMAX. */
 int kvd_geom_check(const struct kvd_geom *g);
 static inline uint32_t kvd_geom_group(const struct kvd_geom *g)
 {
@@ -100,7 +102,7 @@ void kvd_attn_dense(const struct kvd_kern *kk, const float *q, int G, int d,
 void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, int G, int d);
 
 /* One layer: all q heads over the segments and the tail (tail_k/tail_v
- * [kv_heads][tail_n][d], may be 0 tokens).  q[q_heads][d], qc[q_heads][L];
+ * [kv_heads][tail_cap][d] holding tail_n rows per head, may be 0).  q[q_heads][d], qc[q_heads][L];
  * o[q_heads][d], lse[q_heads].  Tasks are (segment, kv head) pairs plus the
  * tail, spread over the pool, whose workers use scr[worker]. */
 struct kvd_layer_view {
@@ -108,6 +110,7 @@ struct kvd_layer_view {
 	uint32_t nseg;
 	const uint16_t *tail_k, *tail_v;
 	uint32_t tail_n;
+	uint32_t tail_cap;              /* rows per head in tail_k/v (0: tail_n) */
 };
 int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		   const struct kvd_kern *kk, const struct kvd_geom *g,

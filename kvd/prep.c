@@ -27,53 +27,76 @@ struct prep_job {
 	_Atomic int err;
 };
 
-/* Mean over the offloaded range, in double: n can be 10^5 rows of |k| ~ 30. */
+void kvd_prep_mean(const float *k, uint32_t H, uint32_t d, uint32_t n, uint32_t lo,
+		   uint32_t hi, float *mean)
+{
+	/* double: n can be 10^5 rows of |k| ~ 30 */
+	for (uint32_t h = 0; h < H; h++) {
+		double acc[KVD_DMAX] = { 0 };
+
+		for (uint32_t t = lo; t < hi; t++) {
+			const float *x = k + ((size_t)h * n + t) * d;
+
+			for (uint32_t e = 0; e < d; e++)
+				acc[e] += x[e];
+		}
+		for (uint32_t e = 0; e < d; e++)
+			mean[(size_t)h * d + e] = hi > lo ? (float)(acc[e] / (hi - lo)) : 0.0f;
+	}
+}
+
 static void mean_task(void *arg, uint32_t h, unsigned worker)
 {
 	struct prep_job *j = arg;
 	uint32_t d = j->g->d;
-	double acc[KVD_DMAX] = { 0 };
-	float *m = j->mean + (size_t)h * d;
 
-	for (uint32_t t = j->lo; t < j->hi; t++) {
-		const float *x = j->k + ((size_t)h * j->n + t) * d;
+	kvd_prep_mean(j->k + (size_t)h * j->n * d, 1, d, j->n, j->lo, j->hi, j->mean + (size_t)h * d);
+}
 
-		for (uint32_t e = 0; e < d; e++)
-			acc[e] += x[e];
+void kvd_prep_rows(const struct kvd_geom *g, const float *W, const float *mean,
+		   const float *k, const float *v, uint32_t n, uint32_t t0, uint32_t cnt,
+		   uint16_t *kb, uint16_t *vb, uint16_t *codes, float *x)
+{
+	uint32_t d = g->d, L = g->L;
+
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		const float *m = mean + (size_t)h * d;
+		uint16_t *kh = kb + (size_t)h * cnt * d, *vh = vb + (size_t)h * cnt * d;
+
+		for (uint32_t i = 0; i < cnt; i++) {
+			const float *kr = k + ((size_t)h * n + t0 + i) * d;
+			const float *vr = v + ((size_t)h * n + t0 + i) * d;
+
+			for (uint32_t e = 0; e < d; e++) {
+				kh[(size_t)i * d + e] = kvd_f32_to_bf16(kr[e] - m[e]);
+				/* Hash exactly the stored key, so its probability is
+				 * computed from the same vector that was hashed. */
+				x[(size_t)i * d + e] = kvd_bf16_to_f32(kh[(size_t)i * d + e]);
+				vh[(size_t)i * d + e] = kvd_f32_to_bf16(vr[e]);
+			}
+		}
+		kvd_lsh_hash(W, (int)d, (int)g->K, (int)L, x, d, cnt, codes + (size_t)h * L * cnt, cnt);
 	}
-	for (uint32_t e = 0; e < d; e++)
-		m[e] = (float)(acc[e] / (j->hi - j->lo));
 }
 
 /* Task h: center, round and hash kv head h of segment j->seg. */
 static void seg_task(void *arg, uint32_t h, unsigned worker)
 {
 	struct prep_job *j = arg;
-	uint32_t d = j->g->d, L = j->g->L;
+	struct kvd_geom g1 = *j->g;
+	uint32_t d = g1.d, L = g1.L;
 	uint32_t t0 = j->lo + j->seg * j->seg_tokens;
 	uint32_t cnt = j->hi - t0 < j->seg_tokens ? j->hi - t0 : j->seg_tokens;
-	const float *m = j->mean + (size_t)h * d;
-	uint16_t *kb = j->kb + (size_t)h * cnt * d, *vb = j->vb + (size_t)h * cnt * d;
 	float *x = malloc((size_t)cnt * d * sizeof *x);
 
 	if (!x) {
 		atomic_store(&j->err, -ENOMEM);
 		return;
 	}
-	for (uint32_t i = 0; i < cnt; i++) {
-		const float *kr = j->k + ((size_t)h * j->n + t0 + i) * d;
-		const float *vr = j->v + ((size_t)h * j->n + t0 + i) * d;
-
-		for (uint32_t e = 0; e < d; e++) {
-			kb[(size_t)i * d + e] = kvd_f32_to_bf16(kr[e] - m[e]);
-			/* Hash exactly the stored key, so its probability is computed
-			 * from the same vector that was hashed. */
-			x[(size_t)i * d + e] = kvd_bf16_to_f32(kb[(size_t)i * d + e]);
-			vb[(size_t)i * d + e] = kvd_f32_to_bf16(vr[e]);
-		}
-	}
-	kvd_lsh_hash(j->W, (int)d, (int)j->g->K, (int)L, x, d, cnt,
-		     j->codes + (size_t)h * L * cnt, cnt);
+	g1.kv_heads = 1;
+	kvd_prep_rows(&g1, j->W, j->mean + (size_t)h * d, j->k + (size_t)h * j->n * d,
+		      j->v + (size_t)h * j->n * d, j->n, t0, cnt, j->kb + (size_t)h * cnt * d,
+		      j->vb + (size_t)h * cnt * d, j->codes + (size_t)h * L * cnt, x);
 	free(x);
 }
 

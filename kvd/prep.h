@@ -32,6 +32,18 @@ void kvd_prep_free(struct kvd_prep *p);
 void kvd_prep_query_codes(const struct kvd_geom *g, const float *W, const float *q,
 			  uint16_t *qc);
 
+/* The two steps, for callers that stream rows (the client library): the
+ * centering mean of rows [lo, hi) of k ([H][n][d]) in double, into
+ * mean[H][d] (zeros when lo == hi); and rows [t0, t0+cnt) centered, rounded
+ * to bf16 (kb, vb: [H][cnt][d]) and hashed (codes: [H][L][cnt]).  x is
+ * scratch of cnt*d floats.  kvd_prep_layer() is built from these, so rows
+ * prepared either way are bit-identical. */
+void kvd_prep_mean(const float *k, uint32_t H, uint32_t d, uint32_t n, uint32_t lo,
+		   uint32_t hi, float *mean);
+void kvd_prep_rows(const struct kvd_geom *g, const float *W, const float *mean,
+		   const float *k, const float *v, uint32_t n, uint32_t t0, uint32_t cnt,
+		   uint16_t *kb, uint16_t *vb, uint16_t *codes, float *x);
+
 /* The view kvd_attn_layer() takes, over all of p's segments and no tail. */
 struct kvd_layer_view kvd_prep_view(const struct kvd_prep *p);
 

@@ -1,0 +1,37 @@
+/* kvd: the daemon.  Configuration from a file and flags (kvd/config.h),
+ * then the server's event loop until SIGTERM. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "config.h"
+#include "err.h"
+#include "log.h"
+#include "server.h"
+
+int main(int argc, char **argv)
+{
+	struct kvd_config cfg;
+	struct kvd_server *s;
+	char err[512];
+	int rc;
+
+	kvd_config_defaults(&cfg);
+	rc = kvd_config_parse_args(&cfg, argc, argv, err, sizeof err);
+	if (rc == KVD_CONFIG_HELP) {
+		kvd_config_usage(stdout, argv[0]);
+		return 0;
+	}
+	if (rc < 0) {
+		fprintf(stderr, "kvd: %s\n", err);
+		return 2;
+	}
+	kvd_log_level(cfg.log_level);
+	rc = kvd_server_create(&cfg, &s);
+	if (rc) {
+		kvd_log(LOG_ERR, "cannot start: %s", kvd_strerror(rc));
+		return 1;
+	}
+	rc = kvd_server_run(s);
+	kvd_server_destroy(s);
+	return rc ? 1 : 0;
+}

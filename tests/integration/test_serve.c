@@ -1,0 +1,616 @@
+/* The real daemon and real client processes: ATTEND through kvd equals the
+ * in-process engine bit for bit (1 and 8 concurrent clients); bad input of
+ * every kind gets an error or a disconnect while another client keeps
+ * getting correct answers; a client that dies releases what it owned;
+ * SIGTERM drains and exits 0. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <cmocka.h>
+
+#include "attn.h"
+#include "ctl.h"
+#include "daemon.h"
+#include "err.h"
+#include "kvc.h"
+#include "kvd_ring.h"
+#include "pool.h"
+#include "prep.h"
+#include "ref.h"
+#include "shm.h"
+#include "synth.h"
+#include "testutil.h"
+
+#define N_TOK   6000
+#define LAYERS  3
+
+static const uint32_t dense_layers[] = { 0 };
+static const struct kvc_model model = {
+	.name = "itest", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense_layers,
+	.n_dense = 1, .seed = 7, .segment_tokens = 4096, .seal_tokens = 256,
+};
+
+static struct daemon D;
+
+static int start(void **state)
+{
+	return daemon_start(&D, NULL) ? -1 : 0;
+}
+
+static int stop(void **state)
+{
+	/* A clean drain and exit is part of every test. */
+	return daemon_stop(&D) == 0 ? 0 : -1;
+}
+
+/* Samples nearly every key (K = 1, L = 32, c = 1: P >= 0.96 up to 150
+ * degrees), so the estimate sits within a few 1e-3 of exact attention and
+ * any lost, duplicated or misplaced token shows. */
+static const struct kvc_model near_exact = {
+	.name = "itest-exact", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 1, .L = 32, .c = 1, .sink = 4, .window = 64, .dense_layers = dense_layers,
+	.n_dense = 1, .seed = 8, .segment_tokens = 1024, .seal_tokens = 128,
+};
+
+static struct kvc *connect_model(const char *name, const struct kvc_model *want)
+{
+	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = name,
+			      .slots = 8, .slot_size = 1 << 20 };
+	struct kvc *c;
+	int rc = kvc_connect(&o, &c);
+
+	if (rc)
+		fail_msg("connect: %s", kvc_last_error(c));
+	rc = kvc_profile(c, want);
+	if (rc)
+		fail_msg("profile: %s", kvc_last_error(c));
+	return c;
+}
+
+static struct kvc *connect_client(const char *name)
+{
+	return connect_model(name, &model);
+}
+
+/* Prefills every layer of a new sequence with the synthetic workload of
+ * `seed` and checks kvd's part of ATTEND against the engine run here on the
+ * same rows.  Returns 0 when equal. */
+static int check_equal_to_engine(struct kvc *c, uint64_t seed, int verbose)
+{
+	const struct kvc_model *m = kvc_model_of(c);
+	struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c };
+	struct kvc_seq *s;
+	struct kvd_synth w[LAYERS];
+	float o[8 * 128], lse[8], ro[8 * 128], rl[8];
+	uint16_t qc[8 * 60];
+	struct kvd_pool *pool;
+	struct kvd_attn_scratch scr[2];
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	int bad = 0;
+
+	if (kvc_seq_create(c, &s))
+		fail_msg("seq: %s", kvc_last_error(c));
+	for (uint32_t l = 0; l < LAYERS; l++) {
+		assert_int_equal(kvd_synth_make(&w[l], (enum kvd_wl)(l % KVD_WL_COUNT), N_TOK, 8, 2,
+						128, seed * 10 + l), 0);
+		if (kvc_prefill(c, s, l, w[l].k, w[l].v, N_TOK))
+			fail_msg("prefill: %s", kvc_last_error(c));
+	}
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	for (int i = 0; i < 2; i++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[i], 4096), 0);
+	kvd_logp_tab_init(tab, (int)m->K, (int)m->L, (int)m->c);
+	for (uint32_t l = 1; l < LAYERS; l++) {
+		struct kvd_prep p;
+
+		if (kvc_attend_kvd(c, l, &s, 1, w[l].q, o, lse))
+			fail_msg("attend: %s", kvc_last_error(c));
+		assert_int_equal(kvd_prep_layer(&p, &g, kvc_w(c), w[l].k, w[l].v, N_TOK, m->sink,
+						N_TOK - m->window, m->segment_tokens, NULL), 0);
+		kvd_prep_query_codes(&g, kvc_w(c), w[l].q, qc);
+		struct kvd_layer_view lv = kvd_prep_view(&p);
+
+		assert_int_equal(kvd_attn_layer(pool, scr, kvd_kern_get(), &g, tab, &lv, w[l].q, qc,
+						ro, rl, NULL), 0);
+		if (memcmp(o, ro, sizeof o) || memcmp(lse, rl, sizeof lse)) {
+			if (verbose)
+				print_message("layer %u: daemon and engine differ (rel %.3g)\n", l,
+					      rel_err_ff(o, ro, sizeof o / sizeof o[0]));
+			bad = 1;
+		}
+		kvd_prep_free(&p);
+	}
+	for (uint32_t l = 0; l < LAYERS; l++)
+		kvd_synth_free(&w[l]);
+	for (int i = 0; i < 2; i++)
+		kvd_attn_scratch_free(&scr[i]);
+	kvd_pool_destroy(pool);
+	free(tab);
+	if (kvc_seq_free(c, s))
+		fail_msg("free: %s", kvc_last_error(c));
+	return bad;
+}
+
+static void test_one_client_equals_engine(void **state)
+{
+	struct kvc *c = connect_client("one");
+
+	assert_int_equal(check_equal_to_engine(c, 1, 1), 0);
+	kvc_close(c);
+}
+
+static void test_eight_clients_equal_engine(void **state)
+{
+	pid_t kids[8];
+
+	for (int i = 0; i < 8; i++) {
+		kids[i] = fork();
+		if (kids[i] == 0) {
+			struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = "many",
+					      .slots = 8, .slot_size = 1 << 20 };
+			struct kvc *c;
+
+			if (kvc_connect(&o, &c) || kvc_profile(c, &model))
+				_exit(2);
+			int bad = check_equal_to_engine(c, 100 + (uint64_t)i, 0);
+
+			kvc_close(c);
+			_exit(bad);
+		}
+	}
+	for (int i = 0; i < 8; i++) {
+		int st;
+
+		assert_int_equal(waitpid(kids[i], &st, 0), kids[i]);
+		assert_true(WIFEXITED(st));
+		assert_int_equal(WEXITSTATUS(st), 0);
+	}
+}
+
+/* Decoding through the window: appended tokens reach kvd (tail, then a sealed
+ * segment) and the merged answer stays close to exact attention. */
+static void test_decode_appends(void **state)
+{
+	struct kvc *c = connect_model("decode", &near_exact);
+	const uint32_t n0 = 3000, steps = 400, n = n0 + steps;
+	struct kvd_synth w;
+	struct kvc_seq *s;
+	struct kvc_seq_stats st;
+	float kt[2 * 128], vt[2 * 128], o[8 * 128];
+
+	assert_int_equal(kvd_synth_make(&w, KVD_WL_NEEDLE, n, 8, 2, 128, 5), 0);
+	assert_int_equal(kvc_seq_create(c, &s), 0);
+	/* the prompt is the first n0 tokens of every head */
+	float *k0 = xmalloc((size_t)2 * n0 * 128 * 4), *v0 = xmalloc((size_t)2 * n0 * 128 * 4);
+
+	for (int h = 0; h < 2; h++) {
+		memcpy(k0 + (size_t)h * n0 * 128, w.k + (size_t)h * n * 128, (size_t)n0 * 128 * 4);
+		memcpy(v0 + (size_t)h * n0 * 128, w.v + (size_t)h * n * 128, (size_t)n0 * 128 * 4);
+	}
+	for (uint32_t l = 0; l < LAYERS; l++)
+		assert_int_equal(kvc_prefill(c, s, l, k0, v0, n0), 0);
+	for (uint32_t t = n0; t < n; t++) {
+		for (int h = 0; h < 2; h++) {
+			memcpy(kt + h * 128, w.k + ((size_t)h * n + t) * 128, 128 * 4);
+			memcpy(vt + h * 128, w.v + ((size_t)h * n + t) * 128, 128 * 4);
+		}
+		for (uint32_t l = 0; l < LAYERS; l++)
+			if (kvc_append(c, s, l, kt, vt))
+				fail_msg("append: %s", kvc_last_error(c));
+	}
+	assert_int_equal(kvc_seq_stats(c, s, &st), 0);
+	assert_int_equal(kvc_attend(c, 1, &s, 1, w.q, o, NULL), 0);
+
+	double err = 0, den = 0;
+
+	for (int qh = 0; qh < 8; qh++) {
+		double ro[128], rl;
+
+		kvd_ref_dense(w.q + qh * 128, 128, w.k + (size_t)(qh / 4) * n * 128,
+			      w.v + (size_t)(qh / 4) * n * 128, NULL, n, ro, &rl);
+		for (int e = 0; e < 128; e++) {
+			err += (o[qh * 128 + e] - ro[e]) * (o[qh * 128 + e] - ro[e]);
+			den += ro[e] * ro[e];
+		}
+	}
+	print_message("  decode through kvd: rel err %.4f vs exact, %llu tokens in kvd\n",
+		      sqrt(err / den), (unsigned long long)st.tokens);
+	assert_true(sqrt(err / den) < 0.02);
+	/* everything but sinks and the window (give or take one batch) is in
+	 * kvd: 3 prefill segments (2932 tokens) and 3 sealed tails (384) per
+	 * sparse layer */
+	assert_true(st.tokens >= n - 4 - 64 - 32 && st.tokens <= n - 4 - 64);
+	assert_int_equal(st.segments, (3 + 3) * (LAYERS - 1));
+	free(k0);
+	free(v0);
+	kvd_synth_free(&w);
+	assert_int_equal(kvc_seq_free(c, s), 0);
+	kvc_close(c);
+}
+
+/* ---- bad input ---------------------------------------------------------- */
+
+/* A client speaking the protocol by hand. */
+struct raw {
+	int fd;
+	struct shm_region r;
+	void *map;
+	size_t size;
+	int efd;
+	uint64_t next;
+	void *rx;
+};
+
+static int raw_connect(struct raw *x)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+
+	memset(x, 0, sizeof *x);
+	memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
+	x->fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+	x->rx = xmalloc(KVD_CTL_W_INLINE_MAX + 65536);
+	return connect(x->fd, (struct sockaddr *)&a, sizeof a);
+}
+
+static Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq, int *fds, int *nfds)
+{
+	struct kvd_ctl_err e;
+	int n;
+
+	rq->id = ++x->next;
+	assert_int_equal(kvd_ctl_send(x->fd, &rq->base, NULL, 0), 0);
+	n = kvd_ctl_recv(x->fd, x->rx, KVD_CTL_W_INLINE_MAX + 65536, fds, nfds);
+	assert_true(n > 0);
+	Kvd__Response *r = kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
+
+	if (!r)
+		fail_msg("decode: %s", e.msg);
+	return r;
+}
+
+static void raw_hello(struct raw *x)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__Hello h = KVD__HELLO__INIT;
+	int fds[4], nfds = 4;
+
+	h.version = KVD_CTL_VERSION;
+	h.tenant = "t";
+	h.client_name = "raw";
+	h.slots = 4;
+	h.slot_size = 1 << 20;
+	rq.body_case = KVD__REQUEST__BODY_HELLO;
+	rq.hello = &h;
+	Kvd__Response *r = raw_call(x, &rq, fds, &nfds);
+
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_HELLO);
+	assert_int_equal(nfds, 2);
+	x->size = r->hello->region_size;
+	x->efd = fds[1];
+	x->map = mmap(NULL, x->size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+	assert_true(x->map != MAP_FAILED);
+	close(fds[0]);
+	assert_int_equal(shm_region_attach(&x->r, x->map, x->size), 0);
+	kvd_ctl_free_response(r);
+}
+
+static void raw_close(struct raw *x)
+{
+	if (x->map)
+		munmap(x->map, x->size);
+	if (x->efd > 0)
+		close(x->efd);
+	close(x->fd);
+	free(x->rx);
+}
+
+/* Submits one entry and returns its completion. */
+static struct kvd_cqe raw_submit(struct raw *x, const struct kvd_sqe *e)
+{
+	struct kvd_cqe c;
+	void *p = shm_ring_reserve(&x->r.sq);
+	uint64_t one = 1;
+	int n;
+
+	assert_non_null(p);
+	memcpy(p, e, sizeof *e);
+	shm_ring_commit(&x->r.sq, 1);
+	if (shm_ring_needs_kick(&x->r.sq))
+		assert_int_equal(write(x->efd, &one, 8), 8);
+	n = shm_ring_wait(&x->r.cq, 50000, 5000000000ull, 0);
+	assert_int_equal(n, 1);
+	memcpy(&c, shm_ring_entry(&x->r.cq, 0), sizeof c);
+	shm_ring_release(&x->r.cq, 1);
+	return c;
+}
+
+/* A well-behaved client's answer must not change while others misbehave. */
+static struct kvc *good;
+static struct kvc_seq *good_seq;
+static struct kvd_synth good_w;
+static float good_o[8 * 128];
+
+static void good_setup(void)
+{
+	good = connect_client("good");
+	assert_int_equal(kvd_synth_make(&good_w, KVD_WL_MIXED, N_TOK, 8, 2, 128, 77), 0);
+	assert_int_equal(kvc_seq_create(good, &good_seq), 0);
+	for (uint32_t l = 0; l < LAYERS; l++)
+		assert_int_equal(kvc_prefill(good, good_seq, l, good_w.k, good_w.v, N_TOK), 0);
+	assert_int_equal(kvc_attend(good, 1, &good_seq, 1, good_w.q, good_o, NULL), 0);
+}
+
+static void good_check(void)
+{
+	float o[8 * 128];
+
+	if (kvc_attend(good, 1, &good_seq, 1, good_w.q, o, NULL))
+		fail_msg("good client: %s", kvc_last_error(good));
+	assert_memory_equal(o, good_o, sizeof o);
+}
+
+static void good_teardown(void)
+{
+	assert_int_equal(kvc_seq_free(good, good_seq), 0);
+	kvd_synth_free(&good_w);
+	kvc_close(good);
+}
+
+static void expect_error_reply(struct raw *x, const void *bytes, size_t len, uint64_t id,
+			       int code, const char *needle)
+{
+	struct kvd_ctl_err e;
+	int n;
+
+	assert_int_equal(send(x->fd, bytes, len, 0), (ssize_t)len);
+	n = kvd_ctl_recv(x->fd, x->rx, KVD_CTL_W_INLINE_MAX + 65536, NULL, NULL);
+	assert_true(n > 0);
+	Kvd__Response *r = kvd_ctl_decode_response(x->rx, (size_t)n, id, &e);
+
+	if (!r)
+		fail_msg("reply does not decode: %s", e.msg);
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_ERROR);
+	if (code)
+		assert_int_equal(r->error->code, code);
+	if (needle && !strstr(r->error->message, needle))
+		fail_msg("error '%s' does not mention '%s'", r->error->message, needle);
+	kvd_ctl_free_response(r);
+}
+
+static void test_bad_control_messages(void **state)
+{
+	struct raw x;
+	uint8_t buf[512];
+	size_t len;
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__Hello h = KVD__HELLO__INIT;
+
+	good_setup();
+	assert_int_equal(raw_connect(&x), 0);
+
+	/* wrong protocol version */
+	h.version = 99;
+	h.tenant = "t";
+	rq.id = 5;
+	rq.body_case = KVD__REQUEST__BODY_HELLO;
+	rq.hello = &h;
+	len = kvd__request__pack(&rq, buf);
+	expect_error_reply(&x, buf, len, 5, -EPROTONOSUPPORT, "version");
+	/* every truncation of a valid request, then garbage */
+	h.version = KVD_CTL_VERSION;
+	len = kvd__request__pack(&rq, buf);
+	for (size_t cut = 1; cut < len; cut++) {
+		uint8_t t[512];
+		int n;
+
+		memcpy(t, buf, cut);
+		assert_int_equal(send(x.fd, t, cut, 0), (ssize_t)cut);
+		n = kvd_ctl_recv(x.fd, x.rx, KVD_CTL_W_INLINE_MAX + 65536, NULL, NULL);
+		assert_true(n > 0);     /* an answer (error or not), never a hang-up */
+	}
+	for (int i = 0; i < 64; i++)
+		buf[i] = (uint8_t)(i * 37 + 11);
+	expect_error_reply(&x, buf, 64, 0, 0, NULL);
+	/* an unknown request type: field 99, which this version does not know */
+	const uint8_t unknown[] = { 0x08, 0x07, 0x98, 0x06, 0x01 };
+
+	expect_error_reply(&x, unknown, sizeof unknown, 7, -EOPNOTSUPP, NULL);
+	/* requests before hello */
+	Kvd__SeqFree sf = KVD__SEQ_FREE__INIT;
+
+	sf.seq = 1;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_FREE;
+	rq.seq_free = &sf;
+	len = kvd__request__pack(&rq, buf);
+	expect_error_reply(&x, buf, len, 5, -KVD_EPROTO, "hello");
+	/* the connection is still good for a real hello */
+	raw_hello(&x);
+	good_check();
+	raw_close(&x);
+	good_teardown();
+}
+
+static void test_bad_ring_entries(void **state)
+{
+	struct raw x;
+	struct kvc_stats st;
+
+	good_setup();
+	assert_int_equal(raw_connect(&x), 0);
+	raw_hello(&x);
+
+	/* a profile and a sequence of our own, through the same protocol */
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ProfileOpen po = KVD__PROFILE_OPEN__INIT;
+	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
+
+	po.name = "itest";
+	rq.body_case = KVD__REQUEST__BODY_PROFILE_OPEN;
+	rq.profile_open = &po;
+	Kvd__Response *r = raw_call(&x, &rq, NULL, NULL);
+
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_PROFILE);
+	sc.profile_id = r->profile->profile_id;
+	kvd_ctl_free_response(r);
+	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
+	rq.seq_create = &sc;
+	r = raw_call(&x, &rq, NULL, NULL);
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_SEQ);
+	uint64_t seq = r->seq->seq;
+
+	kvd_ctl_free_response(r);
+
+	const uint32_t H = 2, d = 128, L = 60, Hq = 8;
+	uint32_t in = (uint32_t)kvd_attend_in_bytes(Hq, d, L), out = (uint32_t)kvd_attend_out_bytes(Hq, d);
+	struct { const char *what; struct kvd_sqe e; int code; } bad[] = {
+		{ "unknown op", { .op = 9 }, -EINVAL },
+		{ "reserved field", { .op = KVD_OP_NOP, ._reserved = { 0, 1 } }, -EINVAL },
+		{ "slot out of range", { .op = KVD_OP_PREFILL, .slot = 4, .seq = seq, .ntok = 1,
+					 .layer = 1 }, -ERANGE },
+		{ "offset past the slot", { .op = KVD_OP_PREFILL, .slot = 0, .off = 1 << 20,
+					    .len = 64, .seq = seq, .layer = 1 }, -ERANGE },
+		{ "length past the slot", { .op = KVD_OP_PREFILL, .slot = 0, .off = 64,
+					    .len = UINT32_MAX, .seq = seq, .layer = 1 }, -ERANGE },
+		{ "unaligned offset", { .op = KVD_OP_PREFILL, .slot = 0, .off = 3, .seq = seq,
+					.layer = 1 }, -EINVAL },
+		{ "wrong length for ntok", { .op = KVD_OP_PREFILL, .slot = 0, .len = 1000, .ntok = 3,
+					     .seq = seq, .layer = 1, .flags = KVD_RF_MEAN }, -EBADMSG },
+		{ "layer out of range", { .op = KVD_OP_PREFILL, .slot = 0, .ntok = 1, .seq = seq,
+					  .layer = 77, .len = (uint32_t)kvd_rows_bytes(H, d, L, 1, 0) }, -ERANGE },
+		{ "dense layer", { .op = KVD_OP_PREFILL, .slot = 0, .ntok = 1, .seq = seq, .layer = 0,
+				   .len = (uint32_t)kvd_rows_bytes(H, d, L, 1, 0) }, -EINVAL },
+		{ "unknown sequence", { .op = KVD_OP_PREFILL, .slot = 0, .ntok = 1, .seq = seq ^ 1,
+					.layer = 1, .len = (uint32_t)kvd_rows_bytes(H, d, L, 1, 0) }, -ENOENT },
+		{ "rows before the mean", { .op = KVD_OP_PREFILL, .slot = 0, .ntok = 1, .seq = seq,
+					    .layer = 1, .len = (uint32_t)kvd_rows_bytes(H, d, L, 1, 0) }, -EINVAL },
+		{ "attend: zero sequences", { .op = KVD_OP_ATTEND, .slot = 0, .nseq = 0 }, -ERANGE },
+		{ "attend: output overlaps input", { .op = KVD_OP_ATTEND, .slot = 0, .nseq = 1,
+						     .len = in, .out_off = 0, .out_len = out }, -EINVAL },
+		{ "attend: output too small", { .op = KVD_OP_ATTEND, .slot = 1, .nseq = 1, .len = in,
+						.out_off = 65536, .out_len = 64, .layer = 1 }, -EBADMSG },
+		{ "attend: unknown sequence", { .op = KVD_OP_ATTEND, .slot = 0, .nseq = 1, .len = in,
+						.out_off = 65536, .out_len = out, .layer = 1 }, -ENOENT },
+		{ "free of a sequence not ours", { .op = KVD_OP_FREE, .seq = kvc_seq_id(good_seq) }, -ENOENT },
+	};
+
+	/* slot 0's ATTEND record names a sequence that does not exist, slot
+	 * 1's our own */
+	uint64_t nope = 12345;
+
+	memcpy(shm_slot(&x.r, 0), &nope, sizeof nope);
+	memcpy(shm_slot(&x.r, 1), &seq, sizeof seq);
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		bad[i].e.user_data = 1000 + i;
+		struct kvd_cqe c = raw_submit(&x, &bad[i].e);
+
+		assert_int_equal(c.user_data, 1000 + i);
+		if (c.res != bad[i].code)
+			fail_msg("%s: got %d (%s), want %d", bad[i].what, c.res, c.msg, bad[i].code);
+		assert_true(c.msg[0] != 0);
+	}
+	good_check();
+
+	/* garbage in our region's header changes nothing for kvd */
+	memset(x.map, 0xa5, 256);
+	struct kvd_sqe nop = { .op = KVD_OP_NOP, .user_data = 7 };
+
+	assert_int_equal(raw_submit(&x, &nop).res, 0);
+	/* a hostile ring index: this client is dropped, nobody else */
+	assert_int_equal(kvc_server_stats(good, &st), 0);
+	uint64_t disc = st.disconnects;
+
+	atomic_store(&x.r.sq.ctl->tail, atomic_load(&x.r.sq.ctl->head) + 100000);
+	uint64_t one = 1;
+
+	assert_int_equal(write(x.efd, &one, 8), 8);
+	char b;
+
+	assert_int_equal(recv(x.fd, &b, 1, 0), 0);      /* kvd hung up */
+	assert_int_equal(kvc_server_stats(good, &st), 0);
+	assert_int_equal(st.disconnects, disc + 1);
+	good_check();
+	raw_close(&x);
+	good_teardown();
+}
+
+/* A client killed mid-request gives back its sequences and memory. */
+static void test_killed_client_releases(void **state)
+{
+	struct kvc_stats before, after;
+	int pfd[2];
+	pid_t kid;
+
+	good_setup();
+	assert_int_equal(kvc_server_stats(good, &before), 0);
+	assert_int_equal(pipe(pfd), 0);
+	kid = fork();
+	if (kid == 0) {
+		struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = "doomed" };
+		struct kvd_synth w;
+		struct kvc *c;
+		struct kvc_seq *s[2];
+
+		if (kvc_connect(&o, &c) || kvc_profile(c, &model))
+			_exit(2);
+		if (kvd_synth_make(&w, KVD_WL_DENSE, N_TOK, 8, 2, 128, 9))
+			_exit(3);
+		for (int i = 0; i < 2; i++) {
+			if (kvc_seq_create(c, &s[i]))
+				_exit(4);
+			for (uint32_t l = 0; l < LAYERS; l++)
+				if (kvc_prefill(c, s[i], l, w.k, w.v, N_TOK))
+					_exit(5);
+		}
+		if (write(pfd[1], "r", 1) != 1)
+			_exit(6);
+		/* keep kvd busy until the parent kills us */
+		for (;;) {
+			float out[2 * 8 * 128];
+			float q2[2 * 8 * 128];
+
+			memcpy(q2, w.q, sizeof q2 / 2);
+			memcpy(q2 + 8 * 128, w.q, sizeof q2 / 2);
+			kvc_attend(c, 1, s, 2, q2, out, NULL);
+		}
+	}
+	char b;
+
+	assert_int_equal(read(pfd[0], &b, 1), 1);
+	assert_int_equal(kvc_server_stats(good, &after), 0);
+	assert_int_equal(after.sequences, before.sequences + 2);
+	assert_int_equal(after.clients, before.clients + 1);
+	daemon_sleep_ms(50);
+	kill(kid, SIGKILL);
+	waitpid(kid, NULL, 0);
+	for (int i = 0; i < 200; i++) {         /* kvd notices on its next loop */
+		assert_int_equal(kvc_server_stats(good, &after), 0);
+		if (after.clients == before.clients)
+			break;
+		daemon_sleep_ms(10);
+	}
+	assert_int_equal(after.clients, before.clients);
+	assert_int_equal(after.sequences, before.sequences);
+	assert_int_equal(after.bytes, before.bytes);
+	assert_int_equal(after.mapped_bytes, before.mapped_bytes);
+	good_check();
+	close(pfd[0]);
+	close(pfd[1]);
+	good_teardown();
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_setup_teardown(test_one_client_equals_engine, start, stop),
+		cmocka_unit_test_setup_teardown(test_eight_clients_equal_engine, start, stop),
+		cmocka_unit_test_setup_teardown(test_decode_appends, start, stop),
+		cmocka_unit_test_setup_teardown(test_bad_control_messages, start, stop),
+		cmocka_unit_test_setup_teardown(test_bad_ring_entries, start, stop),
+		cmocka_unit_test_setup_teardown(test_killed_client_releases, start, stop),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
