@@ -61,7 +61,7 @@ Q :=
 msg :=
 endif
 
-.PHONY: all deps test check check-plain test-all bench demo fuzz fuzz-smoke clean
+.PHONY: all deps test check check-unit bench demo fuzz fuzz-smoke clean
 .DEFAULT_GOAL := all
 .SECONDARY:
 
@@ -148,6 +148,7 @@ test: deps
 	$(Q)$(MAKE) --no-print-directory check SAN=address,undefined
 	$(Q)$(MAKE) --no-print-directory check SAN=thread
 	$(Q)$(MAKE) --no-print-directory fuzz-smoke
+	$(Q)$(MAKE) --no-print-directory check-unit
 	$(Q)sh tests/run.sh --total
 else
 test: deps
@@ -155,6 +156,11 @@ test: deps
 	$(Q)$(MAKE) --no-print-directory check
 	$(Q)sh tests/run.sh --total
 endif
+
+# systemd/kvd.service through systemd-analyze verify (tools/verify-unit.sh).
+check-unit:
+	$(Q)sh tools/verify-unit.sh systemd && echo "1 0 0" >>build/test-tally || \
+		{ rc=$$?; [ $$rc = 77 ] && echo "0 0 1" >>build/test-tally || { echo "0 1 0" >>build/test-tally; exit 1; }; }
 
 FUZZ_SECONDS ?= 10
 fuzz-smoke: $(FUZZ_BIN)

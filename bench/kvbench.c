@@ -623,15 +623,12 @@ int main(int argc, char **argv)
 	}
 	if (!strcmp(argv[1], "trace-dump"))
 		return cmd_trace_dump(argc - 2, argv + 2);
-	if (!strcmp(argv[1], "demo")) {
-		op.ctx[0] = 16384;
-		op.nctx = 1;
-		op.nkl = 1;
-		op.reps = 9;
-		printf("kvd demo (until the daemon lands): one Llama-3.1-8B-shaped layer, 16k context,\n"
-		       "4 sinks + 64-token window exact, the rest sampled by kvd's engine (K=10, L=150).\n\n");
-		return cmd_attn(&op);
-	}
+	if (!strcmp(argv[1], "demo"))
+		return bench_demo_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "serve"))
+		return bench_serve_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "ipc"))
+		return bench_ipc_main(argc - 2, argv + 2);
 	usage();
 	return 2;
 }

@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include "bench.h"
+#include "mem.h"
 #include "pool.h"
 #include "rng.h"
 
@@ -82,7 +83,9 @@ static void gather_task(void *arg, uint32_t t, unsigned w)
 
 static uint64_t *big_buffer(size_t bytes)
 {
-	uint64_t *b = aligned_alloc(4096, bytes);
+	/* The same allocator as segments: the probes measure the memory the
+	 * kernels read, huge pages included. */
+	uint64_t *b = kvd_mem_alloc(bytes);
 
 	if (!b) {
 		fprintf(stderr, "kvbench: cannot allocate %zu MB for the memory probe\n", bytes >> 20);
@@ -110,7 +113,7 @@ double bench_stream_read_gbps(struct kvd_pool *pool, size_t bytes, int reps)
 
 		best = gbps > best ? gbps : best;
 	}
-	free((void *)j->buf);
+	kvd_mem_free((void *)j->buf, bytes);
 	free(j);
 	return best;
 }
@@ -140,7 +143,7 @@ double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int re
 		best = gbps > best ? gbps : best;
 	}
 	free(idx);
-	free((void *)j->buf);
+	kvd_mem_free((void *)j->buf, bytes);
 	free(j);
 	return best;
 }

@@ -6,6 +6,7 @@
 
 #include "attn.h"
 #include "err.h"
+#include "mem.h"
 #include "pool.h"
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
@@ -86,7 +87,7 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 	s->K = g->K;
 	s->L = g->L;
 	s->bytes = kvd_seg_bytes(g, n);
-	s->mem = aligned_alloc(64, s->bytes);
+	s->mem = kvd_mem_alloc(s->bytes);
 	if (!s->mem) {
 		free(s);
 		return -ENOMEM;
@@ -112,7 +113,7 @@ void kvd_seg_free(struct kvd_seg *s)
 {
 	if (!s)
 		return;
-	free(s->mem);
+	kvd_mem_free(s->mem, s->bytes);
 	free(s);
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "mem.h"
 #include "rng.h"
 #include "store.h"
 
@@ -49,25 +50,54 @@ static void profile_free(struct kvd_profile *p)
 	free(p);
 }
 
-static void layer_free(struct kvd_layer_state *l)
+/* Row buffers of `cap` tokens: K and V [H][cap][d], codes [H][L][cap]. */
+static size_t kv_bytes(const struct kvd_profile *p, uint32_t cap)
+{
+	return (size_t)p->g.kv_heads * cap * p->g.d * sizeof(uint16_t);
+}
+
+static size_t codes_bytes(const struct kvd_profile *p, uint32_t cap)
+{
+	return (size_t)p->g.kv_heads * p->g.L * cap * sizeof(uint16_t);
+}
+
+static void rows_free(const struct kvd_profile *p, uint16_t *k, uint16_t *v, uint16_t *c,
+		      uint32_t cap)
+{
+	kvd_mem_free(k, kv_bytes(p, cap));
+	kvd_mem_free(v, kv_bytes(p, cap));
+	kvd_mem_free(c, codes_bytes(p, cap));
+}
+
+static int rows_alloc(const struct kvd_profile *p, uint16_t **k, uint16_t **v, uint16_t **c,
+		      uint32_t cap)
+{
+	*k = kvd_mem_alloc(kv_bytes(p, cap));
+	*v = kvd_mem_alloc(kv_bytes(p, cap));
+	*c = kvd_mem_alloc(codes_bytes(p, cap));
+	if (*k && *v && *c)
+		return 0;
+	rows_free(p, *k, *v, *c, cap);
+	*k = *v = *c = NULL;
+	return -ENOMEM;
+}
+
+static void layer_free(const struct kvd_profile *p, struct kvd_layer_state *l)
 {
 	for (uint32_t i = 0; i < l->nseg; i++)
 		kvd_seg_free(l->seg[i]);
 	free(l->seg);
 	free(l->mean);
-	free(l->sk);
-	free(l->sv);
-	free(l->sc);
-	free(l->tk);
-	free(l->tv);
-	free(l->tc);
+	rows_free(p, l->sk, l->sv, l->sc, l->scap);
+	if (l->tk)
+		rows_free(p, l->tk, l->tv, l->tc, p->seal_tokens);
 	memset(l, 0, sizeof *l);
 }
 
 static void seq_destroy(struct kvd_seqn *q)
 {
 	for (uint32_t i = 0; i < q->p->layers; i++)
-		layer_free(&q->ly[i]);
+		layer_free(q->p, &q->ly[i]);
 	free(q->ly);
 	free(q);
 }
@@ -229,9 +259,7 @@ static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
 
 static size_t rows_bytes(const struct kvd_profile *p, uint32_t cap)
 {
-	size_t H = p->g.kv_heads, d = p->g.d, L = p->g.L;
-
-	return H * cap * (2 * d + L) * sizeof(uint16_t);
+	return 2 * kv_bytes(p, cap) + codes_bytes(p, cap);
 }
 
 /* Copies n rows (of a [H][n][d] / [H][L][n] batch, starting at row `from`)
@@ -295,7 +323,7 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 {
 	const struct kvd_profile *p = q->p;
 	uint32_t cap = l->scap ? l->scap : 1024;
-	size_t H = p->g.kv_heads, d = p->g.d, L = p->g.L;
+	uint16_t *nk, *nv, *nc;
 
 	while (cap < need)
 		cap *= 2;
@@ -303,20 +331,11 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 		cap = p->seg_tokens;
 	if (cap <= l->scap)
 		return 0;
-	uint16_t *nk = malloc(H * cap * d * 2), *nv = malloc(H * cap * d * 2);
-	uint16_t *nc = malloc(H * L * cap * 2);
-
-	if (!nk || !nv || !nc) {
-		free(nk);
-		free(nv);
-		free(nc);
+	if (rows_alloc(p, &nk, &nv, &nc, cap))
 		return -ENOMEM;
-	}
 	if (l->sn)
 		put_rows(p, nk, nv, nc, cap, 0, l->sk, l->sv, l->sc, l->scap, 0, l->sn);
-	free(l->sk);
-	free(l->sv);
-	free(l->sc);
+	rows_free(p, l->sk, l->sv, l->sc, l->scap);
 	account(s, q, (ptrdiff_t)rows_bytes(p, cap) - (ptrdiff_t)rows_bytes(p, l->scap));
 	l->sk = nk;
 	l->sv = nv;
@@ -328,9 +347,7 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 static void drop_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
 {
 	account(s, q, -(ptrdiff_t)rows_bytes(q->p, l->scap));
-	free(l->sk);
-	free(l->sv);
-	free(l->sc);
+	rows_free(q->p, l->sk, l->sv, l->sc, l->scap);
 	l->sk = l->sv = l->sc = NULL;
 	l->scap = l->sn = 0;
 }
@@ -376,12 +393,7 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	int rc;
 
 	if (!l->tk) {
-		size_t H = p->g.kv_heads, d = p->g.d, L = p->g.L;
-
-		l->tk = malloc(H * cap * d * 2);
-		l->tv = malloc(H * cap * d * 2);
-		l->tc = malloc(H * L * cap * 2);
-		if (!l->tk || !l->tv || !l->tc)
+		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, cap))
 			return -ENOMEM;
 		account(s, q, (ptrdiff_t)rows_bytes(p, cap));
 	}

@@ -320,7 +320,7 @@ static struct kvd_cqe raw_submit(struct raw *x, const struct kvd_sqe *e)
 	shm_ring_commit(&x->r.sq, 1);
 	if (shm_ring_needs_kick(&x->r.sq))
 		assert_int_equal(write(x->efd, &one, 8), 8);
-	n = shm_ring_wait(&x->r.cq, 50000, 5000000000ull, 0);
+	n = shm_ring_wait(&x->r.cq, 50000, 30000000000ull, 0);
 	assert_int_equal(n, 1);
 	memcpy(&c, shm_ring_entry(&x->r.cq, 0), sizeof c);
 	shm_ring_release(&x->r.cq, 1);

@@ -1,0 +1,546 @@
+/* kvd_config: defaults, the INI file, the command line.  See config.h. */
+#include <errno.h>
+#include <getopt.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <syslog.h>
+#include <unistd.h>
+
+#include <ini.h>
+
+#include "config.h"
+#include "ctl.h"
+
+__attribute__((format(printf, 3, 4)))
+static int fail(char *err, size_t errlen, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (err && errlen) {
+		va_start(ap, fmt);
+		vsnprintf(err, errlen, fmt, ap);
+		va_end(ap);
+	}
+	return -EINVAL;
+}
+
+/* A value for a message: escaped, cut after 64 bytes. */
+static const char *show(char *out, size_t cap, const char *s)
+{
+	size_t o = 0, i;
+
+	for (i = 0; s[i] && i < 64 && o + 5 < cap; i++) {
+		unsigned char ch = (unsigned char)s[i];
+
+		if (ch >= 0x20 && ch <= 0x7e && ch != '\'' && ch != '\\')
+			out[o++] = (char)ch;
+		else
+			o += (size_t)snprintf(out + o, cap - o, "\\x%02x", ch);
+	}
+	out[o] = 0;
+	if (s[i] && o + 4 < cap)
+		strcat(out, "...");
+	return out;
+}
+
+static uint64_t phys_bytes(void)
+{
+	long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+
+	return pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : 0;
+}
+
+void kvd_config_defaults(struct kvd_config *c)
+{
+	memset(c, 0, sizeof(*c));
+	strcpy(c->socket_path, KVD_CONFIG_SOCKET);
+	c->threads = 0;
+	c->mem_limit = phys_bytes() / 100 * 75;     /* as "limit = 75%" */
+	c->log_level = LOG_INFO;
+	c->slots = 16;
+	c->slot_size = 4ull << 20;
+	c->sq_entries = 256;
+	c->spin_ns = 50000;
+}
+
+/* ---- values ------------------------------------------------------------- */
+
+/* Digits only (no sign, no space, no hex), at least one, no overflow. */
+static int parse_u64(const char **s, uint64_t *out)
+{
+	const char *p = *s;
+	uint64_t v = 0;
+
+	if (*p < '0' || *p > '9')
+		return -1;
+	for (; *p >= '0' && *p <= '9'; p++) {
+		if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, (uint64_t)(*p - '0'), &v))
+			return -1;
+	}
+	*s = p;
+	*out = v;
+	return 0;
+}
+
+static int parse_uint(const char *s, uint64_t max, uint64_t *out, char *why, size_t n)
+{
+	if (parse_u64(&s, out) || *s)
+		return fail(why, n, "not a whole number");
+	if (*out > max)
+		return fail(why, n, "above %llu", (unsigned long long)max);
+	return 0;
+}
+
+/* SIZE: digits, then nothing or K M G T (lower case too), optionally
+ * followed by "iB".  Binary multiples. */
+static int parse_size(const char *s, uint64_t *out, char *why, size_t n)
+{
+	static const char units[] = "KMGT";
+	const char *u;
+	uint64_t v;
+
+	if (parse_u64(&s, &v))
+		return fail(why, n, "not a size (digits, then K, M, G or T)");
+	if (*s) {
+		char ch = *s >= 'a' && *s <= 'z' ? (char)(*s - 'a' + 'A') : *s;
+
+		u = strchr(units, ch);
+		if (!u || !ch || (s[1] && strcmp(s + 1, "iB")))
+			return fail(why, n, "unknown size suffix '%s' (K, M, G, T)", s);
+		for (int i = 0; i <= u - units; i++) {
+			if (__builtin_mul_overflow(v, 1024, &v))
+				return fail(why, n, "too large");
+		}
+	}
+	*out = v;
+	return 0;
+}
+
+static int set_socket(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	size_t len = strlen(v);
+
+	if (!len)
+		return fail(why, n, "empty path");
+	if (len >= sizeof(c->socket_path))
+		return fail(why, n, "path of %zu bytes, a Unix socket's is at most %zu", len,
+			    sizeof(c->socket_path) - 1);
+	memcpy(c->socket_path, v, len + 1);
+	return 0;
+}
+
+static int set_threads(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, KVD_CONFIG_THREADS_MAX, &x, why, n))
+		return -EINVAL;
+	c->threads = (unsigned)x;
+	return 0;
+}
+
+static int set_mem_limit(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	size_t len = strlen(v);
+	uint64_t x, phys;
+
+	if (len && v[len - 1] == '%') {
+		char num[16];
+
+		if (len - 1 >= sizeof(num))
+			return fail(why, n, "not a percentage (1%%..100%%)");
+		memcpy(num, v, len - 1);
+		num[len - 1] = 0;
+		if (parse_uint(num, 100, &x, why, n) || x == 0)
+			return fail(why, n, "not a percentage (1%%..100%%)");
+		phys = phys_bytes();
+		if (!phys)
+			return fail(why, n, "physical memory size unknown: give bytes");
+		c->mem_limit = phys / 100 * x;
+		return 0;
+	}
+	if (parse_size(v, &x, why, n))
+		return -EINVAL;
+	if (x && x < KVD_CONFIG_MEM_MIN)
+		return fail(why, n, "%llu bytes is below 1 MiB (a missing suffix? 0 means unlimited)",
+			    (unsigned long long)x);
+	c->mem_limit = x;
+	return 0;
+}
+
+static int set_slots(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, KVD_CTL_SLOTS_MAX, &x, why, n))
+		return -EINVAL;
+	if (!x)
+		return fail(why, n, "at least one slot");
+	c->slots = (uint32_t)x;
+	return 0;
+}
+
+static int set_slot_size(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_size(v, &x, why, n))
+		return -EINVAL;
+	if (x % 4096 || x < KVD_CTL_SLOT_MIN || x > KVD_CTL_SLOT_MAX)
+		return fail(why, n, "not a multiple of 4096 in [64K, 256M]");
+	c->slot_size = x;
+	return 0;
+}
+
+static int set_ring(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, KVD_CONFIG_RING_MAX, &x, why, n))
+		return -EINVAL;
+	if (x < KVD_CONFIG_RING_MIN || (x & (x - 1)))
+		return fail(why, n, "not a power of two in [%u, %u]", KVD_CONFIG_RING_MIN,
+			    KVD_CONFIG_RING_MAX);
+	c->sq_entries = (uint32_t)x;
+	return 0;
+}
+
+static int set_spin(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, KVD_CONFIG_SPIN_US_MAX, &x, why, n))
+		return -EINVAL;
+	c->spin_ns = x * 1000;
+	return 0;
+}
+
+static const struct {
+	const char *name;
+	int level;
+} levels[] = {
+	{ "error", LOG_ERR }, { "warning", LOG_WARNING }, { "notice", LOG_NOTICE },
+	{ "info", LOG_INFO }, { "debug", LOG_DEBUG }, { "err", LOG_ERR }, { "warn", LOG_WARNING },
+};
+
+static int set_level(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	for (size_t i = 0; i < sizeof(levels) / sizeof(levels[0]); i++) {
+		if (!strcmp(v, levels[i].name)) {
+			c->log_level = levels[i].level;
+			return 0;
+		}
+	}
+	return fail(why, n, "not one of error, warning, notice, info, debug");
+}
+
+const char *kvd_config_level_name(int level)
+{
+	for (size_t i = 0; i < sizeof(levels) / sizeof(levels[0]); i++) {
+		if (levels[i].level == level)
+			return levels[i].name;
+	}
+	return "?";
+}
+
+typedef int (*setter)(struct kvd_config *c, const char *v, char *why, size_t n);
+
+static const struct key {
+	const char *section, *name;
+	const char *flag;               /* the long option, or NULL: file only */
+	setter set;
+} keys[] = {
+	{ "server", "socket", "socket", set_socket },
+	{ "server", "threads", "threads", set_threads },
+	{ "memory", "limit", "mem-limit", set_mem_limit },
+	{ "transport", "slots", NULL, set_slots },
+	{ "transport", "slot_size", NULL, set_slot_size },
+	{ "transport", "ring_entries", NULL, set_ring },
+	{ "transport", "spin_us", NULL, set_spin },
+	{ "log", "level", "log-level", set_level },
+};
+#define NKEYS (sizeof(keys) / sizeof(keys[0]))
+
+static int known_section(const char *s, size_t len)
+{
+	for (size_t i = 0; i < NKEYS; i++) {
+		if (strlen(keys[i].section) == len && !memcmp(keys[i].section, s, len))
+			return 1;
+	}
+	return 0;
+}
+
+int kvd_config_check(const struct kvd_config *c, char *err, size_t errlen)
+{
+	struct kvd_ctl_err e;
+	size_t len = strnlen(c->socket_path, sizeof(c->socket_path));
+
+	if (!len || len == sizeof(c->socket_path))
+		return fail(err, errlen, "socket path empty or not terminated");
+	if (c->threads > KVD_CONFIG_THREADS_MAX)
+		return fail(err, errlen, "threads %u above %u", c->threads, KVD_CONFIG_THREADS_MAX);
+	if (c->mem_limit && c->mem_limit < KVD_CONFIG_MEM_MIN)
+		return fail(err, errlen, "memory limit %llu below 1 MiB",
+			    (unsigned long long)c->mem_limit);
+	if (c->sq_entries < KVD_CONFIG_RING_MIN || c->sq_entries > KVD_CONFIG_RING_MAX ||
+	    (c->sq_entries & (c->sq_entries - 1)))
+		return fail(err, errlen, "ring_entries %u is not a power of two in [%u, %u]",
+			    c->sq_entries, KVD_CONFIG_RING_MIN, KVD_CONFIG_RING_MAX);
+	if (c->spin_ns > (uint64_t)KVD_CONFIG_SPIN_US_MAX * 1000)
+		return fail(err, errlen, "spin of %llu ns above 1 s", (unsigned long long)c->spin_ns);
+	if (c->log_level < LOG_ERR || c->log_level > LOG_DEBUG)
+		return fail(err, errlen, "log level %d out of range", c->log_level);
+	if (kvd_ctl_check_arena(c->slots, c->slot_size, &e))
+		return fail(err, errlen, "[transport] %s", e.msg);
+	return 0;
+}
+
+/* ---- the file ----------------------------------------------------------- */
+
+struct ini_ctx {
+	struct kvd_config *c;
+	FILE *f;
+	const char *path;
+	unsigned line;                  /* of the line inih is working on */
+	unsigned seen[NKEYS];           /* line each key was set on, 0: not yet */
+	unsigned err_line;              /* of the first error we found, 0: none */
+	char *err;
+	size_t errlen;
+};
+
+__attribute__((format(printf, 2, 3)))
+static void ctx_fail(struct ini_ctx *x, const char *fmt, ...)
+{
+	char m[512];
+	va_list ap;
+
+	if (x->err_line)
+		return;                 /* the first error is the one to fix */
+	va_start(ap, fmt);
+	vsnprintf(m, sizeof(m), fmt, ap);
+	va_end(ap);
+	x->err_line = x->line;
+	snprintf(x->err, x->errlen, "%s:%u: %s", x->path, x->line, m);
+}
+
+/* inih's line reader (fgets-like), with jobs inih cannot do: count lines
+ * (this libinih is built without INI_HANDLER_LINENO), see section headers
+ * (inih reports only keys, so an empty unknown section would pass) and
+ * strip indentation (below).
+ * A line too long for inih's buffer is an error, and its rest is swallowed
+ * so inih's line count stays ours. */
+static char *line_reader(char *str, int num, void *stream)
+{
+	struct ini_ctx *x = stream;
+	char *s = fgets(str, num, x->f), *p;
+	size_t len;
+
+	if (!s)
+		return NULL;
+	x->line++;
+	len = strlen(s);
+	if ((len == 0 || s[len - 1] != '\n') && !feof(x->f)) {
+		int ch;
+
+		ctx_fail(x, "line longer than %d bytes (or a NUL byte in it)", num - 2);
+		while ((ch = fgetc(x->f)) != EOF && ch != '\n')
+			;
+		s[0] = 0;
+		return s;
+	}
+	p = s;
+	if (x->line == 1 && !strncmp(p, "\xEF\xBB\xBF", 3))
+		p += 3;
+	p += strspn(p, " \t");
+	/* inih would take an indented line for the continuation of the key
+	 * above (INI_ALLOW_MULTILINE): values are one line here, and indenting
+	 * keys is common, so inih never sees the indentation. */
+	memmove(s, p, strlen(p) + 1);
+	p = s;
+	if (*p == '[') {
+		char *end = strchr(p, ']'), v[300];
+
+		/* A header inih cannot parse is its syntax error, reported below. */
+		if (end && !known_section(p + 1, (size_t)(end - p - 1))) {
+			*end = 0;
+			ctx_fail(x, "unknown section [%s]", show(v, sizeof(v), p + 1));
+			*end = ']';
+		}
+	}
+	return s;
+}
+
+static int on_key(void *user, const char *section, const char *name, const char *value)
+{
+	struct ini_ctx *x = user;
+	char why[200], v[300];
+
+	if (!section[0]) {
+		ctx_fail(x, "%s = '%s': key outside a section", name, show(v, sizeof(v), value));
+		return 0;
+	}
+	for (size_t i = 0; i < NKEYS; i++) {
+		if (strcmp(section, keys[i].section) || strcmp(name, keys[i].name))
+			continue;
+		if (x->seen[i]) {
+			ctx_fail(x, "[%s] %s given twice (first on line %u)", section, name, x->seen[i]);
+			return 0;
+		}
+		x->seen[i] = x->line;
+		if (keys[i].set(x->c, value, why, sizeof(why))) {
+			ctx_fail(x, "[%s] %s = '%s': %s", section, name, show(v, sizeof(v), value), why);
+			return 0;
+		}
+		return 1;
+	}
+	if (!known_section(section, strlen(section)))
+		ctx_fail(x, "unknown section [%s]", section);
+	else
+		ctx_fail(x, "[%s] %s: unknown key", section, name);
+	return 0;
+}
+
+int kvd_config_load_file(struct kvd_config *c, const char *path, char *err, size_t errlen)
+{
+	struct kvd_config tmp = *c;
+	struct ini_ctx x = { .c = &tmp, .path = path, .err = err, .errlen = errlen };
+	char dummy[1];
+	int rc;
+
+	if (!err || !errlen) {
+		x.err = dummy;
+		x.errlen = sizeof(dummy);
+	}
+	if (strlen(path) >= sizeof(c->config_path))
+		return fail(err, errlen, "config path longer than %zu bytes", sizeof(c->config_path) - 1);
+	x.f = fopen(path, "re");
+	if (!x.f) {
+		rc = -errno;
+		fail(err, errlen, "%s: %s", path, strerror(-rc));
+		return rc;
+	}
+	rc = ini_parse_stream(line_reader, &x, on_key, &x);
+	if (ferror(x.f) && !x.err_line) {
+		fclose(x.f);
+		fail(err, errlen, "%s: read error", path);
+		return -EIO;
+	}
+	fclose(x.f);
+	if (rc > 0 && (!x.err_line || (unsigned)rc < x.err_line)) {
+		/* inih's own: a line that is neither [section], key = value nor
+		 * a comment.  Its line count is ours (one reader call a line). */
+		x.err_line = 0;
+		x.line = (unsigned)rc;
+		ctx_fail(&x, "syntax error: expected [section], key = value or a comment");
+	}
+	if (rc < 0 && !x.err_line) {
+		fail(err, errlen, "%s: out of memory", path);
+		return -ENOMEM;
+	}
+	if (x.err_line)
+		return -EINVAL;
+	strcpy(tmp.config_path, path);
+	rc = kvd_config_check(&tmp, x.err, x.errlen);
+	if (rc) {
+		char m[512];
+
+		snprintf(m, sizeof(m), "%s", x.err);
+		return fail(err, errlen, "%s: %s", path, m);
+	}
+	*c = tmp;
+	return 0;
+}
+
+/* ---- the command line --------------------------------------------------- */
+
+enum { OPT_FLAG = 256 };        /* OPT_FLAG + i: keys[i]'s flag */
+
+int kvd_config_parse_args(struct kvd_config *c, int argc, char **argv, char *err,
+			  size_t errlen)
+{
+	struct option opts[NKEYS + 4];
+	struct kvd_config tmp = *c;
+	const char *config = NULL;
+	int n = 0, ch, help = 0, rc;
+
+	for (size_t i = 0; i < NKEYS; i++) {
+		if (keys[i].flag)
+			opts[n++] = (struct option){ keys[i].flag, required_argument, NULL,
+						     OPT_FLAG + (int)i };
+	}
+	opts[n++] = (struct option){ "config", required_argument, NULL, 'c' };
+	opts[n++] = (struct option){ "foreground", no_argument, NULL, 'f' };
+	opts[n++] = (struct option){ "help", no_argument, NULL, 'h' };
+	opts[n] = (struct option){ 0 };
+
+	/* Pass 1: find --config (and --help, and every syntax error) before
+	 * applying anything, so the file sits below every flag whatever
+	 * their order.  "+": no permuting, stop at the first operand;
+	 * ":": report a missing value apart from an unknown option. */
+	opterr = 0;
+	optind = 0;
+	while ((ch = getopt_long(argc, argv, "+:c:fh", opts, NULL)) != -1) {
+		switch (ch) {
+		case 'c':
+			if (config)
+				return fail(err, errlen, "--config given twice");
+			config = optarg;
+			break;
+		case 'h':
+			help = 1;
+			break;
+		case ':':
+			return fail(err, errlen, "option '%s' needs a value", argv[optind - 1]);
+		case '?':
+			if (optopt)
+				return fail(err, errlen, "unknown option '-%c' (try --help)", optopt);
+			return fail(err, errlen, "unknown option '%s' (try --help)", argv[optind - 1]);
+		default:
+			break;
+		}
+	}
+	if (optind < argc)
+		return fail(err, errlen, "unexpected argument '%s' (try --help)", argv[optind]);
+	if (help)
+		return KVD_CONFIG_HELP;
+	if (config) {
+		rc = kvd_config_load_file(&tmp, config, err, errlen);
+		if (rc)
+			return rc;
+	}
+
+	optind = 0;
+	while ((ch = getopt_long(argc, argv, "+:c:fh", opts, NULL)) != -1) {
+		char why[200], v[300];
+		const struct key *k;
+
+		if (ch == 'f')
+			tmp.foreground = 1;
+		if (ch < OPT_FLAG)
+			continue;
+		k = &keys[ch - OPT_FLAG];
+		if (k->set(&tmp, optarg, why, sizeof(why)))
+			return fail(err, errlen, "--%s '%s': %s", k->flag, show(v, sizeof(v), optarg), why);
+	}
+	rc = kvd_config_check(&tmp, err, errlen);
+	if (rc)
+		return rc;
+	*c = tmp;
+	return 0;
+}
+
+void kvd_config_usage(FILE *f, const char *argv0)
+{
+	fprintf(f,
+		"usage: %s [options]\n"
+		"  -c, --config PATH     read this INI file first (flags override it)\n"
+		"  -f, --foreground      log to stderr, no systemd notifications\n"
+		"      --socket PATH     control socket (default " KVD_CONFIG_SOCKET ")\n"
+		"      --threads N       worker threads (0: one per online CPU)\n"
+		"      --mem-limit SIZE  memory budget: bytes with K/M/G/T, or N%% of RAM;\n"
+		"                        0: unlimited (default 75%%)\n"
+		"      --log-level LEVEL error, warning, notice, info (default) or debug\n"
+		"  -h, --help            this text\n",
+		argv0);
+}

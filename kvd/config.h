@@ -1,0 +1,85 @@
+/* kvd_config: the daemon's settings, from an INI file (libinih) and the
+ * command line.  Used by kvd/main.c only, before any thread starts (getopt
+ * state is global).
+ *
+ * Precedence, lowest first: built-in defaults (kvd_config_defaults), then
+ * the file named by --config (no file is read without it), then every other
+ * flag, wherever it stands on the command line relative to --config.
+ *
+ * The file (systemd/kvd.conf is the commented example):
+ *
+ *   [server]     socket = PATH         --socket PATH     (< 108 bytes)
+ *                threads = N           --threads N       (0: one per online CPU; <= 1024)
+ *   [memory]     limit = SIZE | N%     --mem-limit SIZE  (0: unlimited; else >= 1 MiB)
+ *   [transport]  slots = N                               (default arena slots per client)
+ *                slot_size = SIZE                        (bytes per slot)
+ *                ring_entries = N                        (SQ entries: power of two)
+ *                spin_us = N                             (spin before sleeping, <= 1 s)
+ *   [log]        level = error|warning|notice|info|debug   --log-level LEVEL
+ *
+ * SIZE is a decimal number with an optional binary suffix K, M, G, T (also
+ * KiB, MiB, GiB, TiB; lower case accepted).  N% is a whole percentage
+ * (1..100) of physical memory, resolved when parsed.  Every value is
+ * checked: a number is digits only, every range is enforced, an unknown
+ * section or key, a key outside a section, a key given twice and a line
+ * longer than the parser's limit are errors.  Messages name file:line (or the
+ * flag), the key and the value.  On error the struct is left unchanged.
+ */
+#ifndef KVD_CONFIG_H
+#define KVD_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+struct kvd_config {
+	char socket_path[108];          /* sizeof(sun_path); default /run/kvd/kvd.sock */
+	unsigned threads;               /* 0: one worker per online CPU */
+	uint64_t mem_limit;             /* bytes; 0: unlimited.  Default 75% of RAM */
+	int foreground;                 /* --foreground: log to stderr, no sd_notify */
+	char config_path[4096];         /* the file loaded, "" for none */
+	int log_level;                  /* syslog's LOG_ERR .. LOG_DEBUG; default LOG_INFO */
+	uint32_t slots;                 /* per client when Hello asks for 0; default 16 */
+	uint64_t slot_size;             /* per client when Hello asks for 0; default 4 MiB */
+	uint32_t sq_entries;            /* default 256 */
+	uint64_t spin_ns;               /* default 50 us */
+};
+
+#define KVD_CONFIG_SOCKET       "/run/kvd/kvd.sock"
+#define KVD_CONFIG_THREADS_MAX  1024u
+#define KVD_CONFIG_MEM_MIN      (1ull << 20)    /* smaller non-zero limits are typos */
+#define KVD_CONFIG_RING_MIN     16u
+#define KVD_CONFIG_RING_MAX     65536u
+#define KVD_CONFIG_SPIN_US_MAX  1000000u
+
+/* kvd_config_parse_args() returns this for --help: print kvd_config_usage()
+ * and exit 0. */
+#define KVD_CONFIG_HELP 1
+
+/* The defaults above.  mem_limit is 75% of physical memory: kvd's memory
+ * grows with its clients' contexts, and a daemon that takes the whole
+ * machine gets OOM-killed along with its clients. */
+void kvd_config_defaults(struct kvd_config *c);
+
+/* Applies the INI file at path on top of *c and records it in
+ * c->config_path.  0, or -errno (the file cannot be read) / -EINVAL (a bad
+ * line or value) with a message in err[0..errlen). */
+int kvd_config_load_file(struct kvd_config *c, const char *path, char *err, size_t errlen);
+
+/* Parses argv (argv[0] is the program) on top of *c: --config first (the
+ * file is loaded), then the other flags.  Flags: --socket PATH, --threads N,
+ * --mem-limit SIZE, --log-level LEVEL, --foreground (-f), --config PATH (-c),
+ * --help (-h).  Positional arguments are refused.  0, KVD_CONFIG_HELP, or
+ * -errno / -EINVAL with a message in err. */
+int kvd_config_parse_args(struct kvd_config *c, int argc, char **argv, char *err,
+			  size_t errlen);
+
+/* The cross-field checks (the arena of slots x slot_size), which
+ * load_file and parse_args also run.  0 or -EINVAL with a message. */
+int kvd_config_check(const struct kvd_config *c, char *err, size_t errlen);
+
+void kvd_config_usage(FILE *f, const char *argv0);
+
+/* "info" for LOG_INFO, ...; "?" for anything else. */
+const char *kvd_config_level_name(int level);
+
+#endif

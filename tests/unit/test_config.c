@@ -1,0 +1,419 @@
+/* kvd_config: defaults, a good file, every bad key and value (the message
+ * must name the file, the line and the key), size suffixes, flags over the
+ * file, bad flags.  A refused file or command line changes nothing. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <syslog.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "config.h"
+
+static char dir[64];
+static char path[128];
+
+static uint64_t phys(void)
+{
+	return (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+static const char *write_conf(const char *text)
+{
+	FILE *f;
+
+	snprintf(path, sizeof(path), "%s/kvd.conf", dir);
+	f = fopen(path, "w");
+	assert_non_null(f);
+	fputs(text, f);
+	fclose(f);
+	return path;
+}
+
+static int setup(void **state)
+{
+	(void)state;
+	snprintf(dir, sizeof(dir), "/tmp/kvd-test-config-XXXXXX");
+	return mkdtemp(dir) ? 0 : -1;
+}
+
+static int teardown(void **state)
+{
+	(void)state;
+	unlink(path);
+	rmdir(dir);
+	return 0;
+}
+
+static void test_defaults(void **state)
+{
+	struct kvd_config c;
+	char err[256];
+
+	kvd_config_defaults(&c);
+	assert_string_equal(c.socket_path, "/run/kvd/kvd.sock");
+	assert_int_equal(c.threads, 0);
+	assert_int_equal(c.mem_limit, phys() / 100 * 75);
+	assert_int_equal(c.foreground, 0);
+	assert_string_equal(c.config_path, "");
+	assert_int_equal(c.log_level, LOG_INFO);
+	assert_int_equal(c.slots, 16);
+	assert_int_equal(c.slot_size, 4 << 20);
+	assert_int_equal(c.sq_entries, 256);
+	assert_int_equal(c.spin_ns, 50000);
+	assert_int_equal(kvd_config_check(&c, err, sizeof(err)), 0);
+	assert_string_equal(kvd_config_level_name(c.log_level), "info");
+	assert_string_equal(kvd_config_level_name(99), "?");
+}
+
+static void test_good_file(void **state)
+{
+	struct kvd_config c;
+	char err[256] = "";
+
+	kvd_config_defaults(&c);
+	write_conf("\xEF\xBB\xBF# kvd test config\n"
+		   "; another comment\n"
+		   "\n"
+		   "[server]\n"
+		   "  socket = /tmp/kvd-test.sock\n"
+		   "\tthreads = 6   ; inline comment\n"
+		   "[memory]\n"
+		   "limit = 3G\n"
+		   "[transport]\n"
+		   "slots=8\n"
+		   "slot_size = 16MiB\n"
+		   "ring_entries = 1024\n"
+		   "spin_us = 0\n"
+		   "[log]\n"
+		   "level = debug\n");
+	if (kvd_config_load_file(&c, path, err, sizeof(err)))
+		print_error("%s\n", err);
+	assert_string_equal(c.socket_path, "/tmp/kvd-test.sock");
+	assert_int_equal(c.threads, 6);
+	assert_int_equal(c.mem_limit, 3ull << 30);
+	assert_int_equal(c.slots, 8);
+	assert_int_equal(c.slot_size, 16 << 20);
+	assert_int_equal(c.sq_entries, 1024);
+	assert_int_equal(c.spin_ns, 0);
+	assert_int_equal(c.log_level, LOG_DEBUG);
+	assert_string_equal(c.config_path, path);
+
+	/* An empty file is a valid file; sections may repeat. */
+	kvd_config_defaults(&c);
+	write_conf("");
+	assert_int_equal(kvd_config_load_file(&c, path, err, sizeof(err)), 0);
+	write_conf("[server]\nthreads = 2\n[log]\nlevel = warn\n[server]\nsocket = /a\n");
+	assert_int_equal(kvd_config_load_file(&c, path, err, sizeof(err)), 0);
+	assert_int_equal(c.threads, 2);
+	assert_int_equal(c.log_level, LOG_WARNING);
+	assert_string_equal(c.socket_path, "/a");
+}
+
+/* Each must be refused, the message containing every string in want. */
+static void test_bad_files(void **state)
+{
+	static char long_line[400], long_sock[300];
+	static const struct {
+		const char *text;
+		const char *want[3];
+	} bad[] = {
+		{ "[server]\nthreads = abc\n", { "kvd.conf:2:", "threads", "'abc': not a whole number" } },
+		{ "[server]\nthreads = -1\n", { ":2:", "threads", "'-1'" } },
+		{ "[server]\nthreads = +1\n", { ":2:", "threads", "'+1'" } },
+		{ "[server]\nthreads = 0x10\n", { "threads", "'0x10'" } },
+		{ "[server]\nthreads = 4x\n", { "threads", "'4x'" } },
+		{ "[server]\nthreads =\n", { "threads", "''" } },
+		{ "[server]\nthreads = 1025\n", { "threads", "above 1024" } },
+		{ "[server]\nthreads = 99999999999999999999999\n", { "threads", "not a whole number" } },
+		{ "[server]\nsocket =\n", { "socket", "empty path" } },
+		{ "\n\n[memory]\nlimit = 12Q\n", { "kvd.conf:4:", "limit", "'12Q'" } },
+		{ "[memory]\nlimit = 0%\n", { "limit", "percentage" } },
+		{ "[memory]\nlimit = 101%\n", { "limit", "percentage" } },
+		{ "[memory]\nlimit = 1.5%\n", { "limit", "percentage" } },
+		{ "[memory]\nlimit = %\n", { "limit", "percentage" } },
+		{ "[memory]\nlimit = 512\n", { "limit", "below 1 MiB" } },
+		{ "[memory]\nlimit = 99999999999T\n", { "limit", "too large" } },
+		{ "[memory]\nlimit = 4 M\n", { "limit", "'4 M'" } },
+		{ "[memory]\nlimit = 1KB\n", { "limit", "suffix" } },
+		{ "[memory]\nlimit = 1.5G\n", { "limit", "'1.5G'" } },
+		{ "[transport]\nslots = 0\n", { "slots", "at least one" } },
+		{ "[transport]\nslots = 1025\n", { "slots", "above 1024" } },
+		{ "[transport]\nslot_size = 1000\n", { "slot_size", "multiple of 4096" } },
+		{ "[transport]\nslot_size = 4097K\n", { "slot_size", "'4097K'" } },
+		{ "[transport]\nslot_size = 512M\n", { "slot_size", "'512M'" } },
+		{ "[transport]\nslot_size = 32K\n", { "slot_size", "'32K'" } },
+		{ "[transport]\nslots = 1024\nslot_size = 256M\n", { "kvd.conf", "slots 1024 x slot_size" } },
+		{ "[transport]\nring_entries = 100\n", { "ring_entries", "power of two" } },
+		{ "[transport]\nring_entries = 8\n", { "ring_entries", "power of two" } },
+		{ "[transport]\nring_entries = 131072\n", { "ring_entries", "above 65536" } },
+		{ "[transport]\nspin_us = 2000000\n", { "spin_us", "above 1000000" } },
+		{ "[log]\nlevel = loud\n", { "level", "'loud'" } },
+		{ "[log]\nlevel = INFO\n", { "level", "'INFO'" } },
+		{ "[server]\nthread = 4\n", { "kvd.conf:2:", "thread", "unknown key" } },
+		{ "[server]\nslots = 4\n", { "slots", "unknown key" } },
+		{ "[servr]\nthreads = 4\n", { "kvd.conf:1:", "unknown section [servr]" } },
+		{ "[server]\nthreads = 4\n[foo]\n", { "kvd.conf:3:", "unknown section [foo]" } },
+		{ "threads = 4\n", { "kvd.conf:1:", "threads", "outside a section" } },
+		{ "[server]\nthreads = 1\n\nthreads = 2\n", { "kvd.conf:4:", "threads given twice", "line 2" } },
+		{ "[server]\nthreads\n", { "kvd.conf:2:", "syntax error" } },
+		{ "[server\nthreads = 2\n", { "kvd.conf:1:", "syntax error" } },
+		{ "[server]\nthreads = \x01\n", { "threads", "'\\x01'" } },
+		{ long_line, { "kvd.conf:2:", "longer than" } },
+		{ long_sock, { "kvd.conf:2:", "socket", "at most 107" } },
+	};
+	struct kvd_config c, before;
+	char err[512];
+
+	memset(long_line, 0, sizeof(long_line));
+	strcpy(long_line, "[server]\n# ");
+	memset(long_line + strlen(long_line), 'x', 300);
+	strcat(long_line, "\nthreads = 4\n");
+	strcpy(long_sock, "[server]\nsocket = /");
+	memset(long_sock + strlen(long_sock), 's', 150);
+	strcat(long_sock, "\n");
+
+	kvd_config_defaults(&before);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc;
+
+		c = before;
+		err[0] = 0;
+		write_conf(bad[i].text);
+		rc = kvd_config_load_file(&c, path, err, sizeof(err));
+		for (int k = 0; k < 3 && bad[i].want[k]; k++) {
+			if (!strstr(err, bad[i].want[k]))
+				print_error("case %zu: want '%s' in '%s' (rc %d)\n", i, bad[i].want[k], err, rc);
+			assert_non_null(strstr(err, bad[i].want[k]));
+		}
+		assert_int_equal(rc, -EINVAL);
+		assert_memory_equal(&c, &before, sizeof(c));    /* untouched */
+	}
+
+	c = before;
+	snprintf(path, sizeof(path), "%s/missing.conf", dir);
+	assert_int_equal(kvd_config_load_file(&c, path, err, sizeof(err)), -ENOENT);
+	assert_non_null(strstr(err, "missing.conf"));
+	assert_int_equal(kvd_config_load_file(&c, dir, err, sizeof(err)) < 0, 1);
+}
+
+static int flag_mem(const char *v, uint64_t *out, char *err, size_t n)
+{
+	struct kvd_config c;
+	char *argv[] = { "kvd", "--mem-limit", (char *)v, NULL };
+	int rc;
+
+	kvd_config_defaults(&c);
+	rc = kvd_config_parse_args(&c, 3, argv, err, n);
+	*out = c.mem_limit;
+	return rc;
+}
+
+static void test_sizes(void **state)
+{
+	static const struct {
+		const char *v;
+		uint64_t want;
+	} good[] = {
+		{ "0", 0 }, { "1048576", 1 << 20 }, { "1M", 1 << 20 }, { "2MiB", 2 << 20 },
+		{ "3m", 3 << 20 }, { "4096K", 4 << 20 }, { "4096k", 4 << 20 }, { "1G", 1ull << 30 },
+		{ "5GiB", 5ull << 30 }, { "1T", 1ull << 40 }, { "2t", 2ull << 40 },
+		{ "16777215T", 16777215ull << 40 },
+	};
+	static const char *const bad[] = {
+		"", "M", "1KB", "1Mi", "1MB", "1 G", " 1G", "1G ", "-1G", "1.5G", "1e9", "1P",
+		"0x100000", "16777216T", "18446744073709551616", "1%%", "50%x", "1000%",
+	};
+	char err[256];
+	uint64_t v;
+
+	for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+		if (flag_mem(good[i].v, &v, err, sizeof(err)))
+			print_error("'%s': %s\n", good[i].v, err);
+		assert_int_equal(v, good[i].want);
+	}
+	assert_int_equal(flag_mem("50%", &v, err, sizeof(err)), 0);
+	assert_int_equal(v, phys() / 100 * 50);
+	assert_int_equal(flag_mem("100%", &v, err, sizeof(err)), 0);
+	assert_int_equal(v, phys() / 100 * 100);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		err[0] = 0;
+		if (flag_mem(bad[i], &v, err, sizeof(err)) != -EINVAL || !strstr(err, "--mem-limit"))
+			print_error("'%s' accepted or badly refused: '%s'\n", bad[i], err);
+		assert_non_null(strstr(err, "--mem-limit"));
+	}
+}
+
+static void test_flags_over_file(void **state)
+{
+	struct kvd_config c;
+	char err[256] = "";
+	char conf[160];
+	/* The file comes after --threads on the command line and still loses. */
+	char *argv[] = { "kvd", "--threads", "8", "-f", "--config", conf,
+			 "--socket=/flag.sock", NULL };
+
+	write_conf("[server]\nthreads = 4\nsocket = /file.sock\n[log]\nlevel = debug\n"
+		   "[transport]\nspin_us = 7\n");
+	snprintf(conf, sizeof(conf), "%s", path);
+	kvd_config_defaults(&c);
+	if (kvd_config_parse_args(&c, 7, argv, err, sizeof(err)))
+		print_error("%s\n", err);
+	assert_int_equal(c.threads, 8);
+	assert_string_equal(c.socket_path, "/flag.sock");
+	assert_int_equal(c.log_level, LOG_DEBUG);       /* from the file */
+	assert_int_equal(c.spin_ns, 7000);
+	assert_int_equal(c.foreground, 1);
+	assert_string_equal(c.config_path, path);
+
+	/* No --config: no file, defaults plus flags.  Parsing twice works
+	 * (getopt's state is reset). */
+	{
+		char *a2[] = { "kvd", "--log-level", "error", "--mem-limit", "2G", NULL };
+
+		kvd_config_defaults(&c);
+		assert_int_equal(kvd_config_parse_args(&c, 5, a2, err, sizeof(err)), 0);
+		assert_int_equal(c.log_level, LOG_ERR);
+		assert_int_equal(c.mem_limit, 2ull << 30);
+		assert_string_equal(c.config_path, "");
+		assert_int_equal(kvd_config_parse_args(&c, 5, a2, err, sizeof(err)), 0);
+	}
+	{
+		char *a3[] = { "kvd", NULL };
+
+		kvd_config_defaults(&c);
+		assert_int_equal(kvd_config_parse_args(&c, 1, a3, err, sizeof(err)), 0);
+		assert_string_equal(c.socket_path, "/run/kvd/kvd.sock");
+	}
+}
+
+static void test_bad_flags(void **state)
+{
+	static const struct {
+		int rc;
+		const char *want;
+		const char *argv[6];
+	} bad[] = {
+		{ -EINVAL, "unknown option '--bogus'", { "kvd", "--bogus" } },
+		{ -EINVAL, "unknown option '-x'", { "kvd", "-x" } },
+		{ -EINVAL, "unknown option '--threads-x'", { "kvd", "--threads-x", "3" } },
+		{ -EINVAL, "option '--threads' needs a value", { "kvd", "--threads" } },
+		{ -EINVAL, "option '-c' needs a value", { "kvd", "-c" } },
+		{ -EINVAL, "unexpected argument 'extra'", { "kvd", "-f", "extra" } },
+		{ -EINVAL, "--threads 'abc': not a whole number", { "kvd", "--threads", "abc" } },
+		{ -EINVAL, "--threads '2000': above 1024", { "kvd", "--threads=2000" } },
+		{ -EINVAL, "--log-level 'loud'", { "kvd", "--log-level", "loud" } },
+		{ -EINVAL, "--socket ''", { "kvd", "--socket", "" } },
+		{ -EINVAL, "--config given twice", { "kvd", "-c", "/a", "--config", "/b" } },
+		{ -ENOENT, "/nonexistent/kvd.conf", { "kvd", "--config", "/nonexistent/kvd.conf" } },
+		{ -EINVAL, "unknown option '--bogus'", { "kvd", "--help", "--bogus" } },
+		{ KVD_CONFIG_HELP, "", { "kvd", "--threads", "abc", "--help" } },
+		{ KVD_CONFIG_HELP, "", { "kvd", "-h" } },
+	};
+	struct kvd_config c, before;
+	char err[256];
+
+	kvd_config_defaults(&before);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		char *argv[6];
+		int argc = 0, rc;
+
+		while (bad[i].argv[argc]) {
+			argv[argc] = (char *)bad[i].argv[argc];
+			argc++;
+		}
+		argv[argc] = NULL;
+		c = before;
+		err[0] = 0;
+		rc = kvd_config_parse_args(&c, argc, argv, err, sizeof(err));
+		if (rc != bad[i].rc || !strstr(err, bad[i].want))
+			print_error("case %zu: rc %d, want %d '%s', got '%s'\n", i, rc, bad[i].rc,
+				    bad[i].want, err);
+		assert_int_equal(rc, bad[i].rc);
+		assert_non_null(strstr(err, bad[i].want));
+		assert_memory_equal(&c, &before, sizeof(c));
+	}
+
+	/* A bad file named by --config: its message, and nothing applied. */
+	{
+		char conf[160];
+		char *argv[] = { "kvd", "--threads", "3", "--config", conf, NULL };
+
+		write_conf("[server]\nthreads = 2\nbogus = 1\n");
+		snprintf(conf, sizeof(conf), "%s", path);
+		c = before;
+		assert_int_equal(kvd_config_parse_args(&c, 5, argv, err, sizeof(err)), -EINVAL);
+		assert_non_null(strstr(err, "kvd.conf:3: [server] bogus: unknown key"));
+		assert_memory_equal(&c, &before, sizeof(c));
+	}
+}
+
+/* The example shipped with the unit (systemd/kvd.conf) is a valid file,
+ * also with every key uncommented (tests run from the repository root). */
+static void test_example_file(void **state)
+{
+	struct kvd_config c, d;
+	char err[256] = "", line[512];
+	FILE *in = fopen("systemd/kvd.conf", "r"), *out;
+
+	if (!in) {
+		printf("SKIP: systemd/kvd.conf not found (run from the repository root)\n");
+		skip();
+	}
+	kvd_config_defaults(&c);
+	d = c;
+	if (kvd_config_load_file(&c, "systemd/kvd.conf", err, sizeof(err)))
+		print_error("%s\n", err);
+	assert_string_equal(c.config_path, "systemd/kvd.conf");
+	memset(c.config_path, 0, sizeof(c.config_path));
+	assert_memory_equal(&c, &d, sizeof(c));
+
+	snprintf(path, sizeof(path), "%s/kvd.conf", dir);
+	out = fopen(path, "w");
+	assert_non_null(out);
+	while (fgets(line, sizeof(line), in))
+		fputs(line[0] == '#' && line[1] != ' ' && line[1] != '\n' ? line + 1 : line, out);
+	fclose(in);
+	fclose(out);
+	if (kvd_config_load_file(&c, path, err, sizeof(err)))
+		print_error("%s\n", err);
+	memset(c.config_path, 0, sizeof(c.config_path));
+	/* The commented values are the defaults. */
+	assert_memory_equal(&c, &d, sizeof(c));
+}
+
+static void test_usage(void **state)
+{
+	char *buf = NULL;
+	size_t n = 0;
+	FILE *f = open_memstream(&buf, &n);
+
+	kvd_config_usage(f, "kvd");
+	fclose(f);
+	assert_non_null(strstr(buf, "usage: kvd"));
+	assert_non_null(strstr(buf, "--config"));
+	assert_non_null(strstr(buf, "--mem-limit"));
+	free(buf);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_defaults),
+		cmocka_unit_test(test_good_file),
+		cmocka_unit_test(test_bad_files),
+		cmocka_unit_test(test_sizes),
+		cmocka_unit_test(test_flags_over_file),
+		cmocka_unit_test(test_bad_flags),
+		cmocka_unit_test(test_example_file),
+		cmocka_unit_test(test_usage),
+	};
+
+	return cmocka_run_group_tests(tests, setup, teardown);
+}
