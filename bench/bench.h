@@ -22,4 +22,13 @@ double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int re
 /* The CPU's model name from /proc/cpuinfo, or "unknown". */
 const char *bench_cpu_name(void);
 
+/* `kvbench ipc [--json] [--iters N]` (bench/ipc.c): ring vs socket round
+ * trips between two processes.  argv holds the options (a leading "ipc" is
+ * skipped).  0, or 1 on failure, 2 on bad usage. */
+int bench_ipc_main(int argc, char **argv);
+
+/* kvbench demo / serve (bench/serve.c). */
+int bench_demo_main(int argc, char **argv);
+int bench_serve_main(int argc, char **argv);
+
 #endif

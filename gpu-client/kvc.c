@@ -351,9 +351,12 @@ static int submit(struct kvc *c, const struct kvd_sqe *e)
 	void *p;
 	int rc;
 
-	while (!(p = shm_ring_reserve(&c->r.sq)))
+	while (!(p = shm_ring_reserve(&c->r.sq))) {
+		if (shm_ring_broken(&c->r.sq))
+			return fail(c, -EPROTO, "submission ring corrupted");
 		if ((rc = reap(c, 1)))
 			return rc;
+	}
 	memcpy(p, e, sizeof *e);
 	shm_ring_commit(&c->r.sq, 1);
 	if (shm_ring_needs_kick(&c->r.sq)) {

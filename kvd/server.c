@@ -92,8 +92,14 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 		munmap(c->map, c->map_size);
 	if (c->memfd >= 0)
 		close(c->memfd);
-	if (c->efd >= 0)
-		close(c->efd);      /* closing removes it from the epoll set */
+	/* The client holds its own copy of the eventfd, so closing ours would
+	 * leave the registration alive and its next kick pointing at freed
+	 * memory: remove both fds from the set explicitly. */
+	if (c->efd >= 0) {
+		epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->efd, NULL);
+		close(c->efd);
+	}
+	epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
 	free(c);
 }

@@ -1,0 +1,772 @@
+/* AVX2 + FMA kernels.  Same structure as kern_avx512.c (read its notes on
+ * walking rows and prefetching) at half the width and with 16 registers.
+ *
+ * bf16 -> f32 is done 16 elements at a time without shuffles: a 32-byte row
+ * chunk read as 8 u32 holds the pairs (2k, 2k+1); `<< 16` yields the even
+ * elements and `& 0xffff0000` the odd ones.  qk reorders q once per call to
+ * match, pv keeps its accumulators in that order and restores o's order at
+ * the end.  d is a multiple of 16, so there is no partial chunk.
+ *
+ * Stack use is at most ~24 KiB per call; nothing is allocated.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kern.h"
+#include "lsh.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define GB_MAX 6        /* q heads per group: 12 accumulators + row pair + q */
+
+/* ---- walking rows (as in kern_avx512.c) ------------------------------------ */
+
+#define NRUN 4
+#define TILE 16
+#define STREAM_MIN 256  /* contiguous calls at least this long use 4 streams */
+#define PF_GATHER 16    /* rows ahead to prefetch: one tile */
+#define PF_STREAM 8     /* rows ahead in each stream: two tiles */
+
+struct walk {
+	const uint16_t *base;
+	const uint32_t *idx;
+	size_t m;
+	size_t part;            /* rows per stream (a multiple of 4), or 0: in order */
+	size_t ntiles;
+	size_t pfd;             /* rows ahead to prefetch */
+	int d;
+	int odd;                /* rows may straddle one more line than d/32 */
+};
+
+struct tile {
+	size_t pos[NRUN], end[NRUN];    /* end: of the stream, for prefetching */
+	int cnt[NRUN];
+};
+
+static void walk_init(struct walk *w, const uint16_t *base, const uint32_t *idx, size_t m, int d)
+{
+	w->base = base;
+	w->idx = idx;
+	w->m = m;
+	w->d = d;
+	w->part = !idx && m >= STREAM_MIN ? ((m + 15) / 16) * 4 : 0;
+	w->ntiles = w->part ? w->part / 4 : (m + TILE - 1) / TILE;
+	w->pfd = w->part ? PF_STREAM : PF_GATHER;
+	w->odd = (((uintptr_t)base | 2 * (size_t)d) & 63) != 0;
+}
+
+/* Run 0 of a tile is never empty: its first row stands in for the missing
+ * rows of the others (qk drops their results, pv skips them). */
+static inline void tile_at(const struct walk *w, size_t t, struct tile *tl)
+{
+	for (int j = 0; j < NRUN; j++) {
+		size_t p = w->part ? j * w->part + 4 * t : TILE * t + 4 * j;
+		size_t e = w->part && (j + 1) * w->part < w->m ? (j + 1) * w->part : w->m;
+
+		tl->pos[j] = p;
+		tl->end[j] = e;
+		tl->cnt[j] = p >= e ? 0 : e - p < 4 ? (int)(e - p) : 4;
+	}
+}
+
+static inline const uint16_t *walk_ptr(const struct walk *w, size_t p)
+{
+	return w->base + (w->idx ? (size_t)w->idx[p] : p) * (size_t)w->d;
+}
+
+static inline const uint16_t *slot_row(const struct walk *w, const struct tile *tl, int j, int k)
+{
+	return walk_ptr(w, k < tl->cnt[j] ? tl->pos[j] + k : tl->pos[0]);
+}
+
+static inline const uint16_t *slot_pf(const struct walk *w, const struct tile *tl, int j, int k)
+{
+	size_t p = tl->pos[j] + k + w->pfd;
+
+	return walk_ptr(w, p < tl->end[j] ? p : tl->end[j] - 1);
+}
+
+/* The line holding chunk c (16 elements) of row p (two chunks share a line:
+ * prefetching it twice costs less than a branch); prefetch_last: the row's
+ * last line, for rows that are not 64-byte aligned. */
+INLINE void prefetch_chunk(const uint16_t *p, int c)
+{
+	_mm_prefetch((const char *)(p + 16 * c), _MM_HINT_T0);
+}
+
+INLINE void prefetch_last(const uint16_t *p, int d)
+{
+	_mm_prefetch((const char *)(p + d - 1), _MM_HINT_T0);
+}
+
+/* ---- shared pieces ------------------------------------------------------ */
+
+INLINE void bf16_eo(const uint16_t *p, __m256 *e, __m256 *o)
+{
+	__m256i v = _mm256_loadu_si256((const __m256i *)p);
+
+	*e = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+	*o = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* dst[16c .. 16c+16) = (even elements, odd elements) of src's chunk c. */
+static void deinterleave(float *dst, const float *src, int d)
+{
+	for (int c = 0; c < d; c += 16) {
+		__m256 a = _mm256_loadu_ps(src + c), b = _mm256_loadu_ps(src + c + 8);
+		/* shuffle_ps works per 128-bit lane; permute4x64 restores order. */
+		__m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+		__m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+
+		e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+		o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+		_mm256_store_ps(dst + c, e);
+		_mm256_store_ps(dst + c + 8, o);
+	}
+}
+
+static void interleave(float *dst, const float *src, int d)
+{
+	for (int c = 0; c < d; c += 16) {
+		__m256 e = _mm256_load_ps(src + c), o = _mm256_load_ps(src + c + 8);
+		__m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+
+		_mm256_storeu_ps(dst + c, _mm256_permute2f128_ps(lo, hi, 0x20));
+		_mm256_storeu_ps(dst + c + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+	}
+}
+
+/* Lane j of the result = sum of the lanes of v[j], for 8 vectors. */
+INLINE __m256 hsum8(const __m256 *v)
+{
+	__m256 a[4], b[2];
+
+#pragma GCC unroll 4
+	for (int k = 0; k < 4; k++)
+		a[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+				     _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+#pragma GCC unroll 2
+	for (int k = 0; k < 2; k++) {
+		__m256d x = _mm256_castps_pd(a[2 * k]), y = _mm256_castps_pd(a[2 * k + 1]);
+
+		b[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+				     _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+	}
+	return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+			     _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+static inline float hsum(__m256 v)
+{
+	__m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+
+	s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+	s = _mm_add_ss(s, _mm_movehdup_ps(s));
+	return _mm_cvtss_f32(s);
+}
+
+/* The kernels below take the head-group size GB as a first argument and are
+ * instantiated once per value (name_1 .. name_6, listed in a table indexed
+ * by GB - 1), so that GB is a constant in each and its accumulators live in
+ * registers.  G heads go in ng groups of near-equal size, at most GB_MAX. */
+#define BY_GB(F) F(1) F(2) F(3) F(4) F(5) F(6)
+#define BY_GB_NAMES(name) { name##_1, name##_2, name##_3, name##_4, name##_5, name##_6 }
+
+/* ---- qk ---------------------------------------------------------------- */
+
+/* Dot products of GB heads with the rows of a tile into tmp[g*TILE + slot],
+ * then s.  NR rows at a time share each load of q.  Even and odd elements
+ * have separate accumulators, so each takes one FMA per chunk: 2 * NR * GB
+ * chains of 4-cycle FMAs, >= 8 to keep both FMA ports busy (6 for GB = 3). */
+INLINE void qk_tile(const int GB, const float *qp, const struct walk *w, const struct tile *tl,
+		    __m256 *tmp, float *s, size_t lds, int pf)
+{
+	const int NR = GB == 1 ? 4 : GB == 2 ? 2 : 1;
+	const int d = w->d, nch = d / 16;
+
+	for (int r0 = 0; r0 < TILE; r0 += NR) {
+		const int j = r0 / 4, k0 = r0 % 4;
+		const uint16_t *rp[4], *pp[4];
+		__m256 ae[4][GB_MAX], ao[4][GB_MAX];
+
+		if (k0 >= tl->cnt[j]) {
+			for (int k = 0; k < NR; k++)
+				for (int g = 0; g < GB; g++)
+					tmp[g * TILE + r0 + k] = _mm256_setzero_ps();
+			continue;
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < NR; k++) {
+			rp[k] = slot_row(w, tl, j, k0 + k);
+			pp[k] = pf ? slot_pf(w, tl, j, k0 + k) : NULL;
+			if (pf && w->odd)
+				prefetch_last(pp[k], d);
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++)
+				ae[k][g] = ao[k][g] = _mm256_setzero_ps();
+		}
+		for (int c = 0; c < nch; c++) {
+			__m256 xe[4], xo[4];
+
+#pragma GCC unroll 4
+			for (int k = 0; k < NR; k++) {
+				if (pf)
+					prefetch_chunk(pp[k], c);
+				bf16_eo(rp[k] + 16 * c, &xe[k], &xo[k]);
+			}
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++) {
+				__m256 qe = _mm256_load_ps(qp + g * d + 16 * c);
+				__m256 qo = _mm256_load_ps(qp + g * d + 16 * c + 8);
+
+#pragma GCC unroll 4
+				for (int k = 0; k < NR; k++) {
+					ae[k][g] = _mm256_fmadd_ps(qe, xe[k], ae[k][g]);
+					ao[k][g] = _mm256_fmadd_ps(qo, xo[k], ao[k][g]);
+				}
+			}
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < NR; k++)
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++)
+				tmp[g * TILE + r0 + k] = _mm256_add_ps(ae[k][g], ao[k][g]);
+	}
+	for (int g = 0; g < GB; g++) {
+		for (int h = 0; h < 2; h++) {
+			__m256 v = hsum8(tmp + g * TILE + 8 * h);
+
+			/* Lane 4j+k of head g's sums goes to position pos[j]+k. */
+			for (int j = 2 * h; j < 2 * h + 2; j++) {
+				__m128 x = j % 2 ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v);
+				float *out = s + g * lds + tl->pos[j];
+
+				if (tl->cnt[j] == 4)
+					_mm_storeu_ps(out, x);
+				else if (tl->cnt[j])
+					_mm_maskstore_ps(out, _mm_cmpgt_epi32(_mm_set1_epi32(tl->cnt[j]),
+									      _mm_setr_epi32(0, 1, 2, 3)), x);
+			}
+		}
+	}
+}
+
+typedef void qk_fn(const float *qp, const struct walk *w, const struct tile *tl, __m256 *tmp,
+		   float *s, size_t lds, int pf);
+#define QK_TILE(GB)                                                                 \
+	static __attribute__((noinline)) void qk_tile_##GB(const float *qp,        \
+		const struct walk *w, const struct tile *tl, __m256 *tmp, float *s,   \
+		size_t lds, int pf)                                                 \
+	{                                                                           \
+		qk_tile(GB, qp, w, tl, tmp, s, lds, pf);                            \
+	}
+BY_GB(QK_TILE)
+static qk_fn *const qk_tiles[GB_MAX] = BY_GB_NAMES(qk_tile);
+
+static void qk_avx2(const float *q, int G, int d, const uint16_t *base,
+		    const uint32_t *idx, size_t m, float *s, size_t lds)
+{
+	_Alignas(32) float qp[KVD_GMAX * KVD_DMAX];
+	_Alignas(32) __m256 tmp[GB_MAX * TILE];
+	int ng = (G + GB_MAX - 1) / GB_MAX;
+	struct walk w;
+	struct tile tl;
+
+	if (m == 0)
+		return;
+	walk_init(&w, base, idx, m, d);
+	for (int g = 0; g < G; g++)
+		deinterleave(qp + g * d, q + (size_t)g * d, d);
+	for (size_t t = 0; t < w.ntiles; t++) {
+		tile_at(&w, t, &tl);
+		for (int k = 0, g0 = 0; k < ng; k++) {
+			int gb = (G - g0) / (ng - k);
+
+			qk_tiles[gb - 1](qp + g0 * d, &w, &tl, tmp, s + g0 * lds, lds, k == 0);
+			g0 += gb;
+		}
+	}
+}
+
+/* ---- pv ---------------------------------------------------------------- */
+
+/* oa (GB heads, stride d, even/odd order) += w . rows of a tile, over CW
+ * chunks from c0, with 2 * CW * GB (8 to 12) accumulators: one FMA per row
+ * each, enough chains to keep both FMA ports busy. */
+INLINE void pv_pass(const int GB, const int CW, int c0, const float *w, size_t ldw, float *oa,
+		    const struct walk *wk, const struct tile *tl, const uint16_t *const *rp,
+		    const uint16_t *const *pp)
+{
+	const int d = wk->d;
+	__m256 ae[GB_MAX], ao[GB_MAX];
+
+#pragma GCC unroll 12
+	for (int k = 0; k < CW * GB; k++) {
+		ae[k] = _mm256_load_ps(oa + (k % GB) * d + 16 * (c0 + k / GB));
+		ao[k] = _mm256_load_ps(oa + (k % GB) * d + 16 * (c0 + k / GB) + 8);
+	}
+	for (int r = 0; r < TILE; r++) {
+		const float *wr = w + tl->pos[r / 4] + r % 4;
+		const uint16_t *p = rp[r] + 16 * c0;
+
+		if (r % 4 == tl->cnt[r / 4]) {
+			r |= 3;
+			continue;
+		}
+		if (pp) {
+#pragma GCC unroll 4
+			for (int cc = 0; cc < CW; cc++)
+				prefetch_chunk(pp[r], c0 + cc);
+			if (c0 == 0 && wk->odd)
+				prefetch_last(pp[r], wk->d);
+		}
+#pragma GCC unroll 4
+		for (int cc = 0; cc < CW; cc++) {
+			__m256 xe, xo;
+
+			bf16_eo(p + 16 * cc, &xe, &xo);
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++) {
+				__m256 wv = _mm256_broadcast_ss(wr + g * ldw);
+
+				ae[cc * GB + g] = _mm256_fmadd_ps(wv, xe, ae[cc * GB + g]);
+				ao[cc * GB + g] = _mm256_fmadd_ps(wv, xo, ao[cc * GB + g]);
+			}
+		}
+	}
+#pragma GCC unroll 12
+	for (int k = 0; k < CW * GB; k++) {
+		_mm256_store_ps(oa + (k % GB) * d + 16 * (c0 + k / GB), ae[k]);
+		_mm256_store_ps(oa + (k % GB) * d + 16 * (c0 + k / GB) + 8, ao[k]);
+	}
+}
+
+INLINE void pv_tile(const int GB, const float *w, size_t ldw, float *oa,
+		    const struct walk *wk, const struct tile *tl, int pf)
+{
+	const int CW = GB == 1 ? 4 : GB <= 3 ? 2 : 1;
+	const int nch = wk->d / 16;
+	const uint16_t *rp[TILE], *pp[TILE];
+	int c0 = 0;
+
+	for (int r = 0; r < TILE; r++) {
+		rp[r] = slot_row(wk, tl, r / 4, r % 4);
+		pp[r] = pf ? slot_pf(wk, tl, r / 4, r % 4) : NULL;
+	}
+	for (; c0 + CW <= nch; c0 += CW)
+		pv_pass(GB, CW, c0, w, ldw, oa, wk, tl, rp, pf ? pp : NULL);
+	for (; c0 < nch; c0++)
+		pv_pass(GB, 1, c0, w, ldw, oa, wk, tl, rp, pf ? pp : NULL);
+}
+
+typedef void pv_fn(const float *w, size_t ldw, float *oa, const struct walk *wk,
+		   const struct tile *tl, int pf);
+#define PV_TILE(GB)                                                                 \
+	static __attribute__((noinline)) void pv_tile_##GB(const float *w, size_t ldw, \
+		float *oa, const struct walk *wk, const struct tile *tl, int pf)      \
+	{                                                                           \
+		pv_tile(GB, w, ldw, oa, wk, tl, pf);                                \
+	}
+BY_GB(PV_TILE)
+static pv_fn *const pv_tiles[GB_MAX] = BY_GB_NAMES(pv_tile);
+
+static void pv_avx2(const float *w, size_t ldw, int G, int d, const uint16_t *base,
+		    const uint32_t *idx, size_t m, float *o)
+{
+	_Alignas(32) float oa[KVD_GMAX * KVD_DMAX];
+	int ng = (G + GB_MAX - 1) / GB_MAX;
+	struct walk wk;
+	struct tile tl;
+
+	if (m == 0)
+		return;
+	walk_init(&wk, base, idx, m, d);
+	for (int g = 0; g < G; g++)
+		deinterleave(oa + g * d, o + (size_t)g * d, d);
+	for (size_t t = 0; t < wk.ntiles; t++) {
+		tile_at(&wk, t, &tl);
+		for (int k = 0, g0 = 0; k < ng; k++) {
+			int gb = (G - g0) / (ng - k);
+
+			pv_tiles[gb - 1](w + g0 * ldw, ldw, oa + g0 * d, &wk, &tl, k == 0);
+			g0 += gb;
+		}
+	}
+	for (int g = 0; g < G; g++)
+		interleave(o + (size_t)g * d, oa + g * d, d);
+}
+
+/* ---- softmax pieces ------------------------------------------------------ */
+
+/* Tails shorter than a vector go through an 8-float stack buffer padded with
+ * a neutral value, so every kernel reads and writes only x[0..m). */
+static float max_avx2(const float *x, size_t m)
+{
+	__m256 a0 = _mm256_set1_ps(-INFINITY), a1 = a0, a2 = a0, a3 = a0;
+	size_t i = 0;
+
+	/* max_ps(x, a) returns a when x is NaN: NaNs are skipped like in scalar. */
+	for (; i + 32 <= m; i += 32) {
+		a0 = _mm256_max_ps(_mm256_loadu_ps(x + i), a0);
+		a1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), a1);
+		a2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), a2);
+		a3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), a3);
+	}
+	for (; i + 8 <= m; i += 8)
+		a0 = _mm256_max_ps(_mm256_loadu_ps(x + i), a0);
+	if (i < m) {
+		_Alignas(32) float t[8] = { -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+					    -INFINITY, -INFINITY, -INFINITY, -INFINITY };
+
+		memcpy(t, x + i, (m - i) * sizeof *t);
+		a1 = _mm256_max_ps(_mm256_load_ps(t), a1);
+	}
+	a0 = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+	__m128 v = _mm_max_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+
+	v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+	v = _mm_max_ss(v, _mm_movehdup_ps(v));
+	return _mm_cvtss_f32(v);
+}
+
+/* expf as in kern_avx512.c (Cephes' reduction and polynomial, relative error
+ * ~1.2e-7); without VSCALEFPS, 2^n is applied as 2^(n>>1) * 2^(n - (n>>1)),
+ * both normal for n in [-159, 128], so denormal results round once, right. */
+INLINE __m256 exp256(__m256 x)
+{
+	x = _mm256_max_ps(_mm256_set1_ps(-110.0f), x);
+	x = _mm256_min_ps(_mm256_set1_ps(88.8f), x);
+	__m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+				   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+	__m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+
+	r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+	__m256 p = _mm256_set1_ps(1.9875691500e-4f);
+
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+	p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+	p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+	__m256i ni = _mm256_cvtps_epi32(n);
+	__m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+	__m256i bias = _mm256_set1_epi32(127);
+	__m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+	__m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+
+	return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+static float expsum_avx2(float *x, size_t m, float mx)
+{
+	__m256 vm = _mm256_set1_ps(mx), s0 = _mm256_setzero_ps(), s1 = s0;
+	size_t i = 0;
+
+	for (; i + 16 <= m; i += 16) {
+		__m256 a = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+		__m256 b = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vm));
+
+		_mm256_storeu_ps(x + i, a);
+		_mm256_storeu_ps(x + i + 8, b);
+		s0 = _mm256_add_ps(s0, a);
+		s1 = _mm256_add_ps(s1, b);
+	}
+	if (i + 8 <= m) {
+		__m256 a = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+
+		_mm256_storeu_ps(x + i, a);
+		s0 = _mm256_add_ps(s0, a);
+		i += 8;
+	}
+	if (i < m) {
+		_Alignas(32) float t[8] = { 0 };
+		__m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+		__m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(m - i)), lane));
+
+		memcpy(t, x + i, (m - i) * sizeof *t);
+		__m256 a = exp256(_mm256_sub_ps(_mm256_load_ps(t), vm));
+
+		_mm256_store_ps(t, a);
+		memcpy(x + i, t, (m - i) * sizeof *t);
+		s1 = _mm256_add_ps(s1, _mm256_and_ps(a, live));
+	}
+	return hsum(_mm256_add_ps(s0, s1));
+}
+
+/* acos by Abramowitz & Stegun 4.4.46: see kern_avx512.c. */
+INLINE __m256 acos256(__m256 c)
+{
+	__m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), c);
+	__m256 p = _mm256_set1_ps(-0.0012624911f);
+
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(0.0066700901f));
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(-0.0170881256f));
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(0.0308918810f));
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(-0.0501743046f));
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(0.0889789874f));
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(-0.2145988016f));
+	p = _mm256_fmadd_ps(p, a, _mm256_set1_ps(1.5707963050f));
+	p = _mm256_mul_ps(p, _mm256_sqrt_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), a)));
+	__m256 neg = _mm256_cmp_ps(c, _mm256_setzero_ps(), _CMP_LT_OQ);
+
+	return _mm256_blendv_ps(p, _mm256_sub_ps(_mm256_set1_ps((float)M_PI), p), neg);
+}
+
+INLINE __m256 logp8(__m256 s, __m256 ki, __m256 qi, __m256 sc, const float *v)
+{
+	__m256 c = _mm256_mul_ps(_mm256_mul_ps(s, ki), qi);
+
+	/* min_ps(c, 1) returns 1 for a NaN c, so the table index stays in range. */
+	c = _mm256_max_ps(_mm256_min_ps(c, _mm256_set1_ps(1.0f)), _mm256_set1_ps(-1.0f));
+	__m256 x = _mm256_mul_ps(acos256(c), _mm256_set1_ps((float)(KVD_LOGP_N / M_PI)));
+	__m256i j = _mm256_cvttps_epi32(x);
+
+	j = _mm256_max_epi32(_mm256_min_epi32(j, _mm256_set1_epi32(KVD_LOGP_N)), _mm256_setzero_si256());
+	__m256 f = _mm256_sub_ps(x, _mm256_cvtepi32_ps(j));
+	__m256 v0 = _mm256_i32gather_ps(v, j, 4);
+	__m256 v1 = _mm256_i32gather_ps(v, _mm256_add_epi32(j, _mm256_set1_epi32(1)), 4);
+	__m256 lp = _mm256_add_ps(v0, _mm256_mul_ps(f, _mm256_sub_ps(v1, v0)));
+
+	return _mm256_sub_ps(_mm256_mul_ps(s, sc), lp);
+}
+
+static void logp_avx2(float *s, size_t m, const float *kinv, float qinv, float scale,
+		      const struct kvd_logp_tab *tab)
+{
+	__m256 qi = _mm256_set1_ps(qinv), sc = _mm256_set1_ps(scale);
+	size_t i = 0;
+
+	for (; i + 8 <= m; i += 8)
+		_mm256_storeu_ps(s + i, logp8(_mm256_loadu_ps(s + i), _mm256_loadu_ps(kinv + i),
+					      qi, sc, tab->v));
+	if (i < m) {
+		_Alignas(32) float ts[8] = { 0 }, tk[8] = { 0 };
+
+		memcpy(ts, s + i, (m - i) * sizeof *ts);
+		memcpy(tk, kinv + i, (m - i) * sizeof *tk);
+		_mm256_store_ps(ts, logp8(_mm256_load_ps(ts), _mm256_load_ps(tk), qi, sc, tab->v));
+		memcpy(s + i, ts, (m - i) * sizeof *ts);
+	}
+}
+
+static void kinv_avx2(const uint16_t *rows, size_t n, int d, float *out)
+{
+	for (size_t i = 0; i < n; i++) {
+		const uint16_t *p = rows + i * (size_t)d;
+		__m256 ae = _mm256_setzero_ps(), ao = ae, xe, xo;
+
+		for (int c = 0; c < d; c += 16) {
+			bf16_eo(p + c, &xe, &xo);
+			ae = _mm256_fmadd_ps(xe, xe, ae);
+			ao = _mm256_fmadd_ps(xo, xo, ao);
+		}
+		float acc = hsum(_mm256_add_ps(ae, ao));
+
+		out[i] = acc > 0.0f ? 1.0f / sqrtf(acc) : 0.0f;
+	}
+}
+
+/* ---- hash ---------------------------------------------------------------- */
+
+/* As in kern_avx512.c: rows in vector lanes, HR = 16 x rows transposed into
+ * xt[e][16], HC = 6 columns of W broadcast per step into 2 x 6 accumulators
+ * (12 of 16 registers; 8 loads per 12 FMAs). */
+#define HR 16
+#define HC 6
+
+INLINE void hash_micro(const float *xt, int d, const float *wp, size_t ldw, __m256i mk[2][HC])
+{
+	__m256 a0[HC], a1[HC];
+
+#pragma GCC unroll 6
+	for (int c = 0; c < HC; c++)
+		a0[c] = a1[c] = _mm256_setzero_ps();
+	for (int e = 0; e < d; e++) {
+		__m256 x0 = _mm256_load_ps(xt + e * HR), x1 = _mm256_load_ps(xt + e * HR + 8);
+		const float *we = wp + e * ldw;
+
+#pragma GCC unroll 6
+		for (int c = 0; c < HC; c++) {
+			__m256 b = _mm256_broadcast_ss(we + c);
+
+			a0[c] = _mm256_fmadd_ps(x0, b, a0[c]);
+			a1[c] = _mm256_fmadd_ps(x1, b, a1[c]);
+		}
+	}
+#pragma GCC unroll 6
+	for (int c = 0; c < HC; c++) {
+		mk[0][c] = _mm256_castps_si256(_mm256_cmp_ps(a0[c], _mm256_setzero_ps(), _CMP_GT_OQ));
+		mk[1][c] = _mm256_castps_si256(_mm256_cmp_ps(a1[c], _mm256_setzero_ps(), _CMP_GT_OQ));
+	}
+}
+
+/* Codes of table t from a row's sign bits, bit c = column c. */
+static void hash_codes(const uint8_t *bits, int K, int L, uint16_t *codes, size_t ldc)
+{
+	for (int t = 0; t < L; t++) {
+		uint32_t v;
+
+		memcpy(&v, bits + t * K / 8, sizeof v);
+		codes[(size_t)t * ldc] = (uint16_t)((v >> (t * K % 8)) & ((1u << K) - 1));
+	}
+}
+
+/* A few rows (the query codes of a decode step): as in kern_avx512.c, W's
+ * columns in vector lanes, W read row by row in spans of HF_COLS columns, 2
+ * rows of W per step into partial sums kept in L1, each load of W serving
+ * R <= 4 rows of x. */
+#define HFEW 8          /* fewer rows than this take hash_few */
+#define HF_COLS 512
+
+INLINE void hash_span(const int R, const float *W, size_t KL, int d, const float *const *xr,
+		      size_t c0, size_t nc, float (*acc)[HF_COLS])
+{
+	size_t nv = (nc + 7) / 8;
+	__m256i last = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nc - 8 * (nv - 1))),
+					  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+
+	for (int k = 0; k < R; k++)
+		memset(acc[k], 0, nv * 8 * sizeof(float));
+	for (int e = 0; e < d; e += 2) {
+		const float *we = W + e * KL + c0;
+		__m256 xb[4][2];
+
+#pragma GCC unroll 4
+		for (int k = 0; k < R; k++) {
+			xb[k][0] = _mm256_broadcast_ss(xr[k] + e);
+			xb[k][1] = _mm256_broadcast_ss(xr[k] + e + 1);
+		}
+		for (size_t v = 0; v < nv; v++) {
+			__m256 w0, w1;
+
+			if (v + 1 < nv) {
+				w0 = _mm256_loadu_ps(we + 8 * v);
+				w1 = _mm256_loadu_ps(we + KL + 8 * v);
+			} else {
+				w0 = _mm256_maskload_ps(we + 8 * v, last);
+				w1 = _mm256_maskload_ps(we + KL + 8 * v, last);
+			}
+#pragma GCC unroll 4
+			for (int k = 0; k < R; k++) {
+				__m256 a = _mm256_load_ps(acc[k] + 8 * v);
+
+				a = _mm256_fmadd_ps(xb[k][0], w0, a);
+				a = _mm256_fmadd_ps(xb[k][1], w1, a);
+				_mm256_store_ps(acc[k] + 8 * v, a);
+			}
+		}
+	}
+}
+
+/* noinline: its buffers and hash's own are never on the stack together. */
+static __attribute__((noinline)) void hash_few(const float *W, int d, int K, int L,
+					       const float *x, size_t ldx, size_t n,
+					       uint16_t *codes, size_t ldc)
+{
+	_Alignas(32) float acc[4][HF_COLS];
+	/* Sign bits of 4 rows, with room for a 4-byte read at the last code. */
+	uint8_t bits[4][KVD_LSH_KMAX * KVD_LSH_LMAX / 8 + 8];
+	size_t KL = (size_t)K * L;
+
+	memset(bits, 0, sizeof bits);
+	for (size_t i0 = 0; i0 < n; i0 += 4) {
+		int nr = n - i0 < 4 ? (int)(n - i0) : 4;
+		const float *xr[4];
+
+		for (int k = 0; k < nr; k++)
+			xr[k] = x + (i0 + k) * ldx;
+		for (size_t c0 = 0; c0 < KL; c0 += HF_COLS) {
+			size_t nc = KL - c0 < HF_COLS ? KL - c0 : HF_COLS;
+
+			switch (nr) {
+			case 1: hash_span(1, W, KL, d, xr, c0, nc, acc); break;
+			case 2: hash_span(2, W, KL, d, xr, c0, nc, acc); break;
+			case 3: hash_span(3, W, KL, d, xr, c0, nc, acc); break;
+			default: hash_span(4, W, KL, d, xr, c0, nc, acc); break;
+			}
+			for (int k = 0; k < nr; k++) {
+				for (size_t v = 0; v < (nc + 7) / 8; v++) {
+					__m256 a = _mm256_load_ps(acc[k] + 8 * v);
+
+					bits[k][(c0 + 8 * v) / 8] = (uint8_t)_mm256_movemask_ps(
+						_mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GT_OQ));
+				}
+			}
+		}
+		for (int k = 0; k < nr; k++)
+			hash_codes(bits[k], K, L, codes + i0 + k, ldc);
+	}
+}
+
+static void hash_avx2(const float *W, int d, int K, int L, const float *x, size_t ldx,
+		      size_t n, uint16_t *codes, size_t ldc)
+{
+	_Alignas(32) float xt[KVD_DMAX * HR];
+	_Alignas(32) float wt[KVD_DMAX * HC];
+	size_t KL = (size_t)K * L, cfull = KL / HC * HC;
+
+	if (n < HFEW) {
+		hash_few(W, d, K, L, x, ldx, n, codes, ldc);
+		return;
+	}
+	/* The last, partial panel of W, zero-padded so the kernel reads in bounds. */
+	for (int e = 0; e < d; e++)
+		for (size_t c = 0; c < HC; c++)
+			wt[e * HC + c] = cfull + c < KL ? W[e * KL + cfull + c] : 0.0f;
+	for (size_t i0 = 0; i0 < n; i0 += HR) {
+		size_t nr = n - i0 < HR ? n - i0 : HR;
+		__m256i cv0 = _mm256_setzero_si256(), cv1 = cv0;
+		int t = 0, j = 0;
+
+		for (size_t r = 0; r < HR; r++)
+			for (int e = 0; e < d; e++)
+				xt[e * HR + r] = r < nr ? x[(i0 + r) * ldx + e] : 0.0f;
+		for (size_t c0 = 0; c0 < KL; c0 += HC) {
+			__m256i mk[2][HC];
+			size_t nc = KL - c0 < HC ? KL - c0 : HC;
+
+			if (c0 < cfull)
+				hash_micro(xt, d, W + c0, KL, mk);
+			else
+				hash_micro(xt, d, wt, HC, mk);
+			for (size_t c = 0; c < nc; c++) {
+				__m256i bit = _mm256_set1_epi32(1 << j);
+
+				cv0 = _mm256_or_si256(cv0, _mm256_and_si256(mk[0][c], bit));
+				cv1 = _mm256_or_si256(cv1, _mm256_and_si256(mk[1][c], bit));
+				if (++j == K) {
+					/* packus interleaves 128-bit lanes; permute4x64 undoes it. */
+					__m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(cv0, cv1),
+									     _MM_SHUFFLE(3, 1, 2, 0));
+					uint16_t *out = codes + (size_t)t * ldc + i0;
+
+					if (nr == HR) {
+						_mm256_storeu_si256((__m256i *)out, v);
+					} else {
+						_Alignas(32) uint16_t tmp[HR];
+
+						_mm256_store_si256((__m256i *)tmp, v);
+						memcpy(out, tmp, nr * sizeof *tmp);
+					}
+					cv0 = cv1 = _mm256_setzero_si256();
+					j = 0;
+					t++;
+				}
+			}
+		}
+	}
+}
+
+const struct kvd_kern kvd_kern_avx2 = {
+	.name = "avx2",
+	.hash = hash_avx2,
+	.qk = qk_avx2,
+	.pv = pv_avx2,
+	.max = max_avx2,
+	.expsum = expsum_avx2,
+	.logp = logp_avx2,
+	.kinv = kinv_avx2,
+};

@@ -1,0 +1,601 @@
+/* Every SIMD kernel variant this CPU supports against kvd_kern_scalar, on
+ * random inputs.  Buffers are sized exactly (so ASan sees any overrun) and
+ * padding between output rows is checked to be left alone.
+ *
+ * Tolerances: qk and pv errors are measured against the sum of |terms|, the
+ * scale of float rounding in a dot product; the f32 variants differ from
+ * scalar only in summation order and FMA, the bf16 one also in q's 16-bit
+ * (hi + lo bf16) representation.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "bf16.h"
+#include "kern.h"
+#include "lsh.h"
+#include "rng.h"
+
+static const struct kvd_kern *const ref = &kvd_kern_scalar;
+
+/* The variants under test: those of all[] this CPU runs (group setup). */
+static const char *const all[] = { "avx2", "avx512", "avx512bf16" };
+#define NV (sizeof all / sizeof all[0])
+static const struct kvd_kern *var[NV];
+static size_t nvar;
+static double worst[NV];        /* per variant, reset by each test */
+
+static const uint64_t seeds[] = { 1, 0x5eed2024 };
+#define NSEEDS (sizeof seeds / sizeof seeds[0])
+
+static const size_t ms[] = { 0, 1, 15, 17, 100, 1000 };
+static const int ds[] = { 16, 64, 128, 256 };
+static const int gs[] = { 1, 4, 8, 16 };
+#define N_OF(a) (sizeof(a) / sizeof((a)[0]))
+
+static void start(void)
+{
+	if (nvar == 0)
+		skip();
+	memset(worst, 0, sizeof worst);
+}
+
+static void note(size_t v, double err)
+{
+	if (err > worst[v])
+		worst[v] = err;
+}
+
+static void report(const char *what, const char *fmt)
+{
+	for (size_t v = 0; v < nvar; v++) {
+		print_message("%-10s %-6s ", var[v]->name, what);
+		print_message(fmt, worst[v]);
+		print_message("\n");
+	}
+}
+
+static void *xmalloc(size_t n)
+{
+	void *p = malloc(n ? n : 1);
+
+	assert_non_null(p);
+	return p;
+}
+
+/* N(0,1) draws are slow to make (Box-Muller in double); big inputs pick
+ * them at random from a pool instead. */
+#define POOL (1u << 16)
+static float pool[POOL];
+
+/* bf16 rows from N(0,1) times one random scale in [2^-6, 2^6].  64-byte
+ * aligned (as kvd stores them) when the size allows it exactly, so that ASan
+ * still sees an overrun by one element. */
+static uint16_t *rand_rows(struct kvd_rng *r, size_t n, int d)
+{
+	size_t bytes = n * d * sizeof(uint16_t);
+	uint16_t *rows = bytes && bytes % 64 == 0 ? aligned_alloc(64, bytes) : xmalloc(bytes);
+
+	assert_non_null(rows);
+	float sc = (float)exp2(12.0 * kvd_rng_uniform(r) - 6.0);
+	uint64_t bits = 0;
+
+	for (size_t i = 0; i < n * d; i++) {
+		if (i % 4 == 0)
+			bits = kvd_rng_bits(r);
+		rows[i] = kvd_f32_to_bf16(sc * pool[bits & (POOL - 1)]);
+		bits >>= 16;
+	}
+	return rows;
+}
+
+static float *rand_f32(struct kvd_rng *r, size_t n, double sc)
+{
+	float *x = xmalloc(n * sizeof *x);
+
+	for (size_t i = 0; i < n; i++)
+		x[i] = (float)(sc * kvd_rng_normal(r));
+	return x;
+}
+
+static const uint16_t *rowp(const uint16_t *base, const uint32_t *idx, size_t i, int d)
+{
+	return base + (idx ? idx[i] : i) * (size_t)d;
+}
+
+/* ---- qk / pv ----------------------------------------------------------- */
+
+static double dot_tol(const struct kvd_kern *k)
+{
+	return strcmp(k->name, "avx512bf16") == 0 ? 2e-5 : 2e-6;
+}
+
+static uint32_t *rand_idx(struct kvd_rng *r, size_t m, size_t nrows)
+{
+	uint32_t *idx = xmalloc(m * sizeof *idx);
+
+	for (size_t i = 0; i < m; i++)
+		idx[i] = kvd_rng_below(r, (uint32_t)nrows);
+	return idx;
+}
+
+static void check_qk(struct kvd_rng *r, int d, int G, size_t m, int gather)
+{
+	size_t nrows = gather ? m + 7 : m;
+	uint16_t *rows = rand_rows(r, nrows, d);
+	uint32_t *idx = gather ? rand_idx(r, m, nrows) : NULL;
+	float *q = rand_f32(r, (size_t)G * d, 1.0);
+	size_t lds = m + 3, ns = (G - 1) * lds + m;
+	float *s0 = xmalloc(ns * sizeof *s0), *s1 = xmalloc(ns * sizeof *s1);
+	float *mag = xmalloc(ns * sizeof *mag);
+
+	ref->qk(q, G, d, rows, idx, m, s0, lds);
+	for (int g = 0; g < G; g++) {
+		for (size_t i = 0; i < m; i++) {
+			const uint16_t *p = rowp(rows, idx, i, d);
+			float a = 0.0f;
+
+			for (int j = 0; j < d; j++)
+				a += fabsf(q[g * d + j] * kvd_bf16_to_f32(p[j]));
+			mag[g * lds + i] = a;
+		}
+	}
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+		double tol = dot_tol(k);
+
+		for (size_t i = 0; i < ns; i++)
+			s1[i] = 12345.0f;
+		k->qk(q, G, d, rows, idx, m, s1, lds);
+		for (int g = 0; g < G; g++) {
+			for (size_t i = 0; i < m; i++) {
+				size_t e = g * lds + i;
+				double dv = fabs((double)s1[e] - s0[e]), bound = tol * mag[e] + 1e-30;
+
+				note(v, dv * tol / bound);
+				if (!(dv <= bound))
+					fail_msg("%s qk d=%d G=%d m=%zu idx=%d: s[%d][%zu] = %g, scalar %g",
+						 k->name, d, G, m, gather, g, i, s1[e], s0[e]);
+			}
+			for (size_t i = m; g + 1 < G && i < lds; i++)
+				assert_true(s1[g * lds + i] == 12345.0f);
+		}
+	}
+	free(rows);
+	free(idx);
+	free(q);
+	free(s0);
+	free(s1);
+	free(mag);
+}
+
+static void check_pv(struct kvd_rng *r, int d, int G, size_t m, int gather)
+{
+	size_t nrows = gather ? m + 7 : m, no = (size_t)G * d;
+	uint16_t *rows = rand_rows(r, nrows, d);
+	uint32_t *idx = gather ? rand_idx(r, m, nrows) : NULL;
+	size_t ldw = m + 2, nw = (G - 1) * ldw + m;
+	float *w = rand_f32(r, nw, 1.0);
+	float *oi = rand_f32(r, no, 1.0);
+	float *o0 = xmalloc(no * sizeof *o0), *o1 = xmalloc(no * sizeof *o1);
+	float *mag = xmalloc(no * sizeof *mag);
+
+	memcpy(o0, oi, no * sizeof *o0);
+	ref->pv(w, ldw, G, d, rows, idx, m, o0);
+	for (size_t i = 0; i < no; i++)
+		mag[i] = fabsf(oi[i]);
+	for (size_t i = 0; i < m; i++) {
+		const uint16_t *p = rowp(rows, idx, i, d);
+
+		for (int g = 0; g < G; g++)
+			for (int j = 0; j < d; j++)
+				mag[g * d + j] += fabsf(w[g * ldw + i] * kvd_bf16_to_f32(p[j]));
+	}
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+		double tol = 2e-6;
+
+		memcpy(o1, oi, no * sizeof *o1);
+		k->pv(w, ldw, G, d, rows, idx, m, o1);
+		for (size_t e = 0; e < no; e++) {
+			double dv = fabs((double)o1[e] - o0[e]), bound = tol * mag[e] + 1e-30;
+
+			note(v, dv * tol / bound);
+			if (!(dv <= bound))
+				fail_msg("%s pv d=%d G=%d m=%zu idx=%d: o[%zu][%zu] = %g, scalar %g",
+					 k->name, d, G, m, gather, e / d, e % d, o1[e], o0[e]);
+		}
+	}
+	free(rows);
+	free(idx);
+	free(w);
+	free(oi);
+	free(o0);
+	free(o1);
+	free(mag);
+}
+
+/* The full grid (without the largest m after the first seed, to stay quick
+ * under TSan), then every head-group size the kernels specialise on, with d
+ * an odd multiple of 16 (a half chunk for AVX-512). */
+static void test_qk(void **state)
+{
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0x9c);
+
+		for (size_t a = 0; a < N_OF(ds); a++)
+			for (size_t b = 0; b < N_OF(gs); b++)
+				for (size_t c = 0; c < N_OF(ms) - !!s; c++)
+					for (int gather = 0; gather < 2; gather++)
+						check_qk(&r, ds[a], gs[b], ms[c], gather);
+		for (int G = 1; G <= KVD_GMAX; G++)
+			check_qk(&r, G % 2 ? 48 : 80, G, 37, 1);
+		/* Long contiguous calls are walked differently (kern_avx512.c). */
+		for (size_t m = 255; m < 4200 && s == 0; m = m * 2 + 1)
+			check_qk(&r, 128, 4, m, 0);
+	}
+	report("qk", "worst |err| / sum|q_e k_e| = %.2e");
+}
+
+static void test_pv(void **state)
+{
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0x9d);
+
+		for (size_t a = 0; a < N_OF(ds); a++)
+			for (size_t b = 0; b < N_OF(gs); b++)
+				for (size_t c = 0; c < N_OF(ms) - !!s; c++)
+					for (int gather = 0; gather < 2; gather++)
+						check_pv(&r, ds[a], gs[b], ms[c], gather);
+		for (int G = 1; G <= KVD_GMAX; G++)
+			check_pv(&r, G % 2 ? 48 : 80, G, 37, 1);
+		for (size_t m = 255; m < 4200 && s == 0; m = m * 2 + 1)
+			check_pv(&r, 128, 4, m, 0);
+	}
+	report("pv", "worst |err| / (|o| + sum|w_i v_ij|) = %.2e");
+}
+
+/* ---- max / expsum ---------------------------------------------------------- */
+
+static float *rand_scores(struct kvd_rng *r, size_t m)
+{
+	float *x = rand_f32(r, m, 20.0);
+
+	for (size_t i = 0; i < m; i++) {
+		uint32_t u = kvd_rng_below(r, 16);
+
+		if (u == 0)
+			x[i] = -INFINITY;
+		else if (u == 1)
+			x[i] = -200.0f - (float)kvd_rng_uniform(r) * 1e6f;
+		else if (u == 2)
+			x[i] = -87.0f - 20.0f * (float)kvd_rng_uniform(r);     /* denormal results */
+	}
+	return x;
+}
+
+static void test_max(void **state)
+{
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0x9e);
+
+		for (size_t m = 0; m <= 300; m += m < 40 ? 1 : 37) {
+			float *x = rand_scores(&r, m), *y = xmalloc(m * sizeof *y);
+			size_t at = m ? kvd_rng_below(&r, (uint32_t)m) : 0;
+
+			for (size_t i = 0; i < m; i++)
+				y[i] = i == at ? 3.5f : -INFINITY;
+			for (size_t v = 0; v < nvar; v++) {
+				assert_true(var[v]->max(x, m) == ref->max(x, m));
+				assert_true(var[v]->max(y, m) == (m ? 3.5f : -INFINITY));
+			}
+			free(x);
+			free(y);
+		}
+	}
+	report("max", "equal to scalar's");
+}
+
+static void check_expsum(float *x, size_t m, float mx)
+{
+	float *y0 = xmalloc(m * sizeof *y0), *y1 = xmalloc(m * sizeof *y1);
+
+	memcpy(y0, x, m * sizeof *y0);
+	float s0 = ref->expsum(y0, m, mx);
+
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+
+		memcpy(y1, x, m * sizeof *y1);
+		float s1 = k->expsum(y1, m, mx);
+
+		for (size_t i = 0; i < m; i++) {
+			double dv = fabs((double)y1[i] - y0[i]);
+
+			/* The absolute term admits one ulp of a denormal result. */
+			if (!(dv <= 1e-5 * y0[i] + 1e-44))
+				fail_msg("%s expsum m=%zu: exp(%g - %g) = %g, scalar %g",
+					 k->name, m, x[i], mx, y1[i], y0[i]);
+			if (y0[i] > 1e-30)
+				note(v, dv / y0[i]);
+			if (x[i] == -INFINITY || x[i] - mx < -110.0f)
+				assert_true(y1[i] == 0.0f);
+		}
+		if (!(fabs((double)s1 - s0) <= 1e-5 * s0))
+			fail_msg("%s expsum m=%zu: sum %g, scalar %g", k->name, m, s1, s0);
+	}
+	free(y0);
+	free(y1);
+}
+
+/* Scores with -inf, hopeless (< -200) and denormal-result entries. */
+static void test_expsum(void **state)
+{
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0x9f);
+
+		for (size_t m = 0; m <= 1100; m += m < 40 ? 1 : 97) {
+			float *x = rand_scores(&r, m);
+			float mx = ref->max(x, m);
+
+			if (m && mx == -INFINITY)
+				mx = 0.0f;
+			check_expsum(x, m, mx);
+			check_expsum(x, m, mx + 30.0f);
+			free(x);
+		}
+	}
+	report("expsum", "worst relative error %.2e");
+}
+
+/* ---- logp ------------------------------------------------------------------ */
+
+static void check_logp(struct kvd_rng *r, const struct kvd_logp_tab *tab, int d, size_t m)
+{
+	float *q = rand_f32(r, d, 1.0), qn = 0.0f;
+	float *dots = xmalloc(m * sizeof *dots), *kinv = xmalloc(m * sizeof *kinv);
+	float *s0 = xmalloc(m * sizeof *s0), *s1 = xmalloc(m * sizeof *s1);
+	float *key = xmalloc(d * sizeof *key);
+	float scale = 1.0f / sqrtf((float)d);
+
+	for (int j = 0; j < d; j++)
+		qn += q[j] * q[j];
+	qn = sqrtf(qn);
+	for (size_t i = 0; i < m; i++) {
+		uint32_t u = kvd_rng_below(r, 8);
+		float dot = 0.0f, kn = 0.0f;
+
+		/* Mostly random keys (cos near 0, as in attention), and the edges:
+		 * keys along +-q (|cos| at or just over 1), zero keys, and cosines
+		 * spread uniformly over [-1, 1]. */
+		for (int j = 0; j < d; j++) {
+			float x = (float)kvd_rng_normal(r);
+
+			key[j] = u == 0 ? 3.0f * q[j] : u == 1 ? -0.5f * q[j] : u == 2 ? 0.0f : x;
+			dot += q[j] * key[j];
+			kn += key[j] * key[j];
+		}
+		kinv[i] = kn > 0.0f ? 1.0f / sqrtf(kn) : 0.0f;
+		if (u == 3)
+			dot = (float)(2.0 * kvd_rng_uniform(r) - 1.0) * qn * sqrtf(kn);
+		dots[i] = dot;
+	}
+	memcpy(s0, dots, m * sizeof *s0);
+	ref->logp(s0, m, kinv, 1.0f / qn, scale, tab);
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+
+		memcpy(s1, dots, m * sizeof *s1);
+		k->logp(s1, m, kinv, 1.0f / qn, scale, tab);
+		for (size_t i = 0; i < m; i++) {
+			double dv = fabs((double)s1[i] - s0[i]);
+			/* theta is a float: near pi, x = theta * N/pi carries an error
+			 * of a few ulps of 4096 (2^-11 each) in any implementation,
+			 * which matters only where the table is steep (the last step
+			 * down to the floor). */
+			float c = fmaxf(-1.0f, fminf(1.0f, dots[i] * kinv[i] / qn));
+			int j = (int)(acosf(c) * (float)(KVD_LOGP_N / M_PI));
+
+			j = j > KVD_LOGP_N ? KVD_LOGP_N : j;
+			double slope = fabs(tab->v[j + 1] - tab->v[j]);
+
+			if (slope < 1.0)
+				note(v, dv);
+			if (!(dv <= 1e-4 + 4 * 0x1p-11 * slope))
+				fail_msg("%s logp K=%d L=%d m=%zu: s[%zu] = %.7g, scalar %.7g",
+					 k->name, tab->K, tab->L, m, i, s1[i], s0[i]);
+		}
+	}
+	free(q);
+	free(dots);
+	free(kinv);
+	free(s0);
+	free(s1);
+	free(key);
+}
+
+static void test_logp(void **state)
+{
+	static const int prof[][3] = { { 10, 150, 2 }, { 8, 75, 1 }, { 16, 1024, 2 }, { 1, 1, 1 } };
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+
+	start();
+	for (size_t p = 0; p < N_OF(prof); p++) {
+		struct kvd_rng r = kvd_rng_make(0xa0 + p);
+
+		kvd_logp_tab_init(tab, prof[p][0], prof[p][1], prof[p][2]);
+		for (size_t c = 0; c < N_OF(ms); c++)
+			check_logp(&r, tab, 128, ms[c]);
+		check_logp(&r, tab, 64, 4000);
+	}
+	free(tab);
+	report("logp", "worst absolute error %.2e where the table is smooth");
+}
+
+/* ---- kinv ------------------------------------------------------------------ */
+
+static void test_kinv(void **state)
+{
+	static const int dk[] = { 16, 48, 64, 128, 256 };
+
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0xa1);
+
+		for (size_t a = 0; a < N_OF(dk); a++) {
+			for (size_t c = 0; c < N_OF(ms); c++) {
+				size_t n = ms[c];
+				int d = dk[a];
+				uint16_t *rows = rand_rows(&r, n, d);
+				float *o0 = xmalloc(n * sizeof *o0), *o1 = xmalloc(n * sizeof *o1);
+
+				for (size_t i = 0; i < n; i += 7)
+					memset(rows + i * d, 0, d * sizeof *rows);
+				ref->kinv(rows, n, d, o0);
+				for (size_t v = 0; v < nvar; v++) {
+					var[v]->kinv(rows, n, d, o1);
+					for (size_t i = 0; i < n; i++) {
+						double dv = fabs((double)o1[i] - o0[i]);
+
+						if (o0[i] > 0.0f)
+							note(v, dv / o0[i]);
+						if (!(dv <= 1e-5 * o0[i]))
+							fail_msg("%s kinv d=%d n=%zu: [%zu] = %g, scalar %g",
+								 var[v]->name, d, n, i, o1[i], o0[i]);
+					}
+				}
+				free(rows);
+				free(o0);
+				free(o1);
+			}
+		}
+	}
+	report("kinv", "worst relative error %.2e");
+}
+
+/* ---- hash ------------------------------------------------------------------ */
+
+static void check_hash(struct kvd_rng *r, int d, int K, int L, size_t n)
+{
+	size_t KL = (size_t)K * L, ldx = d + 3, ldc = n + 5, nc = (L - 1) * ldc + n;
+	float *W = rand_f32(r, d * KL, 1.0);
+	float *x = rand_f32(r, n ? (n - 1) * ldx + d : 0, 1.0);
+	uint16_t *c0 = xmalloc(nc * sizeof *c0), *c1 = xmalloc(nc * sizeof *c1);
+
+	/* Column 0 orthogonal to row 0: a sign that rounding decides. */
+	if (n) {
+		double xw = 0.0, xx = 0.0;
+
+		for (int e = 0; e < d; e++) {
+			xw += (double)x[e] * W[e * KL];
+			xx += (double)x[e] * x[e];
+		}
+		for (int e = 0; e < d; e++)
+			W[e * KL] = (float)(W[e * KL] - xw / xx * x[e]);
+	}
+	ref->hash(W, d, K, L, x, ldx, n, c0, ldc);
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+
+		for (size_t i = 0; i < nc; i++)
+			c1[i] = 0xdead;
+		k->hash(W, d, K, L, x, ldx, n, c1, ldc);
+		for (int t = 0; t < L; t++) {
+			for (size_t i = 0; i < n; i++) {
+				unsigned diff = c0[t * ldc + i] ^ c1[t * ldc + i];
+
+				if (c1[t * ldc + i] >> K)
+					fail_msg("%s hash K=%d: code %#x has bits above K",
+						 k->name, K, c1[t * ldc + i]);
+				for (int j = 0; j < K; j++) {
+					if (!(diff >> j & 1))
+						continue;
+					/* Only a dot product within rounding of 0 may flip. */
+					double dot = 0.0, xn = 0.0, wn = 0.0;
+
+					for (int e = 0; e < d; e++) {
+						double xe = x[i * ldx + e], we = W[e * KL + t * K + j];
+
+						dot += xe * we;
+						xn += xe * xe;
+						wn += we * we;
+					}
+					if (!(fabs(dot) < 1e-4 * sqrt(xn * wn)))
+						fail_msg("%s hash d=%d K=%d L=%d n=%zu: table %d row %zu bit %d (dot %g)",
+							 k->name, d, K, L, n, t, i, j, dot);
+					worst[v] += 1.0;
+				}
+			}
+			for (size_t i = n; t + 1 < L && i < ldc; i++)
+				assert_int_equal(c1[t * ldc + i], 0xdead);
+		}
+	}
+	free(W);
+	free(x);
+	free(c0);
+	free(c1);
+}
+
+static void test_hash(void **state)
+{
+	static const int kl[][2] = { { 1, 1 }, { 1, 7 }, { 3, 5 }, { 7, 13 }, { 8, 16 },
+				     { 10, 40 }, { 12, 1 }, { 16, 3 }, { 16, 20 } };
+	static const size_t ns[] = { 0, 1, 2, 3, 5, 7, 15, 16, 17, 31, 32, 33, 100 };
+
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0xa2);
+
+		for (size_t a = 0; a < N_OF(kl); a++)
+			for (size_t b = 0; b < N_OF(ns); b++)
+				check_hash(&r, s ? 128 : 64, kl[a][0], kl[a][1], ns[b]);
+		check_hash(&r, 16, 10, 30, 50);
+		check_hash(&r, 256, 9, 11, 40);
+	}
+	report("hash", "codes equal scalar's except %.0f bits on a near-zero dot product");
+}
+
+static int setup(void **state)
+{
+	struct kvd_rng r = kvd_rng_make(0x900d);
+
+	for (size_t i = 0; i < POOL; i++)
+		pool[i] = (float)kvd_rng_normal(&r);
+	for (size_t v = 0; v < NV; v++) {
+		const struct kvd_kern *k = kvd_kern_by_name(all[v]);
+
+		if (k) {
+			var[nvar++] = k;
+			print_message("kern: testing %s against scalar\n", all[v]);
+		} else {
+			print_message("SKIP: %s not supported on this CPU\n", all[v]);
+		}
+	}
+	return 0;
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_qk),
+		cmocka_unit_test(test_pv),
+		cmocka_unit_test(test_max),
+		cmocka_unit_test(test_expsum),
+		cmocka_unit_test(test_logp),
+		cmocka_unit_test(test_kinv),
+		cmocka_unit_test(test_hash),
+	};
+
+	return cmocka_run_group_tests(tests, setup, NULL);
+}
