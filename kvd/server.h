@@ -2,7 +2,7 @@
  *
  * One thread owns all state (clients, profiles, sequences) and runs an epoll
  * loop over the listening socket, the clients' control sockets, their SQ
- * eventfds, a signalfd and the watchdog timer; between events it polls every
+ * eventfds, a signal eventfd and the watchdog timer; between events it polls every
  * attached client's submission ring, round-robin, a bounded number of
  * entries per client per round, so one busy client cannot starve the rest.
  * Attention and segment sealing run on the worker pool while the loop waits.
@@ -29,7 +29,7 @@ struct kvd_server_stats {
 
 /* Binds the socket, starts the workers.  0 or -errno (messages on stderr). */
 int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out);
-/* Runs until SIGTERM/SIGINT (blocked and taken through a signalfd), then
+/* Runs until SIGTERM/SIGINT (a handler pokes an eventfd the loop polls), then
  * drains what is queued and returns 0. */
 int kvd_server_run(struct kvd_server *s);
 void kvd_server_destroy(struct kvd_server *s);
