@@ -61,7 +61,7 @@ Q :=
 msg :=
 endif
 
-.PHONY: all deps test check check-unit bench demo fuzz fuzz-smoke clean
+.PHONY: all deps test check check-unit check-exports bench demo fuzz fuzz-smoke clean
 .DEFAULT_GOAL := all
 .SECONDARY:
 
@@ -148,7 +148,7 @@ test: deps
 	$(Q)$(MAKE) --no-print-directory check SAN=address,undefined
 	$(Q)$(MAKE) --no-print-directory check SAN=thread
 	$(Q)$(MAKE) --no-print-directory fuzz-smoke
-	$(Q)$(MAKE) --no-print-directory check-unit
+	$(Q)$(MAKE) --no-print-directory check-unit check-exports
 	$(Q)sh tests/run.sh --total
 else
 test: deps
@@ -161,6 +161,12 @@ endif
 check-unit:
 	$(Q)sh tools/verify-unit.sh systemd && echo "1 0 0" >>build/test-tally || \
 		{ rc=$$?; [ $$rc = 77 ] && echo "0 0 1" >>build/test-tally || { echo "0 1 0" >>build/test-tally; exit 1; }; }
+
+# libkvclient.so exports kvc_* and nothing else.
+check-exports: $(B)/libkvclient.so
+	$(Q)bad=$$(nm -D --defined-only $< | awk '{print $$3}' | grep -v '^kvc_'); \
+	if [ -z "$$bad" ]; then echo "exports: libkvclient.so exports only kvc_*"; echo "1 0 0" >>build/test-tally; \
+	else echo "exports: libkvclient.so also exports: $$bad"; echo "0 1 0" >>build/test-tally; exit 1; fi
 
 FUZZ_SECONDS ?= 10
 fuzz-smoke: $(FUZZ_BIN)

@@ -244,6 +244,16 @@ const char *kvd_config_level_name(int level)
 	return "?";
 }
 
+static int set_log_file(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	if (*v && *v != '/')
+		return fail(why, n, "not an absolute path");
+	if (strlen(v) >= sizeof c->log_path)
+		return fail(why, n, "longer than %zu bytes", sizeof c->log_path - 1);
+	snprintf(c->log_path, sizeof c->log_path, "%s", v);
+	return 0;
+}
+
 typedef int (*setter)(struct kvd_config *c, const char *v, char *why, size_t n);
 
 static const struct key {
@@ -259,6 +269,7 @@ static const struct key {
 	{ "transport", "ring_entries", NULL, set_ring },
 	{ "transport", "spin_us", NULL, set_spin },
 	{ "log", "level", "log-level", set_level },
+	{ "log", "file", "log-file", set_log_file },
 };
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))
 
@@ -541,6 +552,7 @@ void kvd_config_usage(FILE *f, const char *argv0)
 		"      --mem-limit SIZE  memory budget: bytes with K/M/G/T, or N%% of RAM;\n"
 		"                        0: unlimited (default 75%%)\n"
 		"      --log-level LEVEL error, warning, notice, info (default) or debug\n"
+		"      --log-file PATH   append logs to PATH (SIGHUP reopens it) instead of stderr\n"
 		"  -h, --help            this text\n",
 		argv0);
 }

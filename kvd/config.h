@@ -16,6 +16,8 @@
  *                ring_entries = N                        (SQ entries: power of two)
  *                spin_us = N                             (spin before sleeping, <= 1 s)
  *   [log]        level = error|warning|notice|info|debug   --log-level LEVEL
+ *                file = PATH           --log-file PATH   (absolute; "" = stderr;
+ *                                                          SIGHUP reopens it)
  *
  * SIZE is a decimal number with an optional binary suffix K, M, G, T (also
  * KiB, MiB, GiB, TiB; lower case accepted).  N% is a whole percentage
@@ -38,6 +40,7 @@ struct kvd_config {
 	int foreground;                 /* --foreground: log to stderr, no sd_notify */
 	char config_path[4096];         /* the file loaded, "" for none */
 	int log_level;                  /* syslog's LOG_ERR .. LOG_DEBUG; default LOG_INFO */
+	char log_path[4096];            /* "" : stderr as it is */
 	uint32_t slots;                 /* per client when Hello asks for 0; default 16 */
 	uint64_t slot_size;             /* per client when Hello asks for 0; default 4 MiB */
 	uint32_t sq_entries;            /* default 256 */

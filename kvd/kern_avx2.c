@@ -21,72 +21,8 @@
 
 #define GB_MAX 6        /* q heads per group: 12 accumulators + row pair + q */
 
-/* ---- walking rows (as in kern_avx512.c) ------------------------------------ */
+#include "kern_walk.h"
 
-#define NRUN 4
-#define TILE 16
-#define STREAM_MIN 256  /* contiguous calls at least this long use 4 streams */
-#define PF_GATHER 16    /* rows ahead to prefetch: one tile */
-#define PF_STREAM 8     /* rows ahead in each stream: two tiles */
-
-struct walk {
-	const uint16_t *base;
-	const uint32_t *idx;
-	size_t m;
-	size_t part;            /* rows per stream (a multiple of 4), or 0: in order */
-	size_t ntiles;
-	size_t pfd;             /* rows ahead to prefetch */
-	int d;
-	int odd;                /* rows may straddle one more line than d/32 */
-};
-
-struct tile {
-	size_t pos[NRUN], end[NRUN];    /* end: of the stream, for prefetching */
-	int cnt[NRUN];
-};
-
-static void walk_init(struct walk *w, const uint16_t *base, const uint32_t *idx, size_t m, int d)
-{
-	w->base = base;
-	w->idx = idx;
-	w->m = m;
-	w->d = d;
-	w->part = !idx && m >= STREAM_MIN ? ((m + 15) / 16) * 4 : 0;
-	w->ntiles = w->part ? w->part / 4 : (m + TILE - 1) / TILE;
-	w->pfd = w->part ? PF_STREAM : PF_GATHER;
-	w->odd = (((uintptr_t)base | 2 * (size_t)d) & 63) != 0;
-}
-
-/* Run 0 of a tile is never empty: its first row stands in for the missing
- * rows of the others (qk drops their results, pv skips them). */
-static inline void tile_at(const struct walk *w, size_t t, struct tile *tl)
-{
-	for (int j = 0; j < NRUN; j++) {
-		size_t p = w->part ? j * w->part + 4 * t : TILE * t + 4 * j;
-		size_t e = w->part && (j + 1) * w->part < w->m ? (j + 1) * w->part : w->m;
-
-		tl->pos[j] = p;
-		tl->end[j] = e;
-		tl->cnt[j] = p >= e ? 0 : e - p < 4 ? (int)(e - p) : 4;
-	}
-}
-
-static inline const uint16_t *walk_ptr(const struct walk *w, size_t p)
-{
-	return w->base + (w->idx ? (size_t)w->idx[p] : p) * (size_t)w->d;
-}
-
-static inline const uint16_t *slot_row(const struct walk *w, const struct tile *tl, int j, int k)
-{
-	return walk_ptr(w, k < tl->cnt[j] ? tl->pos[j] + k : tl->pos[0]);
-}
-
-static inline const uint16_t *slot_pf(const struct walk *w, const struct tile *tl, int j, int k)
-{
-	size_t p = tl->pos[j] + k + w->pfd;
-
-	return walk_ptr(w, p < tl->end[j] ? p : tl->end[j] - 1);
-}
 
 /* The line holding chunk c (16 elements) of row p (two chunks share a line:
  * prefetching it twice costs less than a branch); prefetch_last: the row's

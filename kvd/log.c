@@ -1,8 +1,11 @@
+#include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "log.h"
 
@@ -49,4 +52,21 @@ void kvd_log(int level, const char *fmt, ...)
 		fprintf(stderr, "%s.%03ldZ kvd[%c] %s\n", when, ts.tv_nsec / 1000000,
 			"EACEWNID"[level & 7], line);
 	}
+}
+
+int kvd_log_open(const char *path)
+{
+	int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640);
+
+	if (fd < 0)
+		return -errno;
+	fflush(stderr);
+	if (dup2(fd, STDERR_FILENO) < 0) {
+		int e = -errno;
+
+		close(fd);
+		return e;
+	}
+	close(fd);
+	return 0;
 }

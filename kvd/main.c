@@ -26,6 +26,10 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	kvd_log_level(cfg.log_level);
+	if (cfg.log_path[0] && (rc = kvd_log_open(cfg.log_path))) {
+		fprintf(stderr, "kvd: cannot open log file %s: %s\n", cfg.log_path, kvd_strerror(rc));
+		return 1;
+	}
 	rc = kvd_server_create(&cfg, &s);
 	if (rc) {
 		kvd_log(LOG_ERR, "cannot start: %s", kvd_strerror(rc));

@@ -762,8 +762,15 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 			if (read(s->sfd, &x, sizeof x) < 0 && errno != EAGAIN)
 				break;
 			if (sig_hup) {
+				int rc = s->cfg->log_path[0] ? kvd_log_open(s->cfg->log_path) : 0;
+
 				sig_hup = 0;
-				kvd_log(LOG_INFO, "SIGHUP: logs go to stderr; nothing to reopen");
+				if (rc)
+					kvd_log(LOG_ERR, "SIGHUP: cannot reopen %s: %s", s->cfg->log_path,
+						kvd_strerror(rc));
+				else
+					kvd_log(LOG_INFO, "SIGHUP: %s", s->cfg->log_path[0] ?
+						"log file reopened" : "logging to stderr, nothing to reopen");
 			}
 			if (sig_term && !s->stopping) {
 				kvd_log(LOG_INFO, "signal %d: draining and stopping", (int)sig_term);

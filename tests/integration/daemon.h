@@ -28,7 +28,8 @@ static inline void daemon_sleep_ms(int ms)
 	nanosleep(&ts, NULL);
 }
 
-static inline int daemon_start(struct daemon *d, const char *extra_flag)
+/* Starts build/kvd with up to two extra arguments (NULL for none). */
+static inline int daemon_start2(struct daemon *d, const char *a1, const char *a2)
 {
 	char exe[PATH_MAX], bin[PATH_MAX + 8];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -46,7 +47,7 @@ static inline int daemon_start(struct daemon *d, const char *extra_flag)
 	if (d->pid == 0) {
 		execl(bin, "kvd", "--foreground", "--socket", d->sock, "--threads", "2",
 		      "--log-level", getenv("KVD_TEST_LOG") ? "debug" : "warning",
-		      extra_flag, (char *)NULL);
+		      a1, a2, (char *)NULL);
 		_exit(127);
 	}
 	for (int i = 0; i < 500; i++) {         /* up to 10 s, for sanitizer builds */
@@ -63,6 +64,11 @@ static inline int daemon_start(struct daemon *d, const char *extra_flag)
 		daemon_sleep_ms(20);
 	}
 	return -1;
+}
+
+static inline int daemon_start(struct daemon *d, const char *extra_flag)
+{
+	return daemon_start2(d, extra_flag, NULL);
 }
 
 /* SIGTERM and wait: returns the daemon's exit status (0 when it drained and

@@ -601,6 +601,36 @@ static void test_killed_client_releases(void **state)
 	good_teardown();
 }
 
+/* --log-file: kvd appends there; after a rotation, SIGHUP makes it write to
+ * a fresh file of the same name. */
+static void test_sighup_reopens_log(void **state)
+{
+	struct daemon d;
+	char log[128], old[140], buf[4096];
+	FILE *f;
+	size_t n;
+
+	snprintf(log, sizeof log, "/tmp/kvd-test-log.%d", (int)getpid());
+	snprintf(old, sizeof old, "%s.1", log);
+	unlink(log);
+	unlink(old);
+	assert_int_equal(daemon_start2(&d, "--log-file", log), 0);
+	assert_int_equal(rename(log, old), 0);
+	kill(d.pid, SIGHUP);
+	for (int i = 0; i < 500 && access(log, F_OK); i++)
+		daemon_sleep_ms(10);
+	assert_int_equal(daemon_stop(&d), 0);
+	f = fopen(log, "r");
+	assert_non_null(f);
+	n = fread(buf, 1, sizeof buf - 1, f);
+	buf[n] = 0;
+	fclose(f);
+	if (!strstr(buf, "log file reopened") || !strstr(buf, "stopped"))
+		fail_msg("new log lacks the reopen and stop lines: %s", buf);
+	unlink(log);
+	unlink(old);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -610,6 +640,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_bad_control_messages, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_ring_entries, start, stop),
 		cmocka_unit_test_setup_teardown(test_killed_client_releases, start, stop),
+		cmocka_unit_test(test_sighup_reopens_log),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);

@@ -135,6 +135,7 @@ static void test_bad_files(void **state)
 		{ "[server]\nsocket =\n", { "socket", "empty path" } },
 		{ "\n\n[memory]\nlimit = 12Q\n", { "kvd.conf:4:", "limit", "'12Q'" } },
 		{ "[memory]\nlimit = 0%\n", { "limit", "percentage" } },
+		{ "[log]\nfile = kvd.log\n", { ":2:", "file", "absolute" } },
 		{ "[memory]\nlimit = 101%\n", { "limit", "percentage" } },
 		{ "[memory]\nlimit = 1.5%\n", { "limit", "percentage" } },
 		{ "[memory]\nlimit = %\n", { "limit", "percentage" } },
@@ -388,6 +389,22 @@ static void test_example_file(void **state)
 	assert_memory_equal(&c, &d, sizeof(c));
 }
 
+static void test_log_file(void **state)
+{
+	struct kvd_config c;
+	char err[512];
+	char *argv[] = { "kvd", "--log-file", "/var/log/kvd/kvd.log", NULL };
+
+	kvd_config_defaults(&c);
+	assert_string_equal(c.log_path, "");
+	assert_int_equal(kvd_config_load_file(&c, write_conf("[log]\nfile = /tmp/a.log\n"), err,
+					      sizeof err), 0);
+	assert_string_equal(c.log_path, "/tmp/a.log");
+	optind = 0;
+	assert_int_equal(kvd_config_parse_args(&c, 3, argv, err, sizeof err), 0);
+	assert_string_equal(c.log_path, "/var/log/kvd/kvd.log");
+}
+
 static void test_usage(void **state)
 {
 	char *buf = NULL;
@@ -412,6 +429,7 @@ int main(void)
 		cmocka_unit_test(test_flags_over_file),
 		cmocka_unit_test(test_bad_flags),
 		cmocka_unit_test(test_example_file),
+		cmocka_unit_test(test_log_file),
 		cmocka_unit_test(test_usage),
 	};
 
