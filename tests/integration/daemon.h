@@ -28,8 +28,10 @@ static inline void daemon_sleep_ms(int ms)
 	nanosleep(&ts, NULL);
 }
 
-/* Starts build/kvd with up to two extra arguments (NULL for none). */
-static inline int daemon_start2(struct daemon *d, const char *a1, const char *a2)
+/* Starts build/kvd with up to four extra arguments (NULL ends them); they
+ * come after the defaults, so they override them. */
+static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2,
+				const char *a3, const char *a4)
 {
 	char exe[PATH_MAX], bin[PATH_MAX + 8];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -47,7 +49,7 @@ static inline int daemon_start2(struct daemon *d, const char *a1, const char *a2
 	if (d->pid == 0) {
 		execl(bin, "kvd", "--foreground", "--socket", d->sock, "--threads", "2",
 		      "--log-level", getenv("KVD_TEST_LOG") ? "debug" : "warning",
-		      a1, a2, (char *)NULL);
+		      a1, a2, a3, a4, (char *)NULL);
 		_exit(127);
 	}
 	for (int i = 0; i < 500; i++) {         /* up to 10 s, for sanitizer builds */
@@ -68,7 +70,7 @@ static inline int daemon_start2(struct daemon *d, const char *a1, const char *a2
 
 static inline int daemon_start(struct daemon *d, const char *extra_flag)
 {
-	return daemon_start2(d, extra_flag, NULL);
+	return daemon_start4(d, extra_flag, NULL, NULL, NULL);
 }
 
 /* SIGTERM and wait: returns the daemon's exit status (0 when it drained and

@@ -614,7 +614,7 @@ static void test_sighup_reopens_log(void **state)
 	snprintf(old, sizeof old, "%s.1", log);
 	unlink(log);
 	unlink(old);
-	assert_int_equal(daemon_start2(&d, "--log-file", log), 0);
+	assert_int_equal(daemon_start4(&d, "--log-file", log, "--log-level", "info"), 0);
 	assert_int_equal(rename(log, old), 0);
 	kill(d.pid, SIGHUP);
 	for (int i = 0; i < 500 && access(log, F_OK); i++)
