@@ -3,6 +3,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "attn.h"
 #include "err.h"
@@ -47,7 +48,8 @@ struct seg_build {
 	_Atomic int err;
 };
 
-static void seg_build_head(void *arg, uint32_t h, unsigned worker)
+/* Phase 1 of head h: lay out its memory, copy the rows, 1/|k|. */
+static void seg_build_rows(void *arg, uint32_t h, unsigned worker)
 {
 	struct seg_build *b = arg;
 	struct kvd_seg *s = b->seg;
@@ -61,10 +63,44 @@ static void seg_build_head(void *arg, uint32_t h, unsigned worker)
 	memcpy(sh->k, b->k + h * n * d, n * d * sizeof(uint16_t));
 	memcpy(sh->v, b->v + h * n * d, n * d * sizeof(uint16_t));
 	kvd_kern_get()->kinv(sh->k, n, (int)d, sh->kinv);
-	int rc = kvd_lsh_build(&sh->tab, mem + 2 * rows + ALIGN64(n * sizeof(float)),
+	/* Fault in this head's table memory here, on this worker: the tables
+	 * phase then does only the counting sort. */
+	char *tab = mem + 2 * rows + ALIGN64(n * sizeof(float));
+	size_t tb = kvd_lsh_tables_bytes(s->n, (int)s->K, (int)s->L);
+
+	for (size_t off = 0; off < tb; off += 4096)
+		tab[off] = 0;
+}
+
+/* Phase 2 of head h: its L tables from the codes. */
+static void seg_build_tables(void *arg, uint32_t h, unsigned worker)
+{
+	struct seg_build *b = arg;
+	struct kvd_seg *s = b->seg;
+	size_t n = s->n, d = s->d, rows = ALIGN64(n * d * sizeof(uint16_t));
+	char *mem = (char *)s->mem + h * head_bytes(b->g, s->n);
+	int rc = kvd_lsh_build(&s->h[h].tab, mem + 2 * rows + ALIGN64(n * sizeof(float)),
 			       s->n, (int)s->K, (int)s->L, b->codes + h * s->L * n, n);
+
 	if (rc)
 		atomic_store(&b->err, rc);
+}
+
+static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *arg)
+{
+	if (pool)
+		kvd_pool_run(pool, H, fn, arg);
+	else
+		for (uint32_t h = 0; h < H; h++)
+			fn(arg, h, 0);
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
 int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
@@ -95,11 +131,11 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 
 	struct seg_build b = { g, s, k, v, codes, 0 };
 
-	if (pool)
-		kvd_pool_run(pool, g->kv_heads, seg_build_head, &b);
-	else
-		for (uint32_t h = 0; h < g->kv_heads; h++)
-			seg_build_head(&b, h, 0);
+	run_heads(pool, g->kv_heads, seg_build_rows, &b);
+	double t = now_ms();
+
+	run_heads(pool, g->kv_heads, seg_build_tables, &b);
+	s->tables_ms = now_ms() - t;
 	rc = atomic_load(&b.err);
 	if (rc) {
 		kvd_seg_free(s);

@@ -48,6 +48,7 @@ struct kvd_seg_head {
 struct kvd_seg {
 	uint32_t n, kv_heads, d, K, L;
 	size_t bytes;                   /* everything this segment keeps resident */
+	double tables_ms;               /* time kvd_seg_build spent on the tables */
 	void *mem;
 	struct kvd_seg_head h[];        /* [kv_heads] */
 };

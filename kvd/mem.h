@@ -3,7 +3,10 @@
  * transparent huge pages: sampled attention gathers rows at random from
  * hundreds of MB, and 4 KiB pages would cost a TLB miss per row, and a page
  * fault per 4 KiB at prefill.  Smaller requests are 64-byte aligned heap
- * memory.  kvd_mem_free() needs the size given to kvd_mem_alloc(). */
+ * memory.  Pages are faulted in by whoever touches them first: prefaulting
+ * here (MADV_POPULATE_WRITE, or a touch per page) runs on one thread and
+ * measured slower than letting the pool's workers fault their own parts.
+ * kvd_mem_free() needs the size given to kvd_mem_alloc(). */
 #ifndef KVD_MEM_H
 #define KVD_MEM_H
 

@@ -157,6 +157,7 @@ int kvd_prep_layer(struct kvd_prep *p, const struct kvd_geom *g, const float *W,
 		if (rc)
 			goto out;
 		p->build_ms += now_ms() - t;
+		p->tables_ms += p->seg[s]->tables_ms;
 	}
 	rc = 0;
 out:

@@ -20,6 +20,7 @@ struct kvd_prep {
 	uint32_t nseg;
 	struct kvd_seg **seg;
 	double hash_ms, build_ms;       /* time spent hashing keys / in kvd_seg_build */
+	double tables_ms;               /* of build_ms: building the tables from codes */
 };
 
 /* k, v: [kv_heads][n][d] float32.  0, -KVD_EGEOM, -ENOMEM. */
