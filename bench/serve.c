@@ -380,6 +380,8 @@ static void serve_client(const char *sock, int id, uint32_t ctx, uint32_t layers
 		for (uint32_t l = 0; l < layers; l++) {
 			struct kvd_layer_view lv = kvd_prep_view(&p[l]);
 
+			/* the same work as the client does per layer: hash the query */
+			kvd_prep_query_codes(&g, kvc_w(c), w.q, qc);
 			kvd_attn_layer(pool, scr, kvd_kern_get(), &g, tab, &lv, w.q, qc, o_, lse, NULL);
 		}
 		if (r >= 0)

@@ -546,7 +546,7 @@ void kvd_config_usage(FILE *f, const char *argv0)
 	fprintf(f,
 		"usage: %s [options]\n"
 		"  -c, --config PATH     read this INI file first (flags override it)\n"
-		"  -f, --foreground      log to stderr, no systemd notifications\n"
+		"  -f, --foreground      stay in the foreground (kvd never forks; for scripts)\n"
 		"      --socket PATH     control socket (default " KVD_CONFIG_SOCKET ")\n"
 		"      --threads N       worker threads (0: one per online CPU)\n"
 		"      --mem-limit SIZE  memory budget: bytes with K/M/G/T, or N%% of RAM;\n"

@@ -37,7 +37,7 @@ struct kvd_config {
 	char socket_path[108];          /* sizeof(sun_path); default /run/kvd/kvd.sock */
 	unsigned threads;               /* 0: one worker per online CPU */
 	uint64_t mem_limit;             /* bytes; 0: unlimited.  Default 75% of RAM */
-	int foreground;                 /* --foreground: log to stderr, no sd_notify */
+	int foreground;                 /* --foreground: kvd never forks anyway; kept for scripts */
 	char config_path[4096];         /* the file loaded, "" for none */
 	int log_level;                  /* syslog's LOG_ERR .. LOG_DEBUG; default LOG_INFO */
 	char log_path[4096];            /* "" : stderr as it is */

@@ -631,6 +631,47 @@ static void test_sighup_reopens_log(void **state)
 	unlink(old);
 }
 
+/* Under systemd: READY=1 once listening, WATCHDOG=1 at half the period,
+ * STOPPING=1 on SIGTERM — seen through a NOTIFY_SOCKET of our own. */
+static void test_sd_notify(void **state)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	struct daemon d;
+	char buf[256];
+	int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	int ready = 0, watchdog = 0, stopping = 0;
+	struct timeval tv = { 5, 0 };
+
+	snprintf(a.sun_path, sizeof a.sun_path, "/tmp/kvd-test-notify.%d", (int)getpid());
+	unlink(a.sun_path);
+	assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	setenv("NOTIFY_SOCKET", a.sun_path, 1);
+	setenv("WATCHDOG_USEC", "100000", 1);
+	assert_int_equal(daemon_start(&d, NULL), 0);
+	unsetenv("NOTIFY_SOCKET");
+	unsetenv("WATCHDOG_USEC");
+	while (!ready || watchdog < 2) {
+		ssize_t n = recv(fd, buf, sizeof buf - 1, 0);
+
+		assert_true(n > 0);
+		buf[n] = 0;
+		ready |= strstr(buf, "READY=1") != NULL;
+		watchdog += strstr(buf, "WATCHDOG=1") != NULL;
+	}
+	kill(d.pid, SIGTERM);
+	while (!stopping) {
+		ssize_t n = recv(fd, buf, sizeof buf - 1, 0);
+
+		assert_true(n > 0);
+		buf[n] = 0;
+		stopping = strstr(buf, "STOPPING=1") != NULL;
+	}
+	assert_int_equal(daemon_stop(&d), 0);
+	close(fd);
+	unlink(a.sun_path);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -641,6 +682,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_bad_ring_entries, start, stop),
 		cmocka_unit_test_setup_teardown(test_killed_client_releases, start, stop),
 		cmocka_unit_test(test_sighup_reopens_log),
+		cmocka_unit_test(test_sd_notify),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
