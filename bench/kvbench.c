@@ -81,31 +81,11 @@ static void scores_d(const struct layer_in *in, uint32_t qh, const float *mean, 
 	}
 }
 
-/* softmax(s) . V over the listed tokens (idx into [0, n)), o[d], lse. */
+/* softmax(s) . V over the listed tokens of kv head h. */
 static void attend_d(const struct layer_in *in, uint32_t h, const double *s,
 		     const uint32_t *tok, size_t m, double *o, double *lse)
 {
-	uint32_t d = in->d;
-	double mx = -INFINITY, sum = 0;
-
-	memset(o, 0, d * sizeof *o);
-	for (size_t i = 0; i < m; i++)
-		mx = s[i] > mx ? s[i] : mx;
-	if (m == 0) {
-		*lse = -INFINITY;
-		return;
-	}
-	for (size_t i = 0; i < m; i++) {
-		const float *v = in->v + ((size_t)h * in->n + tok[i]) * d;
-		double w = exp(s[i] - mx);
-
-		sum += w;
-		for (uint32_t e = 0; e < d; e++)
-			o[e] += w * v[e];
-	}
-	for (uint32_t e = 0; e < d; e++)
-		o[e] /= sum;
-	*lse = mx + log(sum);
+	kvd_ref_softmax_v(in->v + (size_t)h * in->n * in->d, (int)in->d, tok, m, s, o, lse);
 }
 
 static int cmp_desc(const void *a, const void *b)
@@ -208,7 +188,7 @@ struct result {
 };
 
 static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
-		       uint32_t K, uint32_t L, const struct probes *pr, struct result *res)
+		       uint32_t K, uint32_t L, struct result *res)
 {
 	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c };
 	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads;
@@ -310,7 +290,6 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	res->rel_err = rel_err(full, ref.exact, (size_t)nq * d);
 	res->topk_rel_err = rel_err(ref.topk, ref.exact, (size_t)nq * d);
 	res->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
-	(void)pr;
 
 	free(full);
 	free(ref.exact);
@@ -547,7 +526,7 @@ static int cmd_attn(struct opts *op)
 		for (uint32_t c = 0; c < op->nkl; c++) {
 			struct result r;
 
-			run_config(op, pool, &in, op->K[c], op->L[c], &pr, &r);
+			run_config(op, pool, &in, op->K[c], op->L[c], &r);
 			print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
 		}
 		for (int i = 0; i < 3; i++)
@@ -566,7 +545,7 @@ static int cmd_attn(struct opts *op)
 			for (uint32_t c = 0; c < op->nkl; c++) {
 				struct result r;
 
-				run_config(op, pool, &in, op->K[c], op->L[c], &pr, &r);
+				run_config(op, pool, &in, op->K[c], op->L[c], &r);
 				print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
 			}
 			kvd_synth_free(&w);

@@ -14,10 +14,9 @@ static double dot(const float *a, const float *b, int d)
 	return acc;
 }
 
-/* Softmax-weighted mean of the rows with log-weights w[i] (two passes over
- * the rows so the max is exact). */
-static void weighted(const float *v, int d, const uint32_t *idx, size_t m,
-		     const double *w, double *o, double *lse)
+/* Two passes over the weights so the max is exact. */
+void kvd_ref_softmax_v(const float *v, int d, const uint32_t *idx, size_t m, const double *w,
+		       double *o, double *lse)
 {
 	double mx = -INFINITY, sum = 0.0;
 
@@ -70,7 +69,7 @@ static void run(const float *q, int d, const float *k, const float *v, const uin
 		abort();
 	}
 	scores(q, d, k, idx, m, K, L, c, w);
-	weighted(v, d, idx, m, w, o, lse);
+	kvd_ref_softmax_v(v, d, idx, m, w, o, lse);
 	free(w);
 }
 

@@ -21,6 +21,12 @@ void kvd_ref_sampled(const float *q, int d, const float *k, const float *v,
 		     const uint32_t *idx, size_t m, int K, int L, int c,
 		     double *o, double *lse);
 
+/* softmax(w) . V over rows idx[0..m) of v ([*][d]; idx NULL: rows 0..m-1),
+ * w the rows' log-weights (scores): o[d], *lse = ln sum exp(w).  Empty (or
+ * all -inf): o = 0, lse = -inf.  The core of the two functions above. */
+void kvd_ref_softmax_v(const float *v, int d, const uint32_t *idx, size_t m, const double *w,
+		       double *o, double *lse);
+
 /* LSE merge in double. */
 void kvd_ref_merge(double *o, double *lse, const double *o2, double lse2, int d);
 
