@@ -26,7 +26,7 @@ WARN    := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wno-unused-parameter -Wer
 CFLAGS  ?= -O2 -g
 # -fPIC: the same objects go into libkvclient.so.
 CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ishm -Iproto -Igpu-client -I$(B)/proto
-LDLIBS  += -lprotobuf-c -linih -lsystemd -lm -pthread
+LDLIBS  += -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lm -pthread
 
 ifneq ($(SAN),)
 CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -135,7 +135,7 @@ build/fuzz/%: tests/fuzz/%.c $(CORE_SRC) build/proto/kvd.pb-c.c
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) -Wno-unused-command-line-argument \
 		$(ISA_avx512) $< $(CORE_SRC) build/proto/kvd.pb-c.c \
-		-lprotobuf-c -linih -lsystemd -lm -pthread -o $@
+		-lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lm -pthread -o $@
 
 # `check` builds and runs the unit tests of the current variant.
 check: all

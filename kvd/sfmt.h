@@ -1,0 +1,116 @@
+/* kvd_sfmt: the on-disk format of a spilled sequence.
+ *
+ * One file holds one sequence as a run of extents.  An extent is a 4096-byte
+ * header page followed by its payload, padded to a multiple of 4096, so every
+ * extent starts and ends 4 KiB aligned and an O_DIRECT read puts it straight
+ * back into the RAM buffer it was written from (a segment's buffer begins
+ * with its header page: kvd_seg_io_alloc()).
+ *
+ * Extent order in a file: PROFILE (the profile's fields and W, so the file
+ * describes itself), then for every sparse layer in layer order one LAYER
+ * extent (centering mean and the open tail) followed by that layer's SEG
+ * extents, and last an END extent.  A file without a valid END is not
+ * complete.
+ *
+ * Integrity: `crc` is CRC32C (ISA-L) of the payload; `hdr_crc` is CRC32C of
+ * the header struct with hdr_crc zero, so it covers `crc` too and the two
+ * together cover header and payload.  A start-up scan reads headers only
+ * (hdr_crc); a restore checks payloads (crc, and a SEG's table structure).
+ * All integers little-endian; the struct below is the disk format.
+ *
+ * Pure functions, safe from any thread.  Errors: -KVD_EFORMAT with a reason
+ * in msg (when msg is not NULL).
+ */
+#ifndef KVD_SFMT_H
+#define KVD_SFMT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "attn.h"
+#include "store.h"
+
+#define KVD_SFMT_PAGE 4096u
+#define KVD_SFMT_VERSION 1u
+#define KVD_SFMT_MAGIC "KVDSPILL"       /* 8 bytes, no NUL on disk */
+
+enum kvd_sfmt_kind {
+	KVD_SFMT_PROFILE = 1,
+	KVD_SFMT_LAYER = 2,
+	KVD_SFMT_SEG = 3,
+	KVD_SFMT_END = 4,
+};
+
+#define KVD_SFMT_LF_MEAN 0x1            /* LAYER: the payload starts with the mean */
+#define KVD_SFMT_LF_SEALED 0x2          /* LAYER: prefill of this layer finished */
+
+struct kvd_sfmt_hdr {
+	char magic[8];                  /* KVD_SFMT_MAGIC */
+	uint32_t version;               /* KVD_SFMT_VERSION */
+	uint32_t kind;                  /* enum kvd_sfmt_kind */
+	uint64_t payload_bytes;         /* bytes after the header page that carry data */
+	uint64_t extent_bytes;          /* PAGE + payload_bytes rounded up to PAGE */
+	uint64_t seq;                   /* sequence id (all extents of a file) */
+	uint64_t gen;                   /* spill generation (all extents of a file) */
+	uint64_t profile_fp;            /* kvd_sfmt_profile_fp() of the profile */
+	uint64_t tok_begin, tok_end;    /* SEG: its tokens within the layer; LAYER: the tail's */
+	uint32_t index;                 /* position of this extent in the file */
+	uint32_t layer;                 /* LAYER, SEG */
+	uint32_t kv_heads, d, K, L;     /* geometry the payload is laid out for */
+	uint32_t n;                     /* SEG: tokens; LAYER: tail rows; END: extents before it */
+	uint32_t flags;                 /* LAYER: KVD_SFMT_LF_* */
+	char tenant[72];                /* NUL-terminated, <= KVD_NAME_MAX chars */
+	uint32_t crc;                   /* CRC32C of payload_bytes of payload */
+	uint32_t hdr_crc;               /* CRC32C of this struct with hdr_crc = 0 */
+};
+
+/* PAGE + payload rounded up to PAGE. */
+uint64_t kvd_sfmt_extent_bytes(uint64_t payload_bytes);
+
+/* xxHash64 (XXH3_64bits) of everything that defines a profile except its id:
+ * name, geometry, layers, sink, window, seg/seal tokens, seed, the dense map
+ * and W.  Equal profiles in two daemon lifetimes hash equal. */
+uint64_t kvd_sfmt_profile_fp(const struct kvd_profile *p);
+
+/* Payload layouts.
+ * PROFILE: a fixed 256-byte record of the fields, dense[layers] as bytes
+ *   padded to 64, then W [d][K*L] f32.
+ * LAYER: mean [kv][d] f32 (when KVD_SFMT_LF_MEAN), then tail K [kv][n][d]
+ *   bf16, tail V, tail codes [kv][L][n] u16; each part 64-byte aligned.
+ * SEG: the segment's memory exactly as kvd_seg_build lays it out
+ *   (kvd_seg_bytes(g, n) bytes).
+ * END: none. */
+uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p);
+void kvd_sfmt_profile_put(const struct kvd_profile *p, void *payload);
+/* Fills *out from a PROFILE payload, validating every field (kvd_geom_check
+ * and the limits of kvd/ctl.h); out->dense and out->W are malloc'd, out->tab
+ * is NULL and out->id is 0.  0 or -KVD_EFORMAT / -ENOMEM. */
+int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile *out,
+			 char *msg, size_t msglen);
+
+uint64_t kvd_sfmt_layer_bytes(const struct kvd_geom *g, uint32_t n, int mean);
+/* Pointers into a LAYER payload laid out for (g, n, mean); mean is NULL when
+ * absent. */
+void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *payload,
+			  float **m, uint16_t **k, uint16_t **v, uint16_t **codes);
+
+/* Completes a header the caller filled (kind, payload_bytes, seq, gen,
+ * profile_fp, index, layer, tokens, geometry, n, flags, tenant): writes
+ * magic, version, extent_bytes, crc over `payload`, then hdr_crc. */
+void kvd_sfmt_seal(struct kvd_sfmt_hdr *h, const void *payload);
+
+/* Checks a header read from disk: magic, version, hdr_crc, kind, sizes
+ * consistent with kind and geometry (a SEG's payload_bytes must equal
+ * kvd_seg_bytes for its geometry and n; geometry passes kvd_geom_check;
+ * tenant NUL-terminated).  Copies it to *out.  len: bytes available at page
+ * (at least sizeof(struct kvd_sfmt_hdr) or it fails). */
+int kvd_sfmt_check_hdr(const void *page, size_t len, struct kvd_sfmt_hdr *out, char *msg,
+		       size_t msglen);
+
+/* Checks a payload against its (already checked) header: crc, and for SEG
+ * the structure of every table (kvd_seg_check), so a restored segment can
+ * never send a gather outside its rows. */
+int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, const void *payload, char *msg,
+			   size_t msglen);
+
+#endif

@@ -1,0 +1,132 @@
+/* kvd_spill: the spill engine.  Writes sequences' files to NVMe and reads
+ * them back, on a thread of its own, so the event loop keeps serving while
+ * gigabytes move.
+ *
+ * The loop submits jobs; the engine posts results to a queue and makes
+ * kvd_spill_fd() readable.  Every buffer a job names belongs to the engine
+ * from kvd_spill_submit() until the job's final result has been reaped, also
+ * after kvd_spill_cancel(): no buffer is freed while an SQE may still
+ * reference it.
+ *
+ * I/O: io_uring (liburing) with registered buffers (the job's extents are
+ * registered while the job runs) and registered files, O_DIRECT where the
+ * file system accepts it (buffered otherwise, decided per directory at
+ * create), extents split into `block`-sized operations with up to `qd` in
+ * flight, every CQE reaped even after an error, short transfers completed,
+ * -EAGAIN/-EINTR retried.  With cfg.fault set, a fake backend replaces
+ * io_uring: the same engine over synchronous pread/pwrite that injects the
+ * faults listed (tests only).
+ *
+ * Files: <dir>/<seq as 16 hex digits>.kvs.  A WRITE goes to
+ * <name>.kvs.tmp, fdatasync()s it, renames it over <name>.kvs and fsync()s the
+ * directory: a file is under its final name only once it is durable.  A
+ * failed fsync is final: the file is deleted and the job fails -EIO (never
+ * retried and trusted).  A WRITE that would take the bytes on disk of all
+ * directories (st_blocks, not file sizes) over cfg.limit fails -ENOSPC
+ * before writing anything.
+ *
+ * A READ reads the extents in file order, checks each (kvd_sfmt_check_hdr
+ * against the expected seq/gen/index/size, kvd_sfmt_check_payload) on the
+ * engine thread, and posts a progress result for each verified extent in
+ * order, so layer 0 can be served before the last layer lands.
+ */
+#ifndef KVD_SPILL_H
+#define KVD_SPILL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sfmt.h"
+
+#define KVD_SPILL_DIRS_MAX 16
+
+struct kvd_spill_cfg {
+	const char *dirs[KVD_SPILL_DIRS_MAX];
+	unsigned ndirs;
+	uint64_t limit;                 /* bytes on disk over all dirs; 0: none */
+	unsigned qd;                    /* operations in flight; >= 32 (0: 64) */
+	uint32_t block;                 /* bytes per operation, multiple of 4096 (0: 1 MiB) */
+	int buffered;                   /* 1: never O_DIRECT */
+	const char *fault;              /* NULL: io_uring.  Else the fake backend and
+					 * its faults, e.g. "" (none) or
+					 * "enospc@2,eio-read@0,short@*,torn@1,corrupt@3,fsync@0":
+					 * kind@N hits the N-th (from 0) operation of that
+					 * kind, kind@* every one.  Kinds: enospc, eio-write
+					 * (writes), eio-read, corrupt (one byte flipped after a
+					 * read), short (reads and writes move half, the engine
+					 * must finish), torn (a write reports success but puts
+					 * only its first half on disk), fsync (fdatasync fails
+					 * EIO). */
+};
+
+enum kvd_spill_op { KVD_SPILL_WRITE = 1, KVD_SPILL_READ, KVD_SPILL_UNLINK };
+
+struct kvd_spill_buf {
+	void *p;                        /* 4096-aligned: header page, then payload */
+	uint64_t bytes;                 /* extent_bytes: a multiple of 4096 */
+};
+
+struct kvd_spill_job {
+	/* in */
+	int op;                         /* enum kvd_spill_op */
+	uint64_t seq, gen;
+	unsigned dir;                   /* READ, UNLINK: where the file is */
+	struct kvd_spill_buf *ext;      /* WRITE: the extents in file order, headers
+					 * filled but not sealed (the engine seals them:
+					 * CRCs on its thread).  READ: one buffer per
+					 * extent, sized from the headers */
+	unsigned next;
+	void *user;
+	/* out, valid when reaped */
+	int res;                        /* 0, -ENOSPC, -EIO, -KVD_ELOST (READ: an extent
+					 * that does not verify), -ECANCELED, -errno */
+	unsigned done;                  /* READ: extents verified so far */
+	unsigned wdir;                  /* WRITE: the directory it went to */
+	uint64_t disk_bytes;            /* WRITE: the file's bytes on disk */
+	char msg[96];                   /* why, when res < 0 */
+};
+
+struct kvd_spill;
+
+/* Checks every directory (creates it if missing, probes O_DIRECT), starts the
+ * thread.  0 or -errno with a message on stderr. */
+int kvd_spill_create(const struct kvd_spill_cfg *cfg, struct kvd_spill **out);
+/* Cancels what is queued, waits for what is in flight, stops the thread.
+ * Results not reaped are dropped. */
+void kvd_spill_destroy(struct kvd_spill *sp);
+
+/* An eventfd, readable while results wait to be reaped. */
+int kvd_spill_fd(const struct kvd_spill *sp);
+
+/* Queues a job; 0 or -EINVAL (malformed job). */
+int kvd_spill_submit(struct kvd_spill *sp, struct kvd_spill_job *j);
+/* Asks a queued or running job to stop; it still posts its final result
+ * (res -ECANCELED unless it finished first). */
+void kvd_spill_cancel(struct kvd_spill *sp, struct kvd_spill_job *j);
+
+struct kvd_spill_result {
+	struct kvd_spill_job *job;
+	int final;                      /* 0: READ progress, extent `ext` verified */
+	unsigned ext;
+};
+/* Up to max results, oldest first; never blocks.  Progress results of a job
+ * come in extent order and before its final result. */
+unsigned kvd_spill_reap(struct kvd_spill *sp, struct kvd_spill_result *out, unsigned max);
+
+/* Bytes on disk of the complete files the engine knows of. */
+uint64_t kvd_spill_disk_bytes(const struct kvd_spill *sp);
+
+/* Start-up, before any job: lists the directories.  *.tmp files are deleted.
+ * keep = 0: every .kvs file is deleted too (no --persist).  keep = 1: each
+ * .kvs file's headers are read and checked (kvd_sfmt_check_hdr, one seq and
+ * gen, indices in order, ending in END); fn gets the complete ones (hdr[0]
+ * is the PROFILE extent's header, whose payload is read too: profile,
+ * profile_bytes), and files that fail are deleted with a log line.  fn's
+ * nonzero return deletes the file as well.  The engine counts kept files
+ * toward its bytes on disk.  Returns the number of files kept or -errno. */
+typedef int (*kvd_spill_scan_fn)(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr,
+				 unsigned n, const void *profile, uint64_t profile_bytes,
+				 uint64_t disk_bytes);
+int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *arg);
+
+#endif
