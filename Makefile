@@ -4,8 +4,9 @@
 #   make test       plain tests, then ASan+UBSan, then TSan, then a short fuzz run
 #   make test SAN=address,undefined   (or SAN=thread): only that variant
 #   make bench      the engine benchmark, JSON lines (bench/README in docs)
-#   make demo       the main job (see README.md)
+#   make demo       the main job (see README.md); SPILL=1: sessions 3x the memory budget
 #   make fuzz       longer libFuzzer runs
+#   make CUDA=0     leave the CUDA backend out (default: in when nvcc and cuBLAS are found)
 #
 # Objects go under build/ (build/san-<list>/ for sanitizer builds), so the
 # variants never mix objects.
@@ -33,6 +34,35 @@ CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDFLAGS += -fsanitize=$(SAN)
 endif
 
+# CUDA (docs/GPU.md): the CUDA backend of libkvclient, build/kvd-decode, the
+# device tests and `kvbench gpu`.  CUDA=auto turns it on when nvcc and
+# cuBLAS's header are there; CUDA=0 turns it off; CUDA=1 insists.  Sanitizer
+# builds leave it out: ASan/TSan and the CUDA runtime do not mix (device
+# memory errors are compute-sanitizer's job), so SAN builds build exactly
+# what a CUDA=0 build does.  The kvd daemon never links CUDA.
+CUDA      ?= auto
+CUDA_HOME ?= /usr/local/cuda
+NVCC      ?= $(CUDA_HOME)/bin/nvcc
+CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+	     -gencode arch=compute_90,code=compute_90
+ifneq ($(SAN),)
+CUDA_EN := 0
+else ifeq ($(CUDA),0)
+CUDA_EN := 0
+else ifeq ($(CUDA),auto)
+CUDA_EN := $(if $(and $(shell command -v $(NVCC) 2>/dev/null),$(wildcard $(CUDA_HOME)/include/cublas_v2.h)),1,0)
+else
+CUDA_EN := 1
+endif
+ifeq ($(CUDA_EN),1)
+CFLAGS    += -DKVC_CUDA=1 -I$(CUDA_HOME)/include
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+NVCCFLAGS ?= -O2 -lineinfo
+NVCCFLAGS += -std=c++17 $(CUDA_ARCH) -MMD -MP -Werror all-warnings \
+	     -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter,-Werror \
+	     -I. -Ikvd -Ishm -Iproto -Igpu-client
+endif
+
 # Per-ISA kernel files get their own flags; everything else stays baseline
 # x86-64 so the binary runs anywhere and dispatch picks the kernels.
 ISA_avx2   := -mavx2 -mfma -mf16c
@@ -41,11 +71,28 @@ ISA_avx512 := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf1
 PROTO_C  := $(B)/proto/kvd.pb-c.c
 CORE_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c)) $(wildcard shm/*.c)
 CORE_OBJ := $(CORE_SRC:%.c=$(B)/obj/%.o) $(B)/proto/kvd.pb-c.o
-CLIENT_SRC := $(wildcard gpu-client/*.c)
-CLIENT_OBJ := $(CLIENT_SRC:%.c=$(B)/obj/%.o)
+# kvg_cuda.c + kvg_hash.c + kvg_kern.cu are the CUDA backend; kvg_nocuda.c
+# stands in for them without CUDA.
+ifeq ($(CUDA_EN),1)
+CLIENT_SRC := $(filter-out gpu-client/kvg_nocuda.c,$(wildcard gpu-client/*.c))
+CLIENT_CU  := $(wildcard gpu-client/*.cu)
+DECODE_LIB := gpu-client/decode/args.c gpu-client/decode/run.c
+DECODE_CU  := $(wildcard gpu-client/decode/*.cu)
+else
+CLIENT_SRC := $(filter-out gpu-client/kvg_cuda.c gpu-client/kvg_hash.c,$(wildcard gpu-client/*.c))
+CLIENT_CU  :=
+DECODE_LIB := gpu-client/decode/args.c
+DECODE_CU  :=
+endif
+CLIENT_OBJ := $(CLIENT_SRC:%.c=$(B)/obj/%.o) $(CLIENT_CU:%.cu=$(B)/obj/%.o)
+# The decode driver's core, shared by build/kvd-decode and `kvbench gpu`.
+DECODE_OBJ := $(DECODE_LIB:%.c=$(B)/obj/%.o) $(DECODE_CU:%.cu=$(B)/obj/%.o)
 BENCH_SRC := $(wildcard bench/*.c)
 BENCH_OBJ := $(BENCH_SRC:%.c=$(B)/obj/%.o)
 TEST_SRC := $(wildcard tests/unit/test_*.c tests/stress/test_*.c tests/integration/test_*.c)
+ifeq ($(CUDA_EN),1)
+TEST_SRC += $(wildcard tests/cuda/test_*.c)
+endif
 TEST_BIN := $(addprefix $(B)/tests/,$(notdir $(TEST_SRC:.c=)))
 TEST_COMMON := $(filter-out tests/unit/test_%.c,$(wildcard tests/unit/*.c))
 TEST_OBJ := $(addprefix $(B)/tests/obj/,$(notdir $(TEST_SRC:.c=.o)))
@@ -65,7 +112,7 @@ endif
 .DEFAULT_GOAL := all
 .SECONDARY:
 
-all: $(B)/libkvdcore.a $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(TEST_BIN)
+all: $(B)/libkvdcore.a $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(B)/kvd-decode $(TEST_BIN)
 
 $(B)/proto/kvd.pb-c.c $(B)/proto/kvd.pb-c.h: proto/kvd.proto
 	$(call msg,PROTOC,$<)
@@ -73,7 +120,7 @@ $(B)/proto/kvd.pb-c.c $(B)/proto/kvd.pb-c.h: proto/kvd.proto
 	$(Q)protoc-c --c_out=$(B)/proto -Iproto $<
 
 # Everything may include the generated header: generate it first.
-$(CORE_OBJ) $(CLIENT_OBJ) $(BENCH_OBJ) $(TEST_OBJ): | $(B)/proto/kvd.pb-c.h
+$(CORE_OBJ) $(CLIENT_OBJ) $(BENCH_OBJ) $(TEST_OBJ) $(DECODE_OBJ) $(B)/obj/gpu-client/decode/main.o: | $(B)/proto/kvd.pb-c.h
 
 $(B)/proto/kvd.pb-c.o: $(B)/proto/kvd.pb-c.c
 	$(call msg,CC,$<)
@@ -90,6 +137,11 @@ $(B)/obj/%.o: %.c
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(CFLAGS) $(EXTRA) -c $< -o $@
 
+$(B)/obj/%.o: %.cu
+	$(call msg,NVCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
 $(B)/libkvdcore.a: $(CORE_OBJ)
 	$(call msg,AR,$@)
 	$(Q)rm -f $@ && ar rcs $@ $^
@@ -102,17 +154,25 @@ $(B)/kvd: $(B)/obj/kvd/main.o $(B)/libkvdcore.a
 $(B)/libkvclient.so: $(CLIENT_OBJ) $(B)/libkvdcore.a gpu-client/libkvclient.map
 	$(call msg,LD,$@)
 	$(Q)$(CC) -shared $(LDFLAGS) -Wl,--version-script=gpu-client/libkvclient.map \
-		$(CLIENT_OBJ) $(B)/libkvdcore.a $(LDLIBS) -o $@
+		$(CLIENT_OBJ) $(B)/libkvdcore.a $(LDLIBS) $(CUDA_LIBS) -o $@
 
-$(B)/kvbench: $(BENCH_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
+$(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
 	$(call msg,LD,$@)
-	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
+	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) $(CUDA_LIBS) -o $@
+
+# The end-to-end decode driver (docs/GPU.md); without CUDA a stub that says so.
+$(B)/kvd-decode: $(B)/obj/gpu-client/decode/main.o $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
+	$(call msg,LD,$@)
+	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) $(CUDA_LIBS) -o $@
 
 # Test binaries link the client objects statically (they test internals too).
 $(B)/tests/%: $(B)/tests/obj/%.o $(TEST_COMMON_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(dir $@)
-	$(Q)$(CC) $(LDFLAGS) $^ -lcmocka $(LDLIBS) -o $@
+	$(Q)$(CC) $(LDFLAGS) $^ -lcmocka $(LDLIBS) $(CUDA_LIBS) -o $@
+
+# kvd-decode's flag parser is tested on the CPU.
+$(B)/tests/test_gpu_plan: $(B)/obj/gpu-client/decode/args.o
 
 $(B)/tests/obj/%.o: tests/unit/%.c
 	$(call msg,CC,$<)
@@ -126,6 +186,10 @@ $(B)/tests/obj/%.o: tests/integration/%.c
 	$(call msg,CC,$<)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(CFLAGS) -Itests/unit -c $< -o $@
+$(B)/tests/obj/%.o: tests/cuda/%.c
+	$(call msg,CC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(CFLAGS) -Itests/unit -Itests/integration -c $< -o $@
 
 # Fuzz targets always use clang's libFuzzer with ASan+UBSan, whatever SAN says.
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ishm -Iproto -Igpu-client -Ibuild/proto \
@@ -179,11 +243,12 @@ fuzz: deps $(FUZZ_BIN)
 bench: deps all
 	$(B)/kvbench attn --json
 
+# SPILL=1: more sessions than the memory budget holds, through the spill tier.
 demo: deps all
-	$(B)/kvbench demo
+	$(B)/kvbench demo $(if $(SPILL),--spill)
 
 clean:
 	rm -rf build
 
 -include $(CORE_OBJ:.o=.d) $(CLIENT_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(TEST_COMMON_OBJ:.o=.d) \
-	$(TEST_OBJ:.o=.d) $(B)/obj/kvd/main.d
+	$(TEST_OBJ:.o=.d) $(B)/obj/kvd/main.d $(DECODE_OBJ:.o=.d) $(B)/obj/gpu-client/decode/main.d

@@ -27,6 +27,10 @@ const char *bench_cpu_name(void);
  * skipped).  0, or 1 on failure, 2 on bad usage. */
 int bench_ipc_main(int argc, char **argv);
 
+/* `kvbench gpu` (bench/gpu.c): CUDA kernels and kvd-decode, JSON lines; 77
+ * without a CUDA device. */
+int bench_gpu_main(int argc, char **argv);
+
 /* kvbench demo / serve (bench/serve.c). */
 int bench_demo_main(int argc, char **argv);
 int bench_serve_main(int argc, char **argv);

@@ -590,6 +590,8 @@ static int cmd_trace_dump(int argc, char **argv)
 	return 0;
 }
 
+int bench_spill_main(int argc, char **argv);      /* bench/spill.c */
+
 int main(int argc, char **argv)
 {
 	struct opts op;
@@ -607,8 +609,12 @@ int main(int argc, char **argv)
 		return bench_demo_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "serve"))
 		return bench_serve_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "gpu"))
+		return bench_gpu_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "ipc"))
 		return bench_ipc_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "spill"))
+		return bench_spill_main(argc - 2, argv + 2);
 	usage();
 	return 2;
 }

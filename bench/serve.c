@@ -37,7 +37,8 @@ struct srv {
 	char dir[64], sock[108];
 };
 
-static int srv_start(struct srv *s)
+/* extra: more INI text for the configuration (a [memory]/[spill] part), or NULL. */
+static int srv_start_conf(struct srv *s, const char *memory, const char *extra)
 {
 	char exe[PATH_MAX], bin[PATH_MAX + 8], conf[128];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -57,9 +58,10 @@ static int srv_start(struct srv *s)
 	if (!f)
 		return -1;
 	/* The default configuration, written out so the demo shows one. */
-	fprintf(f, "[server]\nsocket = %s\nthreads = 0\n\n[memory]\nlimit = 75%%\n\n"
+	fprintf(f, "[server]\nsocket = %s\nthreads = 0\n\n[memory]\n%s\n\n"
 		   "[transport]\nslots = 16\nslot_size = 4M\nring_entries = 256\nspin_us = 50\n\n"
-		   "[log]\nlevel = warning\n", s->sock);
+		   "[log]\nlevel = warning\n%s", s->sock, memory ? memory : "limit = 75%",
+		extra ? extra : "");
 	fclose(f);
 	s->pid = fork();
 	if (s->pid == 0) {
@@ -81,6 +83,11 @@ static int srv_start(struct srv *s)
 		usleep(20000);
 	}
 	return -1;
+}
+
+static int srv_start(struct srv *s)
+{
+	return srv_start_conf(s, NULL, NULL);
 }
 
 static int srv_stop(struct srv *s)
@@ -244,12 +251,276 @@ static int parse_u32(const char *s, uint32_t *out)
 	return 0;
 }
 
+/* ---- demo --spill: more sessions than RAM ------------------------------- */
+
+struct spill_res {
+	int ok;
+	char err[160];
+	uint32_t checks, mismatches, came_back, steps;
+	double decode_s, rel_err;
+	uint32_t nback, nlat;
+	float back_ms[256];             /* first ATTEND of a session that was on disk */
+	float lat_ms[MAX_LAT];
+};
+
+/* One process with `nsess` chat sessions taking turns: prefill them all,
+ * then `turns` rounds in which each session decodes `steps` tokens.  Between
+ * its turns a session sits idle and kvd may put it on disk; at the start of
+ * each turn kvd's answer for a probe query must equal, bit for bit, the one
+ * it gave at the end of the previous turn. */
+static void spill_client(const char *sock, int id, uint32_t nsess, uint32_t ctx, uint32_t turns,
+			 uint32_t steps, struct spill_res *r)
+{
+	char name[32];
+	struct kvc_opts o = { .socket_path = sock, .tenant = "demo", .name = name };
+	struct kvc_model m = llama(32);
+	struct kvc *c = NULL;
+	uint32_t n = ctx + turns * steps, H = m.kv_heads, d = m.head_dim;
+	struct kvd_synth *w = calloc(nsess, sizeof *w);
+	struct kvc_seq **s = calloc(nsess, sizeof *s);
+	float *probe = malloc((size_t)nsess * m.q_heads * d * 4), *o_ = malloc((size_t)m.q_heads * d * 4);
+	float *k0 = malloc((size_t)H * ctx * d * 4), *v0 = malloc((size_t)H * ctx * d * 4);
+	float kt[8 * 128], vt[8 * 128], lse[32];
+
+	snprintf(name, sizeof name, "spill-demo-%d", id);
+	if (!w || !s || !probe || !o_ || !k0 || !v0) {
+		snprintf(r->err, sizeof r->err, "out of memory");
+		goto out;
+	}
+	if (kvc_connect(&o, &c) || kvc_profile(c, &m))
+		goto fail;
+	for (uint32_t j = 0; j < nsess; j++) {
+		if (kvd_synth_make(&w[j], (enum kvd_wl)((id + j) % KVD_WL_COUNT), n, m.q_heads, H, d,
+				   5000 + 100 * (uint64_t)id + j)) {
+			snprintf(r->err, sizeof r->err, "workload: out of memory");
+			goto out;
+		}
+		for (uint32_t h = 0; h < H; h++) {
+			memcpy(k0 + (size_t)h * ctx * d, w[j].k + (size_t)h * n * d, (size_t)ctx * d * 4);
+			memcpy(v0 + (size_t)h * ctx * d, w[j].v + (size_t)h * n * d, (size_t)ctx * d * 4);
+		}
+		if (kvc_seq_create(c, &s[j]))
+			goto fail;
+		for (uint32_t l = 0; l < m.layers; l++)
+			if (kvc_prefill(c, s[j], l, k0, v0, ctx))
+				goto fail;
+		if (kvc_attend_kvd(c, 1, &s[j], 1, w[j].q, probe + (size_t)j * m.q_heads * d, lse))
+			goto fail;
+	}
+	double t = bench_now_ms();
+
+	for (uint32_t turn = 0; turn < turns; turn++) {
+		for (uint32_t j = 0; j < nsess; j++) {
+			struct kvc_seq_stats st;
+			float *pr = probe + (size_t)j * m.q_heads * d;
+			double t0 = bench_now_ms();
+
+			if (kvc_seq_stats(c, s[j], &st))
+				goto fail;
+			if (kvc_attend_kvd(c, 1, &s[j], 1, w[j].q, o_, lse))
+				goto fail;
+			if (st.state == KVC_SEQ_DISK || st.state == KVC_SEQ_RESTORING) {
+				r->came_back++;
+				if (r->nback < 256)
+					r->back_ms[r->nback++] = (float)(bench_now_ms() - t0);
+			}
+			r->checks++;
+			r->mismatches += memcmp(o_, pr, (size_t)m.q_heads * d * 4) != 0;
+			for (uint32_t step = 0; step < steps; step++) {
+				copy_token(&w[j], ctx + turn * steps + step, kt, vt);
+				for (uint32_t l = 0; l < m.layers; l++) {
+					double t1 = bench_now_ms();
+
+					if (kvc_append(c, s[j], l, kt, vt) ||
+					    kvc_attend(c, l, &s[j], 1, w[j].q, o_, NULL))
+						goto fail;
+					if (r->nlat < MAX_LAT && !(l == 0 || l == 16))
+						r->lat_ms[r->nlat++] = (float)(bench_now_ms() - t1);
+				}
+				r->steps++;
+			}
+			if (kvc_attend_kvd(c, 1, &s[j], 1, w[j].q, pr, lse))
+				goto fail;
+		}
+	}
+	r->decode_s = (bench_now_ms() - t) / 1e3;
+
+	/* The last session's full answer (layer 1) against exact attention. */
+	{
+		uint32_t j = nsess - 1;
+		double num = 0, den = 0;
+
+		if (kvc_attend(c, 1, &s[j], 1, w[j].q, o_, NULL))
+			goto fail;
+		for (uint32_t qh = 0; qh < m.q_heads; qh++) {
+			double ro[128], rl;
+			uint32_t h = qh / (m.q_heads / H);
+
+			kvd_ref_dense(w[j].q + (size_t)qh * d, (int)d, w[j].k + (size_t)h * n * d,
+				      w[j].v + (size_t)h * n * d, NULL, n, ro, &rl);
+			for (uint32_t e = 0; e < d; e++) {
+				num += (o_[qh * d + e] - ro[e]) * (o_[qh * d + e] - ro[e]);
+				den += ro[e] * ro[e];
+			}
+		}
+		r->rel_err = sqrt(num / den);
+	}
+	r->ok = 1;
+	goto out;
+fail:
+	snprintf(r->err, sizeof r->err, "%s", c ? kvc_last_error(c) : "connect");
+out:
+	for (uint32_t j = 0; s && j < nsess; j++)
+		if (s[j])
+			kvc_seq_free(c, s[j]);
+	if (c)
+		kvc_close(c);
+	for (uint32_t j = 0; w && j < nsess; j++)
+		kvd_synth_free(&w[j]);
+	free(w);
+	free(s);
+	free(probe);
+	free(o_);
+	free(k0);
+	free(v0);
+}
+
+/* Resident bytes of one session of the demo's model (one segment per sparse
+ * layer while ctx fits one), to size the budget at a third of the total. */
+static uint64_t session_bytes(uint32_t ctx)
+{
+	struct kvc_model m = llama(32);
+	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c };
+	uint32_t n = ctx - m.sink - m.window, segs = (n + 32767) / 32768;
+
+	return (uint64_t)(m.layers - m.n_dense) * segs * (kvd_seg_bytes(&g, (n + segs - 1) / segs) + 8192);
+}
+
+static int demo_spill(uint32_t clients, uint32_t nsess, uint32_t ctx, uint32_t turns,
+		      uint32_t steps)
+{
+	struct srv srv;
+	struct spill_res *res = shared_mem(clients * sizeof *res);
+	uint64_t total = (uint64_t)clients * nsess * session_bytes(ctx), limit = total / 3;
+	char mem[128], spill[256], dir[200];
+	double t0 = bench_now_ms();
+	struct kvc_stats st = { 0 };
+	int failed = 0;
+
+	if (!res)
+		return 1;
+	snprintf(mem, sizeof mem, "limit = %lluM\nhigh = 90%%\nlow = 75%%",
+		 (unsigned long long)(limit >> 20));
+	snprintf(dir, sizeof dir, "/var/tmp/kvd-demo-spill.XXXXXX");
+	if (!mkdtemp(dir)) {
+		perror("kvbench: mkdtemp");
+		return 1;
+	}
+	snprintf(spill, sizeof spill, "\n[spill]\ndir = %s\n", dir);
+	printf("kvd demo --spill: %u clients x %u chat sessions of %u tokens, %u turns of %u decode\n"
+	       "steps each; Llama-3.1-8B geometry as in the plain demo.  The sessions take %.1f GiB in\n"
+	       "kvd, the memory budget is %.1f GiB (a third): idle sessions go to %s and come\n"
+	       "back when their turn comes.  Each turn starts by checking that kvd's answer equals,\n"
+	       "bit for bit, the one it gave at the end of the session's previous turn.\n\n",
+	       clients, nsess, ctx, turns, steps, total / 1073741824.0, limit / 1073741824.0, dir);
+	if (srv_start_conf(&srv, mem, spill)) {
+		fprintf(stderr, "kvbench: kvd did not start\n");
+		return 1;
+	}
+	printf("kvd started (pid %d, socket %s)\n", (int)srv.pid, srv.sock);
+	fflush(stdout);
+	pid_t *kids = calloc(clients, sizeof *kids);
+
+	for (uint32_t i = 0; i < clients; i++) {
+		kids[i] = fork();
+		if (kids[i] == 0) {
+			spill_client(srv.sock, (int)i, nsess, ctx, turns, steps, &res[i]);
+			_exit(res[i].ok ? 0 : 1);
+		}
+	}
+	for (uint32_t i = 0; i < clients; i++) {
+		int ws;
+
+		waitpid(kids[i], &ws, 0);
+		failed |= !WIFEXITED(ws) || WEXITSTATUS(ws) != 0;
+	}
+	{
+		struct kvc_opts o = { .socket_path = srv.sock, .tenant = "demo", .name = "stats" };
+		struct kvc *c;
+
+		if (kvc_connect(&o, &c) == 0)
+			kvc_server_stats(c, &st);
+		kvc_close(c);
+	}
+	int rc = srv_stop(&srv);
+
+	rmdir(dir);
+	printf("\n%-7s %7s %10s %10s %10s %12s %12s %13s %9s\n", "client", "checks", "mismatch",
+	       "came_back", "tokens/s", "layer_p50_ms", "layer_p99_ms", "back_p50_ms", "rel_err");
+	uint32_t mism = 0, back = 0;
+
+	for (uint32_t i = 0; i < clients; i++) {
+		struct spill_res *r = &res[i];
+
+		if (!r->ok) {
+			printf("%-7u failed: %s\n", i, r->err);
+			continue;
+		}
+		qsort(r->lat_ms, r->nlat, sizeof r->lat_ms[0], cmp_f);
+		qsort(r->back_ms, r->nback, sizeof r->back_ms[0], cmp_f);
+		printf("%-7u %7u %10u %10u %10.2f %12.3f %12.3f %13.1f %9.4f\n", i, r->checks,
+		       r->mismatches, r->came_back, r->steps / r->decode_s, r->lat_ms[r->nlat / 2],
+		       r->lat_ms[(uint32_t)(r->nlat * 0.99)], r->nback ? r->back_ms[r->nback / 2] : 0.0,
+		       r->rel_err);
+		mism += r->mismatches;
+		back += r->came_back;
+	}
+	printf("\nkvd: %llu spills (%.2f GiB written), %llu restores (%.2f GiB read), %llu drops of\n"
+	       "clean sessions, %llu spill errors, %llu lost; %.2f GiB resident at the end, budget %.2f GiB.\n",
+	       (unsigned long long)st.spills, st.spill_bytes / 1073741824.0,
+	       (unsigned long long)st.restores, st.restore_bytes / 1073741824.0,
+	       (unsigned long long)st.drops, (unsigned long long)st.spill_errors,
+	       (unsigned long long)st.lost, st.bytes / 1073741824.0, st.mem_limit / 1073741824.0);
+	printf("%u sessions came back from disk, %u answers differed; kvd exited with status %d; %.1f s in all\n",
+	       back, mism, rc, (bench_now_ms() - t0) / 1e3);
+	free(kids);
+	return failed || rc || mism || !back || st.lost ? 1 : 0;
+}
+
 int bench_demo_main(int argc, char **argv)
 {
-	uint32_t clients = 4, ctx = 8192, steps = 32;
+	uint32_t clients = 4, ctx = 8192, steps = 32, sessions = 6, turns = 3, spill = 0;
 	struct srv srv;
 	struct client_res *res;
 	double t0 = bench_now_ms();
+
+	for (int i = 0; i < argc; i++) {
+		if (!strcmp(argv[i], "--spill")) {
+			spill = 1;
+			clients = 2;
+			ctx = 2048;
+			steps = 4;
+			memmove(argv + i, argv + i + 1, (size_t)(argc - i - 1) * sizeof *argv);
+			argc--;
+			break;
+		}
+	}
+	for (int i = 0; i + 1 < argc; i += 2) {
+		uint32_t *dst = !strcmp(argv[i], "--clients") ? &clients :
+				!strcmp(argv[i], "--ctx") ? &ctx :
+				!strcmp(argv[i], "--steps") ? &steps :
+				spill && !strcmp(argv[i], "--sessions") ? &sessions :
+				spill && !strcmp(argv[i], "--turns") ? &turns : NULL;
+
+		if (!dst || parse_u32(argv[i + 1], dst) || clients > 64 || ctx < 200 || sessions > 64) {
+			fprintf(stderr, "usage: kvbench demo [--clients N<=64] [--ctx N>=200] [--steps N]\n"
+					"       kvbench demo --spill [--clients N] [--sessions N<=64] [--ctx N]\n"
+					"                    [--turns N] [--steps N]\n");
+			return 2;
+		}
+	}
+	if (spill)
+		return demo_spill(clients, sessions, ctx, turns, steps);
 
 	for (int i = 0; i + 1 < argc; i += 2) {
 		uint32_t *dst = !strcmp(argv[i], "--clients") ? &clients :

@@ -1,5 +1,6 @@
 /* libkvclient, CPU backend.  See kvc.h. */
 #include <errno.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,7 @@
 #include "err.h"
 #include "kvc.h"
 #include "kvd_ring.h"
+#include "kvg.h"
 #include "lsh.h"
 #include "prep.h"
 #include "shm.h"
@@ -35,7 +37,9 @@ struct kvc_layer {
 
 struct kvc_seq {
 	uint64_t id;
+	int reopened;                   /* kvc_seq_open: no local part, kvd's alone */
 	struct kvc_layer *ly;
+	struct kvg_seq *gs;             /* CUDA backend (kvg_cuda.c), else NULL */
 };
 
 struct slot {
@@ -68,6 +72,7 @@ struct kvc {
 	struct kvd_geom g;
 	const struct kvd_kern *kk;
 	void *rx;
+	struct kvg *gpu;                /* CUDA backend (kvg_cuda.c), else NULL */
 	char err[256];
 };
 
@@ -136,7 +141,7 @@ int kvc_connect(const struct kvc_opts *o, struct kvc **out)
 	Kvd__Request rq = KVD__REQUEST__INIT;
 	Kvd__Hello h = KVD__HELLO__INIT;
 	Kvd__Response *r;
-	int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, rc;
+	int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, rc, backend;
 
 	if (!c)
 		return -ENOMEM;
@@ -148,6 +153,8 @@ int kvc_connect(const struct kvc_opts *o, struct kvc **out)
 	*out = c;                       /* so kvc_last_error works on failure */
 	if (!c->rx)
 		return fail(c, -ENOMEM, "out of memory");
+	if ((backend = kvg_choose(o, c->err, sizeof c->err)) < 0)
+		return backend;
 	if (strlen(path) >= sizeof a.sun_path)
 		return fail(c, -ENAMETOOLONG, "socket path too long: %s", path);
 	memcpy(a.sun_path, path, strlen(path) + 1);
@@ -190,6 +197,8 @@ int kvc_connect(const struct kvc_opts *o, struct kvc **out)
 	c->slot = calloc(c->r.geo.nslots, sizeof *c->slot);
 	if (!c->slot)
 		return fail(c, -ENOMEM, "out of memory");
+	if (backend == KVC_BACKEND_CUDA)
+		return kvg_open(c, o, c->map, c->map_size, &c->gpu);
 	return 0;
 }
 
@@ -207,6 +216,7 @@ void kvc_close(struct kvc *c)
 {
 	if (!c)
 		return;
+	kvg_close(c->gpu);              /* unregisters the region: before munmap */
 	if (c->map)
 		munmap(c->map, c->map_size);
 	if (c->memfd >= 0)
@@ -289,7 +299,7 @@ int kvc_profile(struct kvc *c, const struct kvc_model *m)
 	if (rc)
 		return fail(c, rc, "projection matrix from kvd unusable");
 	c->have_profile = 1;
-	return 0;
+	return c->gpu ? kvg_profile(c, c->gpu) : 0;
 }
 
 const struct kvc_model *kvc_model_of(const struct kvc *c)
@@ -311,9 +321,18 @@ static int reap(struct kvc *c, int block)
 	int n = shm_ring_ready(&c->r.cq);
 
 	while (n == 0 && block) {
-		n = shm_ring_wait(&c->r.cq, c->spin_ns, 0, c->poll);
+		/* Wake up now and then to see whether kvd is still there: a
+		 * daemon that died leaves the control socket hung up, and
+		 * nothing else would ever end this wait. */
+		n = shm_ring_wait(&c->r.cq, c->spin_ns, 200000000ull, c->poll);
 		if (n == -EINTR)
 			n = 0;
+		if (n == 0) {
+			struct pollfd pf = { .fd = c->fd, .events = POLLRDHUP };
+
+			if (poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+				return fail(c, -ECONNRESET, "kvd went away");
+		}
 	}
 	if (n < 0)
 		return fail(c, n, "completion ring corrupted");
@@ -477,6 +496,8 @@ int kvc_seq_free(struct kvc *c, struct kvc_seq *s)
 	rq.seq_free = &sf;
 	r = call(c, &rq, NULL, NULL, &rc);
 	kvd_ctl_free_response(r);
+	if (c->gpu)
+		kvg_seq_free(c, c->gpu, s->gs);
 	free_layers(c, s);
 	free(s);
 	return rc;
@@ -564,6 +585,8 @@ int kvc_prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k
 	float *x;
 	int rc;
 
+	if (c->gpu)
+		return kvg_prefill_host(c, s, layer, k, v, n);
 	if (!c->have_profile || layer >= c->m.layers)
 		return fail(c, -EINVAL, "layer %u out of range", layer);
 	l = &s->ly[layer];
@@ -681,9 +704,14 @@ int kvc_append(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
 	struct kvc_layer *l;
 	int rc;
 
+	if (c->gpu)
+		return kvg_append_host(c, s, layer, k, v);
 	if (!c->have_profile || layer >= c->m.layers)
 		return fail(c, -EINVAL, "layer %u out of range", layer);
 	l = &s->ly[layer];
+	if (s->reopened)
+		return fail(c, -EINVAL, "sequence %llu was reopened: its window did not survive, "
+			    "so it can be attended but not extended", (unsigned long long)s->id);
 	if (!l->prefilled)
 		return fail(c, -EINVAL, "layer %u: append before prefill", layer);
 	if ((rc = local_put(c, l, k, v, 1, 0, 1)))
@@ -808,6 +836,8 @@ static int attend(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 	float *lbuf = NULL;
 	int rc = 0;
 
+	if (c->gpu)
+		return kvg_attend_host(c, layer, seqs, nseq, q, o, lse, kvd_only);
 	if (!c->have_profile || layer >= c->m.layers)
 		return fail(c, -EINVAL, "layer %u out of range", layer);
 	for (uint32_t i = 0; i < nseq; i++)
@@ -882,6 +912,11 @@ int kvc_server_stats(struct kvc *c, struct kvc_stats *st)
 		.clients = m->clients, .sequences = m->sequences, .profiles = m->profiles,
 		.slots_in_use = m->slots_in_use, .bytes = m->bytes, .requests = m->requests,
 		.errors = m->errors, .disconnects = m->disconnects, .mapped_bytes = m->mapped_bytes,
+		.mem_limit = m->mem_limit, .mem_high = m->mem_high, .mem_low = m->mem_low,
+		.reserved_bytes = m->reserved_bytes, .disk_bytes = m->disk_bytes,
+		.on_disk = m->on_disk, .spills = m->spills, .restores = m->restores,
+		.drops = m->drops, .spill_errors = m->spill_errors, .lost = m->lost,
+		.spill_bytes = m->spill_bytes, .restore_bytes = m->restore_bytes,
 	};
 	kvd_ctl_free_response(r);
 	return 0;
@@ -907,6 +942,137 @@ int kvc_seq_stats(struct kvc *c, const struct kvc_seq *s, struct kvc_seq_stats *
 	st->tokens = r->seq_stats->tokens;
 	st->bytes = r->seq_stats->bytes;
 	st->segments = r->seq_stats->segments;
+	st->state = r->seq_stats->state;
+	st->durable = r->seq_stats->durable;
+	st->disk_bytes = r->seq_stats->disk_bytes;
+	st->ready_layers = r->seq_stats->ready_layers;
 	kvd_ctl_free_response(r);
 	return 0;
+}
+
+/* ---- tiers ------------------------------------------------------------- */
+
+int kvc_seq_open(struct kvc *c, uint64_t id, struct kvc_seq **out, uint64_t *tokens)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqOpen so = KVD__SEQ_OPEN__INIT;
+	Kvd__Response *r;
+	struct kvc_seq *s;
+	int rc;
+
+	if (!c->have_profile)
+		return fail(c, -EINVAL, "no profile yet");
+	so.seq = id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_OPEN;
+	rq.seq_open = &so;
+	r = call(c, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SEQ) {
+		kvd_ctl_free_response(r);
+		return fail(c, -KVD_EPROTO, "unexpected reply");
+	}
+	if (r->seq->profile_id != c->profile_id) {
+		kvd_ctl_free_response(r);
+		return fail(c, -EINVAL, "sequence %llu was written with another profile",
+			    (unsigned long long)id);
+	}
+	s = calloc(1, sizeof *s);
+	if (s)
+		s->ly = calloc(c->m.layers, sizeof *s->ly);
+	if (!s || !s->ly) {
+		free(s ? s->ly : NULL);
+		free(s);
+		kvd_ctl_free_response(r);
+		return fail(c, -ENOMEM, "out of memory");
+	}
+	s->id = r->seq->seq;
+	s->reopened = 1;
+	for (uint32_t l = 0; l < c->m.layers; l++)
+		s->ly[l].prefilled = 1;
+	if (tokens)
+		*tokens = r->seq->tokens;
+	kvd_ctl_free_response(r);
+	*out = s;
+	return 0;
+}
+
+int kvc_seq_evict(struct kvc *c, struct kvc_seq *s)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqEvict se = KVD__SEQ_EVICT__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	/* Rows still in flight belong to the data being written out. */
+	if ((rc = drain_fire(c, "evict")))
+		return rc;
+	se.seq = s->id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_EVICT;
+	rq.seq_evict = &se;
+	r = call(c, &rq, NULL, NULL, &rc);
+	kvd_ctl_free_response(r);
+	return rc;
+}
+
+int kvc_prefetch(struct kvc *c, struct kvc_seq *s)
+{
+	int slot = slot_get(c, SLOT_OWNED), rc;
+
+	if (slot < 0)
+		return slot;
+	struct kvd_sqe e = { .op = KVD_OP_PREFETCH, .seq = s->id, .user_data = (uint64_t)slot };
+
+	if ((rc = submit(c, &e)) || (rc = wait_slot(c, slot))) {
+		c->slot[slot].state = SLOT_FREE;
+		return rc;
+	}
+	rc = c->slot[slot].res;
+	c->slot[slot].state = SLOT_FREE;
+	return rc < 0 ? fail(c, rc, "prefetch: kvd: %s", c->slot[slot].msg) : 0;
+}
+
+/* ---- for the CUDA backend (kvg.h) ---------------------------------------- */
+
+int kvc_backend(const struct kvc *c)
+{
+	return c->gpu ? KVC_BACKEND_CUDA : KVC_BACKEND_CPU;
+}
+
+int kvci_fail(struct kvc *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(c->err, sizeof c->err, fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+struct kvg *kvci_gpu(const struct kvc *c) { return c->gpu; }
+int kvci_profiled(const struct kvc *c) { return c->have_profile; }
+const struct kvd_geom *kvci_geom(const struct kvc *c) { return &c->g; }
+int kvci_dense(const struct kvc *c, uint32_t layer) { return c->dense[layer]; }
+struct kvg_seq **kvci_seq_gpu(struct kvc_seq *s) { return &s->gs; }
+uint32_t kvci_nslots(const struct kvc *c) { return c->r.geo.nslots; }
+uint64_t kvci_slot_size(const struct kvc *c) { return c->r.geo.slot_size; }
+void *kvci_slot(const struct kvc *c, uint32_t i) { return shm_slot(&c->r, i); }
+int kvci_slot_get(struct kvc *c, int fire) { return slot_get(c, fire ? SLOT_FIRE : SLOT_OWNED); }
+int kvci_submit(struct kvc *c, const struct kvd_sqe *e) { return submit(c, e); }
+int kvci_drain(struct kvc *c, const char *what) { return drain_fire(c, what); }
+
+void kvci_slot_put(struct kvc *c, uint32_t i)
+{
+	if (c->slot[i].state == SLOT_FIRE)
+		c->fire_inflight--;     /* taken back before it was submitted */
+	c->slot[i].state = SLOT_FREE;
+}
+
+int kvci_wait_slot(struct kvc *c, uint32_t i, int32_t *res, const char **msg)
+{
+	int rc = wait_slot(c, (int)i);
+
+	*res = c->slot[i].res;
+	*msg = c->slot[i].msg;
+	return rc;
 }

@@ -12,6 +12,16 @@
  * returns 0 (or a count) or a negative code (-errno or -KVD_E*); the reason
  * is then in kvc_last_error().  Keys and values are float32, raw (post-RoPE,
  * not centered); queries too.
+ *
+ * Backends (kvc_opts.backend; docs/GPU.md): KVC_BACKEND_CPU, the default,
+ * does the client's share on the CPU and answers bit for bit what the
+ * in-process engine answers.  KVC_BACKEND_CUDA keeps the sinks and windows
+ * on a GPU, hashes there, DMAs between device memory and kvd's arena
+ * (registered with cudaHostRegister) and merges there; besides the host
+ * API below (which then copies to and from the device for you), it offers
+ * the stream-ordered device API (kvc_*_dev).  KVC_BACKEND_AUTO takes CUDA
+ * when the library was built with it and a device is found, else CPU; the
+ * environment variable KVC_BACKEND=cpu|cuda overrides AUTO (and only AUTO).
  */
 #ifndef KVC_H
 #define KVC_H
@@ -30,7 +40,14 @@ struct kvc_opts {
 	uint32_t slots;                 /* 0: kvd's default */
 	uint64_t slot_size;             /* 0: kvd's default */
 	uint64_t spin_ns;               /* spin before sleeping; 0: 50 us */
+	int backend;                    /* enum kvc_backend; 0: KVC_BACKEND_CPU */
+	int device;                     /* CUDA device ordinal */
+	uint32_t max_batch;             /* CUDA: sequences per attend launch (scratch is
+					 * sized for it at kvc_profile); 0: 256 */
+	int timing;                     /* CUDA: time GPU phases with events (kvc_timing) */
 };
+
+enum kvc_backend { KVC_BACKEND_CPU = 0, KVC_BACKEND_CUDA = 1, KVC_BACKEND_AUTO = 2 };
 
 struct kvc_model {
 	const char *name;
@@ -43,9 +60,14 @@ struct kvc_model {
 	uint32_t segment_tokens, seal_tokens;   /* 0: defaults */
 };
 
+/* Always sets *out (free it with kvc_close, even on failure, after reading
+ * kvc_last_error).  -ENODEV: KVC_BACKEND_CUDA asked for and no usable
+ * device (or a library built without CUDA). */
 int kvc_connect(const struct kvc_opts *o, struct kvc **out);
 void kvc_close(struct kvc *c);
 const char *kvc_last_error(const struct kvc *c);
+/* KVC_BACKEND_CPU or KVC_BACKEND_CUDA: what this connection runs on. */
+int kvc_backend(const struct kvc *c);
 
 /* Creates the profile, or opens it when kvd has it with the same fields.
  * Once per connection, before any sequence. */
@@ -88,13 +110,95 @@ int kvc_nop(struct kvc *c);
 struct kvc_stats {
 	uint32_t clients, sequences, profiles, slots_in_use;
 	uint64_t bytes, requests, errors, disconnects, mapped_bytes;
+	/* the memory budget and the spill tier (docs/PROTOCOL.md, ServerStats) */
+	uint64_t mem_limit, mem_high, mem_low, reserved_bytes, disk_bytes;
+	uint32_t on_disk;
+	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
 };
 int kvc_server_stats(struct kvc *c, struct kvc_stats *st);
+
+enum kvc_seq_state { KVC_SEQ_RAM, KVC_SEQ_SPILLING, KVC_SEQ_DISK, KVC_SEQ_RESTORING, KVC_SEQ_LOST };
 
 struct kvc_seq_stats {
 	uint64_t tokens, bytes;
 	uint32_t segments;
+	uint32_t state;                 /* enum kvc_seq_state */
+	int durable;                    /* a synced file on disk holds exactly this data */
+	uint64_t disk_bytes;
+	uint32_t ready_layers;          /* RESTORING: layers kvd serves already */
 };
 int kvc_seq_stats(struct kvc *c, const struct kvc_seq *s, struct kvc_seq_stats *st);
+
+/* ---- tiers: kvd may keep a cold sequence on disk (docs/OPERATIONS.md) ---- */
+
+/* Takes over a sequence nobody owns — one kvd found in its spill directories
+ * at start-up (--persist) after a restart — under this connection's profile,
+ * which must be the one it was written with.  The local part (sinks, window)
+ * did not survive: kvc_attend() and kvc_attend_kvd() answer from kvd alone,
+ * and kvc_append() refuses (nothing to extend the window with).  *tokens (may be
+ * NULL): tokens kvd holds per layer, to check against what the caller
+ * expects. */
+int kvc_seq_open(struct kvc *c, uint64_t id, struct kvc_seq **out, uint64_t *tokens);
+
+/* Asks kvd to write the sequence out now and drop it from RAM (returns once
+ * the write has started; kvc_seq_stats().durable says when it is on disk). */
+int kvc_seq_evict(struct kvc *c, struct kvc_seq *s);
+
+/* The sequence will be used soon: if it is on disk, kvd starts reading it
+ * back (layer 0 first).  Returns at once. */
+int kvc_prefetch(struct kvc *c, struct kvc_seq *s);
+
+/* ---- device API (CUDA backend; docs/GPU.md) --------------------------------
+ *
+ * The same operations on device memory, ordered on a CUDA stream the way a
+ * CUDA library is: `stream` is a cudaStream_t (NULL: the legacy default
+ * stream; pass cudaStreamPerThread explicitly if that is what you use).
+ * Inputs are read in stream order after the work already queued on
+ * `stream`; outputs are written in stream order, so work queued on `stream`
+ * after the call sees them, and the caller synchronises only when it needs
+ * them on the host.  Device buffers must stay valid until that work has
+ * run (kvc_prefill_dev returns after its inputs are consumed).  No call
+ * synchronises the device; a call blocks the host only for what it must
+ * hand to kvd (a query, a chunk of rows) to land in the arena, and for
+ * kvd's answer.  On the CPU backend every _dev call fails with -ENOTSUP.
+ *
+ * k, v: `dtype` (KVC_F32 or KVC_BF16), raw (post-RoPE, not centered).
+ * q, o: float32; lse float32 or NULL.
+ */
+enum kvc_dtype { KVC_F32 = 0, KVC_BF16 = 1 };
+
+/* k, v [kv_heads][n][head_dim]; as kvc_prefill. */
+int kvc_prefill_dev(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void *k,
+		    const void *v, uint32_t n, int dtype, void *stream);
+
+/* One decoded token of each of nseq sequences (each at most once): k, v
+ * [nseq][kv_heads][head_dim], the layout a batched QKV projection
+ * produces; as kvc_append. */
+int kvc_append_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
+		   const void *k, const void *v, int dtype, void *stream);
+
+/* q [nseq][q_heads][d] in, o [nseq][q_heads][d] out (lse [nseq][q_heads] or
+ * NULL); as kvc_attend: the GPU's window attention runs while kvd samples,
+ * then a kernel merges. */
+int kvc_attend_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
+		   const float *q, float *o, float *lse, void *stream);
+int kvc_attend_kvd_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs,
+		       uint32_t nseq, const float *q, float *o, float *lse, void *stream);
+
+/* Where the time goes (CUDA backend; zeros on the CPU one).  Host figures
+ * are always kept; GPU figures (sparse layers) only with kvc_opts.timing.
+ * reset: start again from zero after reading. */
+struct kvc_timing {
+	uint64_t attends, appends, evicted, prefills;   /* calls; sequences evicted */
+	double kvd_wait_ms;     /* host waiting for kvd's completions (attend) */
+	double gpu_wait_ms;     /* host waiting for queries to land in the arena */
+	double evict_ms;        /* host time in evictions (hash, DMA, kvd's ack) */
+	double prefill_ms;      /* host time in prefill */
+	double hash_ms;         /* GPU: query projection, codes, copies into the arena */
+	double window_ms;       /* GPU: attention over sinks + window */
+	double h2d_ms;          /* GPU: kvd's outputs from the arena to the device */
+	double merge_ms;        /* GPU: the LSE merge */
+};
+int kvc_timing(struct kvc *c, struct kvc_timing *t, int reset);
 
 #endif

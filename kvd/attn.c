@@ -1,4 +1,5 @@
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -41,6 +42,99 @@ size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n)
 	return (size_t)g->kv_heads * head_bytes(g, n);
 }
 
+/* ---- io buffers --------------------------------------------------------- */
+
+#define IO_PAGE ((size_t)KVD_SEG_IO_PAGE)
+
+static int seg_geom_ok(const struct kvd_geom *g, uint32_t n)
+{
+	return g->kv_heads >= 1 && g->kv_heads <= KVD_QHEADS_MAX && g->d >= 16 &&
+	       g->d <= KVD_DMAX && g->d % 16 == 0 && g->K >= 1 && g->K <= KVD_LSH_KMAX &&
+	       g->L >= 1 && g->L <= KVD_LSH_LMAX && n >= 1 && n <= KVD_SEG_MAX;
+}
+
+size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	if (!seg_geom_ok(g, n))
+		return 0;
+	/* At most 1024 heads of ~330 MiB: far from overflowing. */
+	return IO_PAGE + ((kvd_seg_bytes(g, n) + IO_PAGE - 1) & ~(IO_PAGE - 1));
+}
+
+void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes)
+{
+	size_t b = kvd_seg_io_bytes(g, n);
+	void *p;
+
+	if (!b)
+		return NULL;
+	if (b >= KVD_MEM_HUGE) {
+		/* Huge-page aligned, and zero as every fresh mapping is; touching
+		 * it here would fault huge pages on this thread, not on the
+		 * workers that fill them. */
+		p = kvd_mem_alloc(b);
+	} else {
+		/* Zeroed so that no stale heap bytes reach a file through the
+		 * header page or the padding. */
+		p = aligned_alloc(IO_PAGE, b);
+		if (p)
+			memset(p, 0, b);
+	}
+	if (p && bytes)
+		*bytes = b;
+	return p;
+}
+
+void kvd_seg_io_free(void *io, size_t bytes)
+{
+	if (bytes >= KVD_MEM_HUGE)
+		kvd_mem_free(io, bytes);
+	else
+		free(io);
+}
+
+/* ---- build, check, adopt ----------------------------------------------- */
+
+/* Where head h's rows, 1/|k| and tables lie in a payload. */
+struct head_parts {
+	char *k, *v, *kinv, *tab;
+};
+
+static struct head_parts head_parts(const struct kvd_geom *g, uint32_t n, void *mem, uint32_t h)
+{
+	size_t rows = ALIGN64((size_t)n * g->d * sizeof(uint16_t));
+	char *p = (char *)mem + h * head_bytes(g, n);
+
+	return (struct head_parts){ p, p + rows, p + 2 * rows,
+				    p + 2 * rows + ALIGN64((size_t)n * sizeof(float)) };
+}
+
+/* The one place a head's pointers are set: build and adopt must agree. */
+static void head_layout(const struct kvd_geom *g, struct kvd_seg *s, uint32_t h)
+{
+	struct head_parts hp = head_parts(g, s->n, s->mem, h);
+	struct kvd_seg_head *sh = &s->h[h];
+
+	sh->k = (uint16_t *)hp.k;
+	sh->v = (uint16_t *)hp.v;
+	sh->kinv = (float *)hp.kinv;
+	(void)kvd_lsh_tables_layout(&sh->tab, hp.tab, s->n, (int)s->K, (int)s->L);
+}
+
+static struct kvd_seg *seg_new(const struct kvd_geom *g, uint32_t n)
+{
+	struct kvd_seg *s = calloc(1, sizeof *s + g->kv_heads * sizeof s->h[0]);
+
+	if (!s)
+		return NULL;
+	s->n = n;
+	s->kv_heads = g->kv_heads;
+	s->d = g->d;
+	s->K = g->K;
+	s->L = g->L;
+	return s;
+}
+
 struct seg_build {
 	const struct kvd_geom *g;
 	struct kvd_seg *seg;
@@ -54,18 +148,15 @@ static void seg_build_rows(void *arg, uint32_t h, unsigned worker)
 	struct seg_build *b = arg;
 	struct kvd_seg *s = b->seg;
 	struct kvd_seg_head *sh = &s->h[h];
-	size_t n = s->n, d = s->d, rows = ALIGN64(n * d * sizeof(uint16_t));
-	char *mem = (char *)s->mem + h * head_bytes(b->g, s->n);
+	size_t n = s->n, d = s->d;
 
-	sh->k = (uint16_t *)mem;
-	sh->v = (uint16_t *)(mem + rows);
-	sh->kinv = (float *)(mem + 2 * rows);
+	head_layout(b->g, s, h);
 	memcpy(sh->k, b->k + h * n * d, n * d * sizeof(uint16_t));
 	memcpy(sh->v, b->v + h * n * d, n * d * sizeof(uint16_t));
 	kvd_kern_get()->kinv(sh->k, n, (int)d, sh->kinv);
 	/* Fault in this head's table memory here, on this worker: the tables
 	 * phase then does only the counting sort. */
-	char *tab = mem + 2 * rows + ALIGN64(n * sizeof(float));
+	char *tab = head_parts(b->g, s->n, s->mem, h).tab;
 	size_t tb = kvd_lsh_tables_bytes(s->n, (int)s->K, (int)s->L);
 
 	for (size_t off = 0; off < tb; off += 4096)
@@ -77,10 +168,9 @@ static void seg_build_tables(void *arg, uint32_t h, unsigned worker)
 {
 	struct seg_build *b = arg;
 	struct kvd_seg *s = b->seg;
-	size_t n = s->n, d = s->d, rows = ALIGN64(n * d * sizeof(uint16_t));
-	char *mem = (char *)s->mem + h * head_bytes(b->g, s->n);
-	int rc = kvd_lsh_build(&s->h[h].tab, mem + 2 * rows + ALIGN64(n * sizeof(float)),
-			       s->n, (int)s->K, (int)s->L, b->codes + h * s->L * n, n);
+	size_t n = s->n;
+	int rc = kvd_lsh_build(&s->h[h].tab, head_parts(b->g, s->n, s->mem, h).tab, s->n,
+			       (int)s->K, (int)s->L, b->codes + h * s->L * n, n);
 
 	if (rc)
 		atomic_store(&b->err, rc);
@@ -114,20 +204,15 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		return rc;
 	if (n < 1 || n > KVD_SEG_MAX)
 		return -KVD_EGEOM;
-	s = calloc(1, sizeof *s + g->kv_heads * sizeof s->h[0]);
+	s = seg_new(g, n);
 	if (!s)
 		return -ENOMEM;
-	s->n = n;
-	s->kv_heads = g->kv_heads;
-	s->d = g->d;
-	s->K = g->K;
-	s->L = g->L;
-	s->bytes = kvd_seg_bytes(g, n);
-	s->mem = kvd_mem_alloc(s->bytes);
-	if (!s->mem) {
+	s->io = kvd_seg_io_alloc(g, n, &s->bytes);
+	if (!s->io) {
 		free(s);
 		return -ENOMEM;
 	}
+	s->mem = (char *)s->io + IO_PAGE;
 
 	struct seg_build b = { g, s, k, v, codes, 0 };
 
@@ -145,11 +230,62 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 	return 0;
 }
 
+/* 1/|k| as the kernels compute it is 0 or 1/sqrt of a positive float: never
+ * negative, NaN or infinite. */
+static int kinv_check(const float *kinv, uint32_t n)
+{
+	uint32_t bad = 0;
+
+	for (uint32_t i = 0; i < n; i++)
+		bad |= !(kinv[i] >= 0.0f && kinv[i] <= FLT_MAX);
+	return bad ? -KVD_EFORMAT : 0;
+}
+
+int kvd_seg_check(const struct kvd_geom *g, uint32_t n, const void *mem)
+{
+	if (!seg_geom_ok(g, n))
+		return -KVD_EGEOM;
+	if ((uintptr_t)mem & 63)
+		return -EINVAL;
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		/* head_parts() only computes addresses. */
+		struct head_parts hp = head_parts(g, n, (void *)mem, h);
+		int rc = kinv_check((const float *)hp.kinv, n);
+
+		if (!rc)
+			rc = kvd_lsh_tables_check(hp.tab, n, (int)g->K, (int)g->L);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
+		  struct kvd_seg **out)
+{
+	struct kvd_seg *s;
+
+	if (!seg_geom_ok(g, n))
+		return -KVD_EGEOM;
+	if (!io || (uintptr_t)io % IO_PAGE || bytes != kvd_seg_io_bytes(g, n))
+		return -EINVAL;
+	s = seg_new(g, n);
+	if (!s)
+		return -ENOMEM;
+	s->io = io;
+	s->mem = (char *)io + IO_PAGE;
+	s->bytes = bytes;
+	for (uint32_t h = 0; h < g->kv_heads; h++)
+		head_layout(g, s, h);
+	*out = s;
+	return 0;
+}
+
 void kvd_seg_free(struct kvd_seg *s)
 {
 	if (!s)
 		return;
-	kvd_mem_free(s->mem, s->bytes);
+	kvd_seg_io_free(s->io, s->bytes);
 	free(s);
 }
 

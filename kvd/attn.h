@@ -9,7 +9,12 @@
  *
  * A segment holds n <= KVD_SEG_MAX tokens of every kv head of one layer:
  * centered K and V rows (bf16), 1/|k| (f32) and the L bucket tables.  It is
- * immutable once built and may be read by any number of threads.
+ * immutable once built and may be read by any number of threads.  It lives
+ * in an io buffer laid out as one spill extent (kvd/sfmt.h): a
+ * KVD_SEG_IO_PAGE header page, then the kvd_seg_bytes() payload padded to a
+ * multiple of the page, 4096-aligned, so spilling it and reading it back
+ * (O_DIRECT) need no copy, and a segment read back is adopted in place
+ * after kvd_seg_check().
  *
  * Scratch is per worker thread (kvd_attn_scratch); everything else is pure.
  */
@@ -47,9 +52,10 @@ struct kvd_seg_head {
 
 struct kvd_seg {
 	uint32_t n, kv_heads, d, K, L;
-	size_t bytes;                   /* everything this segment keeps resident */
+	size_t bytes;                   /* the io buffer: what this segment keeps resident */
 	double tables_ms;               /* time kvd_seg_build spent on the tables */
-	void *mem;
+	void *io;                       /* the io buffer: header page, then mem */
+	void *mem;                      /* io + KVD_SEG_IO_PAGE: kvd_seg_bytes() of payload */
 	struct kvd_seg_head h[];        /* [kv_heads] */
 };
 
@@ -61,8 +67,43 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  struct kvd_seg **out);
 void kvd_seg_free(struct kvd_seg *s);
 
-/* Resident bytes of a segment of n tokens (what kvd_seg_build allocates). */
+/* Bytes of a segment's payload (rows, 1/|k|, tables of every kv head), as
+ * kvd_seg_build lays it out; a SEG extent's payload_bytes. */
 size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n);
+
+/* Segment io buffers.  Of g only kv_heads, d, K and L count (q_heads and c
+ * are not part of a segment), each range-checked as by kvd_geom_check.
+ *
+ * kvd_seg_io_bytes: KVD_SEG_IO_PAGE + kvd_seg_bytes() rounded up to the
+ * page, what a segment keeps resident (its `bytes`) and its extent_bytes on
+ * disk; 0 when g or n (1..KVD_SEG_MAX) is out of range.
+ * kvd_seg_io_alloc: a zero-filled, 4096-aligned buffer of that size (huge
+ * pages from KVD_MEM_HUGE up, as kvd_mem_alloc), its size in *bytes; NULL
+ * on a bad geometry or without memory.  Free with kvd_seg_io_free, or hand
+ * it to kvd_seg_adopt. */
+#define KVD_SEG_IO_PAGE 4096u
+size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n);
+void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes);
+void kvd_seg_io_free(void *io, size_t bytes);
+
+/* Checks a segment payload of n tokens at mem (64-byte aligned,
+ * kvd_seg_bytes() bytes) that did not come from kvd_seg_build -- a spill
+ * file: for every kv head, 1/|k| is finite and >= 0 (what the kernels
+ * compute) and the L tables pass kvd_lsh_tables_check().  A segment that
+ * passes can never make retrieval or the kernels read outside its own rows
+ * and tables, whatever its bytes.  One pass over the tables; pure and
+ * thread-safe.  0, -KVD_EFORMAT, or -KVD_EGEOM / -EINVAL (bad g, n or
+ * alignment: a caller's bug). */
+int kvd_seg_check(const struct kvd_geom *g, uint32_t n, const void *mem);
+
+/* Wraps an io buffer from kvd_seg_io_alloc(g, n, &bytes) whose payload
+ * passed kvd_seg_check() into a segment: head pointers exactly as
+ * kvd_seg_build sets them, nothing copied or recomputed (tables_ms is 0).
+ * On success the segment owns io (kvd_seg_free frees it); on failure the
+ * caller still does.  0, -KVD_EGEOM, -EINVAL (bytes is not
+ * kvd_seg_io_bytes(g, n) or io is not 4096-aligned), -ENOMEM. */
+int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
+		  struct kvd_seg **out);
 
 struct kvd_attn_stats {
 	uint64_t cand;                  /* sum over q heads of sampled keys */

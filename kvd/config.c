@@ -62,6 +62,10 @@ void kvd_config_defaults(struct kvd_config *c)
 	c->slot_size = 4ull << 20;
 	c->sq_entries = 256;
 	c->spin_ns = 50000;
+	c->mem_high = 90;
+	c->mem_low = 80;
+	c->spill_qd = 64;
+	c->spill_block = 1u << 20;
 }
 
 /* ---- values ------------------------------------------------------------- */
@@ -216,6 +220,138 @@ static int set_spin(struct kvd_config *c, const char *v, char *why, size_t n)
 	return 0;
 }
 
+static int parse_pct(const char *v, uint64_t *x, char *why, size_t n)
+{
+	size_t len = strlen(v);
+	char num[16];
+
+	if (!len || v[len - 1] != '%' || len - 1 >= sizeof(num))
+		return fail(why, n, "not a percentage (1%%..100%%)");
+	memcpy(num, v, len - 1);
+	num[len - 1] = 0;
+	if (parse_uint(num, 100, x, why, n) || *x == 0)
+		return fail(why, n, "not a percentage (1%%..100%%)");
+	return 0;
+}
+
+static int set_mem_high(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_pct(v, &x, why, n))
+		return -EINVAL;
+	c->mem_high = (uint32_t)x;
+	return 0;
+}
+
+static int set_mem_low(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_pct(v, &x, why, n))
+		return -EINVAL;
+	c->mem_low = (uint32_t)x;
+	return 0;
+}
+
+static int add_spill_dir(struct kvd_config *c, const char *v, size_t len, char *why, size_t n)
+{
+	if (!len || *v != '/')
+		return fail(why, n, "a spill directory must be an absolute path");
+	if (len >= sizeof c->spill_dir[0])
+		return fail(why, n, "path longer than %zu bytes", sizeof c->spill_dir[0] - 1);
+	if (c->spill_ndirs == KVD_CONFIG_SPILL_DIRS)
+		return fail(why, n, "more than %d spill directories", KVD_CONFIG_SPILL_DIRS);
+	memcpy(c->spill_dir[c->spill_ndirs], v, len);
+	c->spill_dir[c->spill_ndirs++][len] = 0;
+	return 0;
+}
+
+/* The file's `dir` is a colon-separated list that replaces the defaults;
+ * each --spill-dir flag adds one (parse_args clears the file's list at the
+ * first flag, so flags override the file as everywhere else). */
+static int set_spill_dirs(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	c->spill_ndirs = 0;
+	while (*v) {
+		size_t len = strcspn(v, ":");
+
+		if (add_spill_dir(c, v, len, why, n))
+			return -EINVAL;
+		v += len + (v[len] == ':');
+	}
+	return 0;
+}
+
+static int set_spill_dir_flag(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return add_spill_dir(c, v, strlen(v), why, n);
+}
+
+static int set_spill_limit(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_size(v, &c->spill_limit, why, n) ? -EINVAL : 0;
+}
+
+static int set_spill_qd(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, 4096, &x, why, n))
+		return -EINVAL;
+	if (x < 32)
+		return fail(why, n, "below 32");
+	c->spill_qd = (uint32_t)x;
+	return 0;
+}
+
+static int set_spill_block(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_size(v, &x, why, n))
+		return -EINVAL;
+	if (!x || x % 4096 || x > (64u << 20))
+		return fail(why, n, "not a multiple of 4096 in [4K, 64M]");
+	c->spill_block = (uint32_t)x;
+	return 0;
+}
+
+static int parse_bool(const char *v, int *out, char *why, size_t n)
+{
+	if (!strcmp(v, "yes") || !strcmp(v, "true") || !strcmp(v, "1"))
+		*out = 1;
+	else if (!strcmp(v, "no") || !strcmp(v, "false") || !strcmp(v, "0"))
+		*out = 0;
+	else
+		return fail(why, n, "not yes or no");
+	return 0;
+}
+
+static int set_direct(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	int x;
+
+	if (parse_bool(v, &x, why, n))
+		return -EINVAL;
+	c->spill_buffered = !x;
+	return 0;
+}
+
+static int set_persist(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_bool(v, &c->persist, why, n) ? -EINVAL : 0;
+}
+
+static int set_spill_fault(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	if (strlen(v) >= sizeof c->spill_fault)
+		return fail(why, n, "longer than %zu bytes", sizeof c->spill_fault - 1);
+	snprintf(c->spill_fault, sizeof c->spill_fault, "%s", v);
+	c->spill_fault_on = 1;
+	return 0;
+}
+
 static const struct {
 	const char *name;
 	int level;
@@ -260,16 +396,27 @@ static const struct key {
 	const char *section, *name;
 	const char *flag;               /* the long option, or NULL: file only */
 	setter set;
+	setter set_flag;                /* when the flag differs from the key */
+	int bare;                       /* the flag takes no value (means "yes") */
 } keys[] = {
-	{ "server", "socket", "socket", set_socket },
-	{ "server", "threads", "threads", set_threads },
-	{ "memory", "limit", "mem-limit", set_mem_limit },
-	{ "transport", "slots", NULL, set_slots },
-	{ "transport", "slot_size", NULL, set_slot_size },
-	{ "transport", "ring_entries", NULL, set_ring },
-	{ "transport", "spin_us", NULL, set_spin },
-	{ "log", "level", "log-level", set_level },
-	{ "log", "file", "log-file", set_log_file },
+	{ "server", "socket", "socket", set_socket, NULL, 0 },
+	{ "server", "threads", "threads", set_threads, NULL, 0 },
+	{ "memory", "limit", "mem-limit", set_mem_limit, NULL, 0 },
+	{ "memory", "high", "mem-high", set_mem_high, NULL, 0 },
+	{ "memory", "low", "mem-low", set_mem_low, NULL, 0 },
+	{ "spill", "dir", "spill-dir", set_spill_dirs, set_spill_dir_flag, 0 },
+	{ "spill", "limit", "spill-limit", set_spill_limit, NULL, 0 },
+	{ "spill", "queue_depth", NULL, set_spill_qd, NULL, 0 },
+	{ "spill", "block", NULL, set_spill_block, NULL, 0 },
+	{ "spill", "direct", NULL, set_direct, NULL, 0 },
+	{ "spill", "persist", "persist", set_persist, NULL, 1 },
+	{ "spill", "fault", "spill-fault", set_spill_fault, NULL, 0 },
+	{ "transport", "slots", NULL, set_slots, NULL, 0 },
+	{ "transport", "slot_size", NULL, set_slot_size, NULL, 0 },
+	{ "transport", "ring_entries", NULL, set_ring, NULL, 0 },
+	{ "transport", "spin_us", NULL, set_spin, NULL, 0 },
+	{ "log", "level", "log-level", set_level, NULL, 0 },
+	{ "log", "file", "log-file", set_log_file, NULL, 0 },
 };
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))
 
@@ -302,6 +449,11 @@ int kvd_config_check(const struct kvd_config *c, char *err, size_t errlen)
 		return fail(err, errlen, "spin of %llu ns above 1 s", (unsigned long long)c->spin_ns);
 	if (c->log_level < LOG_ERR || c->log_level > LOG_DEBUG)
 		return fail(err, errlen, "log level %d out of range", c->log_level);
+	if (c->mem_low >= c->mem_high || c->mem_high > 100)
+		return fail(err, errlen, "[memory] low %u%% must be below high %u%%", c->mem_low,
+			    c->mem_high);
+	if (c->persist && !c->spill_ndirs)
+		return fail(err, errlen, "persist needs a spill directory");
 	if (kvd_ctl_check_arena(c->slots, c->slot_size, &e))
 		return fail(err, errlen, "[transport] %s", e.msg);
 	return 0;
@@ -477,8 +629,9 @@ int kvd_config_parse_args(struct kvd_config *c, int argc, char **argv, char *err
 
 	for (size_t i = 0; i < NKEYS; i++) {
 		if (keys[i].flag)
-			opts[n++] = (struct option){ keys[i].flag, required_argument, NULL,
-						     OPT_FLAG + (int)i };
+			opts[n++] = (struct option){ keys[i].flag,
+						     keys[i].bare ? no_argument : required_argument,
+						     NULL, OPT_FLAG + (int)i };
 	}
 	opts[n++] = (struct option){ "config", required_argument, NULL, 'c' };
 	opts[n++] = (struct option){ "foreground", no_argument, NULL, 'f' };
@@ -522,17 +675,24 @@ int kvd_config_parse_args(struct kvd_config *c, int argc, char **argv, char *err
 	}
 
 	optind = 0;
+	int dirs_from_flags = 0;
+
 	while ((ch = getopt_long(argc, argv, "+:c:fh", opts, NULL)) != -1) {
 		char why[200], v[300];
 		const struct key *k;
+		const char *arg = optarg;
 
 		if (ch == 'f')
 			tmp.foreground = 1;
 		if (ch < OPT_FLAG)
 			continue;
 		k = &keys[ch - OPT_FLAG];
-		if (k->set(&tmp, optarg, why, sizeof(why)))
-			return fail(err, errlen, "--%s '%s': %s", k->flag, show(v, sizeof(v), optarg), why);
+		if (k->set_flag == set_spill_dir_flag && !dirs_from_flags++)
+			tmp.spill_ndirs = 0;
+		if (k->bare)
+			arg = "yes";
+		if ((k->set_flag ? k->set_flag : k->set)(&tmp, arg, why, sizeof(why)))
+			return fail(err, errlen, "--%s '%s': %s", k->flag, show(v, sizeof(v), arg), why);
 	}
 	rc = kvd_config_check(&tmp, err, errlen);
 	if (rc)
@@ -551,6 +711,12 @@ void kvd_config_usage(FILE *f, const char *argv0)
 		"      --threads N       worker threads (0: one per online CPU)\n"
 		"      --mem-limit SIZE  memory budget: bytes with K/M/G/T, or N%% of RAM;\n"
 		"                        0: unlimited (default 75%%)\n"
+		"      --mem-high N%%    start spilling above N%% of the limit (default 90%%)\n"
+		"      --mem-low N%%     spill down to N%% of the limit (default 80%%)\n"
+		"      --spill-dir PATH  spill cold sequences here (repeatable; none: no spill)\n"
+		"      --spill-limit SIZE  cap on bytes on disk over all spill dirs (0: none)\n"
+		"      --persist         keep spilled sequences across restarts\n"
+		"      --spill-fault SPEC  tests only: fake I/O backend injecting SPEC\n"
 		"      --log-level LEVEL error, warning, notice, info (default) or debug\n"
 		"      --log-file PATH   append logs to PATH (SIGHUP reopens it) instead of stderr\n"
 		"  -h, --help            this text\n",

@@ -11,6 +11,15 @@
  *   [server]     socket = PATH         --socket PATH     (< 108 bytes)
  *                threads = N           --threads N       (0: one per online CPU; <= 1024)
  *   [memory]     limit = SIZE | N%     --mem-limit SIZE  (0: unlimited; else >= 1 MiB)
+ *                high = N%             --mem-high N%     (of limit: start spilling; 90%)
+ *                low = N%              --mem-low N%      (of limit: spill down to; 80%)
+ *   [spill]      dir = PATH[:PATH...]  --spill-dir PATH  (repeatable; none: no spill)
+ *                limit = SIZE          --spill-limit SIZE (bytes on disk; 0: no cap)
+ *                queue_depth = N                         (io_uring ops in flight, 32..4096)
+ *                block = SIZE                            (bytes per op, 4K multiple <= 64M)
+ *                direct = yes|no                         (O_DIRECT where the fs allows)
+ *                persist = yes|no      --persist         (keep files, reload at start)
+ *                fault = SPEC          --spill-fault SPEC (tests: fake I/O backend)
  *   [transport]  slots = N                               (default arena slots per client)
  *                slot_size = SIZE                        (bytes per slot)
  *                ring_entries = N                        (SQ entries: power of two)
@@ -33,6 +42,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#define KVD_CONFIG_SPILL_DIRS   16      /* == KVD_SPILL_DIRS_MAX */
+
 struct kvd_config {
 	char socket_path[108];          /* sizeof(sun_path); default /run/kvd/kvd.sock */
 	unsigned threads;               /* 0: one worker per online CPU */
@@ -45,6 +56,16 @@ struct kvd_config {
 	uint64_t slot_size;             /* per client when Hello asks for 0; default 4 MiB */
 	uint32_t sq_entries;            /* default 256 */
 	uint64_t spin_ns;               /* default 50 us */
+	uint32_t mem_high, mem_low;     /* % of mem_limit; default 90, 80 */
+	char spill_dir[KVD_CONFIG_SPILL_DIRS][256];
+	unsigned spill_ndirs;
+	uint64_t spill_limit;           /* bytes on disk; 0: no cap */
+	uint32_t spill_qd;              /* default 64 */
+	uint32_t spill_block;           /* default 1 MiB */
+	int spill_buffered;             /* direct = no */
+	int persist;
+	int spill_fault_on;             /* spill_fault names the fake backend's faults */
+	char spill_fault[256];
 };
 
 #define KVD_CONFIG_SOCKET       "/run/kvd/kvd.sock"

@@ -283,6 +283,8 @@ const char *kvd_ctl_request_name(Kvd__Request__BodyCase c)
 	case KVD__REQUEST__BODY_SEQ_FREE:       return "seq_free";
 	case KVD__REQUEST__BODY_SEQ_STATS:      return "seq_stats";
 	case KVD__REQUEST__BODY_SERVER_STATS:   return "server_stats";
+	case KVD__REQUEST__BODY_SEQ_OPEN:       return "seq_open";
+	case KVD__REQUEST__BODY_SEQ_EVICT:      return "seq_evict";
 	default:                                return "unknown";
 	}
 }
@@ -362,6 +364,18 @@ static int check_request(const Kvd__Request *r, struct kvd_ctl_err *err)
 	case KVD__REQUEST__BODY_SERVER_STATS:
 		if (!r->server_stats)
 			break;
+		return 0;
+	case KVD__REQUEST__BODY_SEQ_OPEN:
+		if (!r->seq_open)
+			break;
+		if (!r->seq_open->seq)
+			return fail(err, -EINVAL, "seq_open seq is 0");
+		return 0;
+	case KVD__REQUEST__BODY_SEQ_EVICT:
+		if (!r->seq_evict)
+			break;
+		if (!r->seq_evict->seq)
+			return fail(err, -EINVAL, "seq_evict seq is 0");
 		return 0;
 	default:
 		return fail(err, -EOPNOTSUPP, "request %llu: unknown body %d",

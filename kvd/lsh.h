@@ -51,6 +51,26 @@ size_t kvd_lsh_tables_bytes(uint32_t n, int K, int L);
 int kvd_lsh_build(struct kvd_lsh_tables *t, void *mem, uint32_t n, int K, int L,
 		  const uint16_t *codes, size_t ldc);
 
+/* Points t at tables of (n, K, L) already laid out in mem the way
+ * kvd_lsh_build() lays them out; reads and writes nothing in mem.  For tables
+ * that came from elsewhere (a spill file): check them first.  0, or
+ * -KVD_EGEOM when n, K or L are out of range. */
+int kvd_lsh_tables_layout(struct kvd_lsh_tables *t, void *mem, uint32_t n, int K, int L);
+
+/* Checks tables laid out in mem (64-byte aligned, kvd_lsh_tables_bytes()
+ * bytes) for everything kvd_lsh_build() guarantees and retrieval relies on,
+ * in one pass over off and ids: per table, off[0] == 0; bucket b, read as
+ * kvd_lsh_bucket() reads it, starts where bucket b-1 ends (modulo 2^16) and
+ * the counts add up to exactly n, with off[2^K] == n modulo 2^16; full[t]
+ * is the one bucket holding all n ids, or UINT32_MAX when there is none;
+ * within a bucket ids are < n and strictly ascending.  Tables that pass can
+ * never make kvd_lsh_bucket() / kvd_lsh_candidates() read outside table t's
+ * n ids or return an id >= n, and no id is counted twice by one table.
+ * (Which bucket an id belongs in is not checkable without the codes: that
+ * is the payload CRC's job.)  Pure.  0, -KVD_EFORMAT, -KVD_EGEOM (n, K, L out
+ * of range) or -EINVAL (mem not 64-byte aligned). */
+int kvd_lsh_tables_check(const void *mem, uint32_t n, int K, int L);
+
 /* Bucket b of table t: sets *ids and returns its length. */
 static inline uint32_t kvd_lsh_bucket(const struct kvd_lsh_tables *t, uint32_t tab,
 				      uint32_t b, const uint16_t **ids)

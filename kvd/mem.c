@@ -1,8 +1,10 @@
+#include <numaif.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 
 #include "mem.h"
+#include "numa_nodes.h"
 
 static size_t round_huge(size_t bytes)
 {
@@ -31,6 +33,24 @@ void *kvd_mem_alloc(size_t bytes)
 	/* Advice only: without THP this is ordinary memory. */
 	(void)madvise((void *)a, round_huge(bytes), MADV_HUGEPAGE);
 	return (void *)a;
+}
+
+void *kvd_mem_alloc_node(size_t bytes, int node)
+{
+	void *p = kvd_mem_alloc(bytes);
+
+	if (p && bytes >= KVD_MEM_HUGE && node >= 0 && node < KVD_NUMA_MAX_NODES) {
+		unsigned long mask[KVD_NUMA_MAX_NODES / (8 * sizeof(unsigned long))] = { 0 };
+
+		mask[node / (8 * sizeof mask[0])] = 1ul << (node % (8 * sizeof mask[0]));
+		/* Nothing is faulted yet (kvd_mem_alloc only advises), so the
+		 * policy covers every page; no MPOL_MF_MOVE needed.  maxnode is
+		 * bits + 1 as libnuma passes it: the kernel reads maxnode - 1.
+		 * Failure leaves default placement (see mem.h). */
+		(void)mbind(p, round_huge(bytes), MPOL_PREFERRED, mask,
+			    KVD_NUMA_MAX_NODES + 1, 0);
+	}
+	return p;
 }
 
 void kvd_mem_free(void *p, size_t bytes)

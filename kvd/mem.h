@@ -15,6 +15,17 @@
 #define KVD_MEM_HUGE (2u << 20)
 
 void *kvd_mem_alloc(size_t bytes);
+
+/* As kvd_mem_alloc(), with a mapping's (>= KVD_MEM_HUGE) pages preferring
+ * NUMA node `node` (mbind MPOL_PREFERRED, set before any page exists, so it
+ * holds whichever thread faults them).  Preferred, not bound: when the node
+ * is full, pages come from another node rather than the OOM killer ending
+ * the daemon -- remote memory is slower, not fatal.  node < 0, smaller
+ * requests (heap, placed by first touch), and a policy the kernel refuses
+ * (no NUMA, a node outside the cpuset or >= KVD_NUMA_MAX_NODES) all give
+ * ordinary memory: placement is a matter of speed here, never a failure.
+ * Pass kvd_numa's node->mem.  Free with kvd_mem_free(). */
+void *kvd_mem_alloc_node(size_t bytes, int node);
 void kvd_mem_free(void *p, size_t bytes);
 
 #endif

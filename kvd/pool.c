@@ -28,7 +28,7 @@ struct job {
 struct worker {
 	struct kvd_pool *pool;
 	unsigned id;
-	int cpu;
+	int cpu;                        /* pinned to, or -1; fixed before the thread starts */
 	pthread_t th;
 };
 
@@ -75,14 +75,6 @@ static void *worker_main(void *arg)
 	struct worker *w = arg;
 	struct kvd_pool *p = w->pool;
 
-	if (w->cpu >= 0) {
-		cpu_set_t set;
-
-		CPU_ZERO(&set);
-		CPU_SET(w->cpu, &set);
-		/* Best effort: a restricted cpuset only costs locality. */
-		(void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-	}
 	pthread_mutex_lock(&p->mu);
 	while (wait_for_job(p)) {
 		struct job *j = p->head;
@@ -119,6 +111,11 @@ unsigned kvd_pool_size(const struct kvd_pool *p)
 	return p->n;
 }
 
+int kvd_pool_worker_cpu(const struct kvd_pool *p, unsigned worker)
+{
+	return worker < p->n ? p->w[worker].cpu : -1;
+}
+
 void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg)
 {
 	struct job j = { .fn = fn, .arg = arg, .ntasks = ntasks };
@@ -147,19 +144,49 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 	pthread_mutex_unlock(&p->mu);
 }
 
-int kvd_pool_create(unsigned nthreads, int pin, struct kvd_pool **out)
+/* The affinity goes in the thread's attributes, not a call in worker_main:
+ * glibc applies it before the thread runs and fails pthread_create when the
+ * kernel refuses it, so a worker never runs a task off its CPU and a bad CPU
+ * is reported to the creator instead of ignored. */
+static int start_worker(struct worker *w, int strict)
 {
-	cpu_set_t set;
-	int cpus[CPU_SETSIZE], ncpu = 0;
+	pthread_attr_t attr;
+	int rc = pthread_attr_init(&attr);
+
+	if (rc)
+		return rc;
+	if (w->cpu >= 0) {
+		size_t sz = CPU_ALLOC_SIZE(w->cpu + 1);
+		cpu_set_t *set = CPU_ALLOC(w->cpu + 1);
+
+		if (set) {
+			CPU_ZERO_S(sz, set);
+			CPU_SET_S(w->cpu, sz, set);
+			rc = pthread_attr_setaffinity_np(&attr, sz, set);
+			CPU_FREE(set);
+		} else {
+			rc = ENOMEM;
+		}
+	}
+	if (!rc)
+		rc = pthread_create(&w->th, &attr, worker_main, w);
+	pthread_attr_destroy(&attr);
+	if (rc && w->cpu >= 0 && !strict) {
+		/* kvd_pool_create's pinning only buys locality: better an
+		 * unpinned worker (a seccomp'd sched_setaffinity, a cpuset that
+		 * shrank since we read it) than no pool. */
+		w->cpu = -1;
+		rc = pthread_create(&w->th, NULL, worker_main, w);
+	}
+	return rc;
+}
+
+/* cpus == NULL: unpinned.  strict: fail rather than run a worker unpinned. */
+static int pool_start(unsigned nthreads, const int *cpus, unsigned ncpus, int strict,
+		      struct kvd_pool **out)
+{
 	struct kvd_pool *p;
 
-	if (sched_getaffinity(0, sizeof set, &set) == 0) {
-		for (int c = 0; c < CPU_SETSIZE; c++)
-			if (CPU_ISSET(c, &set))
-				cpus[ncpu++] = c;
-	}
-	if (nthreads == 0)
-		nthreads = ncpu > 0 ? (unsigned)ncpu : 1;
 	if (nthreads > 1024)
 		return -EINVAL;
 	p = calloc(1, sizeof *p + nthreads * sizeof p->w[0]);
@@ -173,11 +200,10 @@ int kvd_pool_create(unsigned nthreads, int pin, struct kvd_pool **out)
 
 		w->pool = p;
 		w->id = i;
-		w->cpu = pin && ncpu > 0 ? cpus[i % (unsigned)ncpu] : -1;
-		int rc = pthread_create(&w->th, NULL, worker_main, w);
+		w->cpu = cpus ? cpus[i % ncpus] : -1;
+		int rc = start_worker(w, strict);
 
 		if (rc) {
-			p->n = i;
 			kvd_pool_destroy(p);
 			return -rc;
 		}
@@ -185,6 +211,33 @@ int kvd_pool_create(unsigned nthreads, int pin, struct kvd_pool **out)
 	}
 	*out = p;
 	return 0;
+}
+
+int kvd_pool_create_cpus(unsigned nthreads, const int *cpus, unsigned ncpus,
+			 struct kvd_pool **out)
+{
+	if (!cpus || ncpus == 0)
+		return -EINVAL;
+	for (unsigned i = 0; i < ncpus; i++)
+		if (cpus[i] < 0 || cpus[i] >= 1 << 20)  /* the bound keeps CPU_ALLOC sane */
+			return -EINVAL;
+	return pool_start(nthreads ? nthreads : ncpus, cpus, ncpus, 1, out);
+}
+
+int kvd_pool_create(unsigned nthreads, int pin, struct kvd_pool **out)
+{
+	cpu_set_t set;
+	int cpus[CPU_SETSIZE];
+	unsigned ncpu = 0;
+
+	if (sched_getaffinity(0, sizeof set, &set) == 0) {
+		for (int c = 0; c < CPU_SETSIZE; c++)
+			if (CPU_ISSET(c, &set))
+				cpus[ncpu++] = c;
+	}
+	if (nthreads == 0)
+		nthreads = ncpu > 0 ? ncpu : 1;
+	return pool_start(nthreads, pin && ncpu > 0 ? cpus : NULL, ncpu, 0, out);
 }
 
 void kvd_pool_destroy(struct kvd_pool *p)

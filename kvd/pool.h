@@ -6,8 +6,15 @@
  * scratch without locks.  Several threads may call kvd_pool_run() on one pool
  * at once: jobs are taken in arrival order and never interleave their tasks
  * on one worker, so scratch per worker is safe across concurrent jobs.
- * Idle workers spin briefly, then sleep.  Workers are pinned to CPUs (one per
- * CPU of the process's affinity mask, round-robin) when `pin` is set.
+ * Idle workers spin briefly, then sleep.
+ *
+ * Pinning: kvd_pool_create() with `pin` pins worker i to the i-th CPU of the
+ * calling thread's affinity mask (round-robin), best effort: a worker the
+ * kernel will not pin runs unpinned, since pinning only buys locality.
+ * kvd_pool_create_cpus() pins worker i to cpus[i % ncpus] and fails if it
+ * cannot: it is how a pool is kept on one NUMA node (kvd/numa.h).  Either
+ * way the affinity is set before the worker runs, so no task of it ever runs
+ * elsewhere.
  */
 #ifndef KVD_POOL_H
 #define KVD_POOL_H
@@ -19,8 +26,16 @@ typedef void (*kvd_pool_fn)(void *arg, uint32_t task, unsigned worker);
 
 /* nthreads == 0: one per CPU the process may run on. */
 int kvd_pool_create(unsigned nthreads, int pin, struct kvd_pool **out);
+/* nthreads == 0: one per CPU listed.  cpus is copied, not kept.  -EINVAL
+ * for no CPUs or a negative one; a CPU the kernel will not pin to (offline,
+ * outside the cpuset) fails with pthread_create's error; either way nothing
+ * is left behind. */
+int kvd_pool_create_cpus(unsigned nthreads, const int *cpus, unsigned ncpus,
+			 struct kvd_pool **out);
 void kvd_pool_destroy(struct kvd_pool *p);
 unsigned kvd_pool_size(const struct kvd_pool *p);
+/* The CPU worker `worker` is pinned to; -1 when unpinned (or no such worker). */
+int kvd_pool_worker_cpu(const struct kvd_pool *p, unsigned worker);
 void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 
 #endif

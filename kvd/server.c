@@ -26,13 +26,14 @@
 #include "server.h"
 #include "shm.h"
 #include "store.h"
+#include "tier.h"
 #include "wire.h"
 
 #define BURST       32          /* ring entries per client per round: fairness */
 #define MAX_CLIENTS 1024
 
 /* What an epoll event's data points at. */
-enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_KICK };
+enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_KICK, EV_TIER };
 struct ev_tag {
 	int kind;
 	struct client *c;
@@ -46,6 +47,7 @@ struct client {
 	char tenant[KVD_NAME_MAX + 16];         /* "<uid>:<tenant>" */
 	char name[KVD_NAME_MAX + 1];
 	int hello, poll, dead;
+	int parked;                     /* its next entry waits for a restore or for room */
 	struct shm_region r;
 	void *map;
 	size_t map_size;
@@ -59,6 +61,7 @@ struct kvd_server {
 	struct kvd_pool *pool;
 	struct kvd_attn_scratch *scr;
 	struct kvd_store *store;
+	struct kvd_tier *tier;
 	struct client *clients;
 	uint32_t nclients;
 	uint64_t next_client;
@@ -68,7 +71,7 @@ struct kvd_server {
 	void *rxbuf;
 	float *qbuf, *obuf, *lbuf;
 	uint16_t *cbuf;
-	struct ev_tag ev_listen, ev_signal, ev_timer;
+	struct ev_tag ev_listen, ev_signal, ev_timer, ev_tier;
 };
 
 /* ---- signals ----------------------------------------------------------- */
@@ -106,7 +109,7 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	if (*pp)
 		*pp = c->next;
 	s->nclients--;
-	nseq = kvd_store_free_owner(s->store, c->id);
+	nseq = kvd_tier_free_owner(s->tier, c->id);
 	kvd_log(LOG_INFO, "client %llu (%s, pid %d) gone: %s; released %u sequence(s), %zu bytes of shared memory",
 		(unsigned long long)c->id, c->name[0] ? c->name : "?", (int)c->pid, why, nseq,
 		c->map_size);
@@ -381,6 +384,15 @@ static int do_seq_stats(struct kvd_server *s, struct client *c, uint64_t id, uin
 	st.tokens = tokens;
 	st.segments = segs;
 	st.bytes = q->bytes;
+	st.state = q->state;
+	st.ready_layers = q->state == KVD_SEQ_RESTORING ? q->ready :
+			  q->state == KVD_SEQ_RAM || q->state == KVD_SEQ_SPILLING ? q->p->layers : 0;
+	{
+		int durable;
+
+		kvd_tier_seq_info(s->tier, q, &durable, &st.disk_bytes);
+		st.durable = durable;
+	}
 	r.id = id;
 	r.body_case = KVD__RESPONSE__BODY_SEQ_STATS;
 	r.seq_stats = &st;
@@ -406,6 +418,43 @@ void kvd_server_stats(const struct kvd_server *s, struct kvd_server_stats *st)
 	}
 }
 
+static int do_seq_open(struct kvd_server *s, struct client *c, uint64_t id, uint64_t seq)
+{
+	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
+	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	uint32_t segs;
+
+	if (!q)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu",
+					  (unsigned long long)seq);
+	if (q->owner && q->owner != c->id)
+		return kvd_ctl_send_error(c->fd, id, -EBUSY, "sequence %llu belongs to another client",
+					  (unsigned long long)seq);
+	q->owner = c->id;
+	sr.seq = q->id;
+	sr.profile_id = q->p->id;
+	kvd_store_seq_stats(q, &sr.tokens, &segs);
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SEQ;
+	r.seq = &sr;
+	return reply(c, &r, NULL, 0);
+}
+
+static int do_seq_evict(struct kvd_server *s, struct client *c, uint64_t id, uint64_t seq)
+{
+	struct kvd_seqn *q = own_seq(s, c, seq);
+	char msg[160] = "";
+	int rc;
+
+	if (!q)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu of yours",
+					  (unsigned long long)seq);
+	rc = kvd_tier_evict(s->tier, q, msg, sizeof msg);
+	return rc ? kvd_ctl_send_error(c->fd, id, rc, "%s", msg[0] ? msg : kvd_strerror(rc))
+		  : kvd_ctl_send_ok(c->fd, id);
+}
+
 static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 {
 	Kvd__ServerStats m = KVD__SERVER_STATS__INIT;
@@ -422,6 +471,24 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	m.disconnects = st.disconnects;
 	m.slots_in_use = st.slots_in_use;
 	m.mapped_bytes = st.mapped_bytes;
+	{
+		struct kvd_tier_stats ts;
+
+		kvd_tier_stats(s->tier, &ts);
+		m.mem_limit = ts.limit;
+		m.mem_high = ts.high;
+		m.mem_low = ts.low;
+		m.reserved_bytes = ts.reserved;
+		m.on_disk = ts.on_disk;
+		m.disk_bytes = ts.disk_bytes;
+		m.spills = ts.spills;
+		m.restores = ts.restores;
+		m.drops = ts.drops;
+		m.spill_errors = ts.spill_errors;
+		m.lost = ts.lost;
+		m.spill_bytes = ts.spill_bytes;
+		m.restore_bytes = ts.restore_bytes;
+	}
 	r.id = id;
 	r.body_case = KVD__RESPONSE__BODY_SERVER_STATS;
 	r.server_stats = &m;
@@ -457,7 +524,7 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 			struct kvd_seqn *q = own_seq(s, c, rq->seq_free->seq);
 
 			if (q)
-				kvd_store_seq_free(s->store, q);
+				kvd_tier_free(s->tier, q);
 			rc = q ? kvd_ctl_send_ok(c->fd, id)
 			       : kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu of yours",
 						    (unsigned long long)rq->seq_free->seq);
@@ -468,6 +535,12 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 			break;
 		case KVD__REQUEST__BODY_SERVER_STATS:
 			rc = do_server_stats(s, c, id);
+			break;
+		case KVD__REQUEST__BODY_SEQ_OPEN:
+			rc = do_seq_open(s, c, id, rq->seq_open->seq);
+			break;
+		case KVD__REQUEST__BODY_SEQ_EVICT:
+			rc = do_seq_evict(s, c, id, rq->seq_evict->seq);
 			break;
 		default:
 			rc = kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "unknown request");
@@ -556,16 +629,11 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	p = q->p;
 	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
 		return rc;
-	if (s->cfg->mem_limit) {
-		struct kvd_store_stats st;
-
-		kvd_store_stats(s->store, &st);
-		if (st.bytes + (uint64_t)e->len * 2 > s->cfg->mem_limit) {
-			snprintf(msg, msglen, "memory limit of %llu bytes reached",
-				 (unsigned long long)s->cfg->mem_limit);
-			return -ENOMEM;
-		}
-	}
+	/* The layer must be resident, and the rows need room: staging plus
+	 * the segment they seal into, about twice the payload. */
+	if ((rc = kvd_tier_want(s->tier, q, e->layer, msg, msglen)) ||
+	    (rc = kvd_tier_room(s->tier, (uint64_t)e->len * 2, msg, msglen)))
+		return rc;
 	H = p->g.kv_heads;
 	d = p->g.d;
 	/* The payload stays in shared memory: its sizes come from the copied,
@@ -581,8 +649,10 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	const uint16_t *v = (const uint16_t *)(base + off + KVD_ALIGN64(H * e->ntok * d * 2));
 	const uint16_t *codes = (const uint16_t *)(base + off + 2 * KVD_ALIGN64(H * e->ntok * d * 2));
 
-	return kvd_store_rows(s->store, q, e->layer, e->op == KVD_OP_APPEND, e->flags & KVD_RF_LAST,
-			      mean, k, v, codes, e->ntok, msg, msglen);
+	rc = kvd_store_rows(s->store, q, e->layer, e->op == KVD_OP_APPEND, e->flags & KVD_RF_LAST,
+			    mean, k, v, codes, e->ntok, msg, msglen);
+	kvd_tier_changed(s->tier, q);
+	return rc;
 }
 
 static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
@@ -591,13 +661,18 @@ static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sq
 	const char *in = (const char *)shm_slot(&c->r, e->slot) + e->off;
 	char *out = (char *)shm_slot(&c->r, e->slot) + e->out_off;
 	const struct kvd_profile *p = NULL;
-	int rc;
+	int rc, wait = 0;
 
+	/* Pass 1: every sequence exists, agrees on the profile and has this
+	 * layer resident.  Restores of all of them start before any waiting,
+	 * so a batch waits for the slowest once, not for each in turn. */
 	for (uint32_t i = 0; i < e->nseq; i++) {
 		uint64_t seq;
 		struct kvd_seqn *q;
+		char m[128];
 
-		memcpy(&seq, in, sizeof seq);
+		memcpy(&seq, in + (size_t)i * (p ? kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L) : 0),
+		       sizeof seq);
 		q = kvd_store_seq_get(s->store, seq, c->tenant);
 		if (!q) {
 			snprintf(msg, msglen, "batch[%u]: no sequence %llu", i, (unsigned long long)seq);
@@ -611,6 +686,22 @@ static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sq
 			snprintf(msg, msglen, "batch[%u]: sequences of different profiles", i);
 			return -EINVAL;
 		}
+		rc = kvd_tier_want(s->tier, q, e->layer, m, sizeof m);
+		if (rc == -EINPROGRESS) {
+			wait = 1;
+		} else if (rc) {
+			snprintf(msg, msglen, "batch[%u]: %s", i, m);
+			return rc;
+		}
+	}
+	if (wait)
+		return -EINPROGRESS;
+	for (uint32_t i = 0; i < e->nseq; i++) {
+		uint64_t seq;
+		struct kvd_seqn *q;
+
+		memcpy(&seq, in, sizeof seq);
+		q = kvd_store_seq_get(s->store, seq, c->tenant);
 		const struct kvd_layer_state *l = &q->ly[e->layer];
 
 		if (l->mean && !l->sealed) {
@@ -640,23 +731,30 @@ static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sq
 	return 0;
 }
 
-static void execute(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
-		    struct kvd_cqe *cqe)
+/* Runs one entry.  Returns 1 when it must wait (a restore, or room being
+ * made): nothing was done and no completion was used; the entry stays in
+ * the ring and runs again after the tier reports progress. */
+static int execute(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
+		   struct kvd_cqe *cqe)
 {
 	char msg[160] = "";
 	int rc = 0;
 
+	kvd_tier_begin(s->tier);
 	switch (e->op) {
 	case KVD_OP_NOP:
 		break;
-	case KVD_OP_FREE: {
+	case KVD_OP_FREE:
+	case KVD_OP_PREFETCH: {
 		struct kvd_seqn *q = own_seq(s, c, e->seq);
 
-		if (q)
-			kvd_store_seq_free(s->store, q);
-		else
+		if (!q)
 			rc = -ENOENT, snprintf(msg, sizeof msg, "no sequence %llu of yours",
 					       (unsigned long long)e->seq);
+		else if (e->op == KVD_OP_FREE)
+			kvd_tier_free(s->tier, q);
+		else
+			rc = kvd_tier_prefetch(s->tier, q, msg, sizeof msg);
 		break;
 	}
 	case KVD_OP_PREFILL:
@@ -667,7 +765,10 @@ static void execute(struct kvd_server *s, struct client *c, const struct kvd_sqe
 		rc = do_attend(s, c, e, msg, sizeof msg);
 		break;
 	}
+	if (rc == -EINPROGRESS)
+		return 1;
 	complete(s, c, cqe, e->user_data, rc, msg);
+	return 0;
 }
 
 /* Up to BURST entries of one client.  Returns how many it took. */
@@ -675,7 +776,7 @@ static int process_ring(struct kvd_server *s, struct client *c)
 {
 	int ready, done = 0;
 
-	if (!c->hello || c->dead)
+	if (!c->hello || c->dead || c->parked)
 		return 0;
 	ready = shm_ring_ready(&c->r.sq);
 	if (ready < 0) {
@@ -697,11 +798,17 @@ static int process_ring(struct kvd_server *s, struct client *c)
 		}
 		rc = kvd_wire_sqe(shm_ring_entry(&c->r.sq, (uint32_t)done), c->r.geo.nslots,
 				  c->r.geo.slot_size, &e, msg, sizeof msg);
-		done++;
-		if (rc)
+		if (rc) {
 			complete(s, c, cqe, e.user_data, rc, msg);
-		else
-			execute(s, c, &e, cqe);
+		} else if (execute(s, c, &e, cqe)) {
+			/* It runs again later and reserves its completion then. */
+			shm_ring_unreserve(&c->r.cq);
+			kvd_log(LOG_DEBUG, "client %llu: entry waits for the spill tier",
+				(unsigned long long)c->id);
+			c->parked = 1;
+			break;
+		}
+		done++;
 	}
 	if (done) {
 		shm_ring_release(&c->r.sq, (uint32_t)done);
@@ -728,7 +835,23 @@ static int poll_rings(struct kvd_server *s)
 
 	for (struct client *c = s->clients; c; c = c->next)
 		work += process_ring(s, c);
+	if (work)
+		kvd_tier_balance(s->tier);
 	return work;
+}
+
+/* I/O results: restores progressed or room was made, so every waiting
+ * client tries its entry again. */
+static void tier_event(struct kvd_server *s)
+{
+	unsigned n = kvd_tier_poll(s->tier);
+
+	kvd_log(LOG_DEBUG, "spill tier: %u result(s)", n);
+	if (!n)
+		return;
+	for (struct client *c = s->clients; c; c = c->next)
+		c->parked = 0;
+	kvd_tier_balance(s->tier);
 }
 
 static void set_sleeping(struct kvd_server *s, int on)
@@ -789,6 +912,9 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 			if (!c->dead)
 				control_event(s, c);
 			break;
+		case EV_TIER:
+			tier_event(s);
+			break;
 		case EV_KICK: {
 			uint64_t x;
 
@@ -838,6 +964,7 @@ int kvd_server_run(struct kvd_server *s)
 	/* Drain: what clients already queued is answered, then everyone goes. */
 	while (poll_rings(s))
 		;
+	kvd_tier_stopping(s->tier);
 	while (s->clients)
 		client_drop(s, s->clients, "server stopping");
 	kvd_log(LOG_INFO, "stopped: %llu requests, %llu errors, %llu disconnects",
@@ -915,6 +1042,36 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 			goto fail;
 	if ((rc = kvd_store_create(s->pool, &s->store)))
 		goto fail;
+	{
+		struct kvd_tier_cfg tc = { 0 };
+
+		tc.limit = cfg->mem_limit;
+		tc.high = cfg->mem_limit / 100 * cfg->mem_high;
+		tc.low = cfg->mem_limit / 100 * cfg->mem_low;
+		tc.spill = cfg->spill_ndirs > 0;
+		tc.persist = cfg->persist;
+		for (unsigned i = 0; i < cfg->spill_ndirs; i++)
+			tc.io.dirs[i] = cfg->spill_dir[i];
+		tc.io.ndirs = cfg->spill_ndirs;
+		tc.io.limit = cfg->spill_limit;
+		tc.io.qd = cfg->spill_qd;
+		tc.io.block = cfg->spill_block;
+		tc.io.buffered = cfg->spill_buffered;
+		tc.io.fault = cfg->spill_fault_on ? cfg->spill_fault : NULL;
+		if ((rc = kvd_tier_create(&tc, s->store, &s->tier))) {
+			kvd_log(LOG_ERR, "spill: %s", kvd_strerror(rc));
+			goto fail;
+		}
+		rc = kvd_tier_load(s->tier);
+		if (rc < 0) {
+			kvd_log(LOG_ERR, "spill: cannot scan the spill directories: %s", kvd_strerror(rc));
+			goto fail;
+		}
+		if (tc.spill)
+			kvd_log(LOG_INFO, "spill: %u director%s%s, %d sequence(s) found on disk",
+				tc.io.ndirs, tc.io.ndirs == 1 ? "y" : "ies",
+				tc.persist ? ", persistent" : "", rc);
+	}
 
 	s->sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	s->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -940,6 +1097,9 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 		goto fail;
 	}
 	if ((rc = ep_add(s, s->lfd, &s->ev_listen)) || (rc = ep_add(s, s->sfd, &s->ev_signal)))
+		goto fail;
+	s->ev_tier.kind = EV_TIER;
+	if (kvd_tier_fd(s->tier) >= 0 && (rc = ep_add(s, kvd_tier_fd(s->tier), &s->ev_tier)))
 		goto fail;
 	if (sd_watchdog_enabled(0, &s->watchdog_usec) > 0) {
 		struct itimerspec it = { 0 };
@@ -978,6 +1138,7 @@ void kvd_server_destroy(struct kvd_server *s)
 		close(s->sfd);
 	if (s->tfd >= 0)
 		close(s->tfd);
+	kvd_tier_destroy(s->tier);
 	kvd_store_destroy(s->store);
 	for (unsigned w = 0; s->scr && w < kvd_pool_size(s->pool); w++)
 		kvd_attn_scratch_free(&s->scr[w]);

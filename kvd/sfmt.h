@@ -16,7 +16,28 @@
  * the header struct with hdr_crc zero, so it covers `crc` too and the two
  * together cover header and payload.  A start-up scan reads headers only
  * (hdr_crc); a restore checks payloads (crc, and a SEG's table structure).
- * All integers little-endian; the struct below is the disk format.
+ * All integers little-endian; the struct below is the disk format.  Only
+ * the struct at the start of the header page is read; the rest of the page
+ * and the padding after a payload carry nothing (write zeros: segment io
+ * buffers come zero-filled) and are never checked.
+ *
+ * CRC32C is the standard one (iSCSI, ext4, `crc32c` tools): initial value
+ * and final xor 0xffffffff, so the CRC of "123456789" is 0xe3069283 and of
+ * nothing is 0 (kvd_sfmt_crc32c).
+ *
+ * Header fields by kind (kvd_sfmt_check_hdr enforces them):
+ *   all      geometry (kv_heads, d, K, L) valid as kvd_geom_check wants it;
+ *            END may instead leave all four 0.  flags 0 except LAYER's.
+ *            tenant NUL-terminated, printable ASCII.
+ *   PROFILE  index 0; payload_bytes within what a profile of that geometry
+ *            can take (exact only once the record is read).
+ *   LAYER    layer < KVD_CTL_LAYERS_MAX; n <= KVD_SEG_MAX tail rows and
+ *            tok_end - tok_begin == n; flags within KVD_SFMT_LF_*.
+ *   SEG      layer < KVD_CTL_LAYERS_MAX; n in 1..KVD_SEG_MAX and
+ *            tok_end - tok_begin == n.
+ *   END      payload_bytes 0; n == index.
+ * Fields a kind does not mention are not checked (seq, gen, profile_fp:
+ * the reader compares them with what it expects).
  *
  * Pure functions, safe from any thread.  Errors: -KVD_EFORMAT with a reason
  * in msg (when msg is not NULL).
@@ -64,12 +85,18 @@ struct kvd_sfmt_hdr {
 	uint32_t hdr_crc;               /* CRC32C of this struct with hdr_crc = 0 */
 };
 
-/* PAGE + payload rounded up to PAGE. */
+/* PAGE + payload rounded up to PAGE; 0 when that does not fit 64 bits. */
 uint64_t kvd_sfmt_extent_bytes(uint64_t payload_bytes);
+
+/* CRC32C of len bytes (the convention above); p may be NULL when len is 0. */
+uint32_t kvd_sfmt_crc32c(const void *p, uint64_t len);
 
 /* xxHash64 (XXH3_64bits) of everything that defines a profile except its id:
  * name, geometry, layers, sink, window, seg/seal tokens, seed, the dense map
- * and W.  Equal profiles in two daemon lifetimes hash equal. */
+ * and W.  Equal profiles in two daemon lifetimes hash equal.  Precisely:
+ * XXH3_64bits of the PROFILE payload without its padding, i.e. of the
+ * record, dense[layers] (each 0 or 1) and W, so it can be checked on the
+ * payload itself (kvd_sfmt_check_payload does). */
 uint64_t kvd_sfmt_profile_fp(const struct kvd_profile *p);
 
 /* Payload layouts.
@@ -80,11 +107,29 @@ uint64_t kvd_sfmt_profile_fp(const struct kvd_profile *p);
  * SEG: the segment's memory exactly as kvd_seg_build lays it out
  *   (kvd_seg_bytes(g, n) bytes).
  * END: none. */
+#define KVD_SFMT_PROFILE_REC 256u
+
+/* The PROFILE record.  Canonical: the name is zero-padded, reserved bytes
+ * are zero, so equal profiles give equal bytes (and equal fingerprints). */
+struct kvd_sfmt_profile_rec {
+	char name[72];                  /* 1..KVD_CTL_NAME_MAX printable chars, NUL-padded */
+	uint32_t q_heads, kv_heads, d, K, L, c;
+	uint32_t layers, sink, window, seg_tokens, seal_tokens;
+	uint32_t reserved0;             /* 0 */
+	uint64_t seed;
+	uint8_t reserved[128];          /* 0 */
+};
+
 uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p);
+/* Writes kvd_sfmt_profile_bytes(p) bytes (padding zeroed, dense[] as 0/1).
+ * payload needs no alignment. */
 void kvd_sfmt_profile_put(const struct kvd_profile *p, void *payload);
 /* Fills *out from a PROFILE payload, validating every field (kvd_geom_check
- * and the limits of kvd/ctl.h); out->dense and out->W are malloc'd, out->tab
- * is NULL and out->id is 0.  0 or -KVD_EFORMAT / -ENOMEM. */
+ * and the limits of kvd/ctl.h: name, layers, sink/window, seg/seal tokens,
+ * as kvd_ctl_check_profile), the record's canonical form, dense[] of 0/1
+ * with zero padding, bytes exactly kvd_sfmt_profile_bytes(), and W finite;
+ * out->dense and out->W are malloc'd, out->tab is NULL and out->id is 0.
+ * payload needs no alignment.  0 or -KVD_EFORMAT / -ENOMEM. */
 int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile *out,
 			 char *msg, size_t msglen);
 
@@ -109,7 +154,10 @@ int kvd_sfmt_check_hdr(const void *page, size_t len, struct kvd_sfmt_hdr *out, c
 
 /* Checks a payload against its (already checked) header: crc, and for SEG
  * the structure of every table (kvd_seg_check), so a restored segment can
- * never send a gather outside its rows. */
+ * never send a gather outside its rows.  A PROFILE's record must also pass
+ * kvd_sfmt_profile_get's checks, match the header's geometry and hash to
+ * its profile_fp.  payload: h->payload_bytes bytes, 64-byte aligned for a
+ * SEG (where it lies in its io buffer); -EINVAL when it is not. */
 int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, const void *payload, char *msg,
 			   size_t msglen);
 

@@ -29,6 +29,12 @@
  * against the expected seq/gen/index/size, kvd_sfmt_check_payload) on the
  * engine thread, and posts a progress result for each verified extent in
  * order, so layer 0 can be served before the last layer lands.
+ *
+ * Jobs run concurrently (up to 8 READ/UNLINK and 4 WRITE; more wait in
+ * order), READs ahead of WRITEs.  Jobs naming the same seq must not overlap:
+ * submit the next once the previous one's final result is reaped.  The
+ * engine thread never blocks on the disk (opens, fallocate, fsyncs, rename
+ * and unlink go through the ring too).
  */
 #ifndef KVD_SPILL_H
 #define KVD_SPILL_H
@@ -75,12 +81,13 @@ struct kvd_spill_job {
 					 * filled but not sealed (the engine seals them:
 					 * CRCs on its thread).  READ: one buffer per
 					 * extent, sized from the headers */
-	unsigned next;
+	unsigned next;                  /* WRITE, READ: extents in ext */
 	void *user;
 	/* out, valid when reaped */
 	int res;                        /* 0, -ENOSPC, -EIO, -KVD_ELOST (READ: an extent
 					 * that does not verify), -ECANCELED, -errno */
-	unsigned done;                  /* READ: extents verified so far */
+	unsigned done;                  /* READ: extents verified (set with the final
+					 * result; progress results carry `ext`) */
 	unsigned wdir;                  /* WRITE: the directory it went to */
 	uint64_t disk_bytes;            /* WRITE: the file's bytes on disk */
 	char msg[96];                   /* why, when res < 0 */
@@ -98,10 +105,14 @@ void kvd_spill_destroy(struct kvd_spill *sp);
 /* An eventfd, readable while results wait to be reaped. */
 int kvd_spill_fd(const struct kvd_spill *sp);
 
-/* Queues a job; 0 or -EINVAL (malformed job). */
+/* Queues a job; 0, -EINVAL (malformed job: j->msg says why) or -ENOMEM.
+ * A WRITE's headers must carry the job's seq and gen, index i in ext[i], and
+ * a payload_bytes that makes ext[i].bytes. */
 int kvd_spill_submit(struct kvd_spill *sp, struct kvd_spill_job *j);
 /* Asks a queued or running job to stop; it still posts its final result
- * (res -ECANCELED unless it finished first). */
+ * (res -ECANCELED unless it finished first), after every operation it had in
+ * flight completed and, for a WRITE, its file was deleted.  A job that
+ * already ended, or is unknown, is left alone. */
 void kvd_spill_cancel(struct kvd_spill *sp, struct kvd_spill_job *j);
 
 struct kvd_spill_result {
@@ -116,14 +127,28 @@ unsigned kvd_spill_reap(struct kvd_spill *sp, struct kvd_spill_result *out, unsi
 /* Bytes on disk of the complete files the engine knows of. */
 uint64_t kvd_spill_disk_bytes(const struct kvd_spill *sp);
 
+/* Counters since create, as of the latest result posted. */
+struct kvd_spill_stats {
+	uint64_t reads, writes, fsyncs;         /* operations issued (fsyncs: files and dirs) */
+	uint64_t short_ops, retries;            /* short transfers finished, -EAGAIN/-EINTR */
+	uint64_t bufs_fixed, bufs_plain;        /* extents registered / not (RLIMIT_MEMLOCK..) */
+	uint64_t files_fixed, files_plain;
+	uint64_t faults;                        /* fake backend: faults injected */
+	uint32_t direct_mask;                   /* bit d: directory d uses O_DIRECT */
+	char backend[16];                       /* "io_uring", or "fake" */
+};
+void kvd_spill_stats(struct kvd_spill *sp, struct kvd_spill_stats *out);
+
 /* Start-up, before any job: lists the directories.  *.tmp files are deleted.
  * keep = 0: every .kvs file is deleted too (no --persist).  keep = 1: each
  * .kvs file's headers are read and checked (kvd_sfmt_check_hdr, one seq and
  * gen, indices in order, ending in END); fn gets the complete ones (hdr[0]
  * is the PROFILE extent's header, whose payload is read too: profile,
  * profile_bytes), and files that fail are deleted with a log line.  fn's
- * nonzero return deletes the file as well.  The engine counts kept files
- * toward its bytes on disk.  Returns the number of files kept or -errno. */
+ * nonzero return deletes the file as well (hdr and profile live for the call
+ * only; the profile payload has passed kvd_sfmt_check_payload).  The engine
+ * counts kept files toward its bytes on disk.  Returns the number of files
+ * kept or -errno. */
 typedef int (*kvd_spill_scan_fn)(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr,
 				 unsigned n, const void *profile, uint64_t profile_bytes,
 				 uint64_t disk_bytes);

@@ -94,6 +94,11 @@ static void layer_free(const struct kvd_profile *p, struct kvd_layer_state *l)
 	memset(l, 0, sizeof *l);
 }
 
+static size_t mean_bytes(const struct kvd_profile *p)
+{
+	return (size_t)p->g.kv_heads * p->g.d * sizeof(float);
+}
+
 static void seq_destroy(struct kvd_seqn *q)
 {
 	for (uint32_t i = 0; i < q->p->layers; i++)
@@ -182,8 +187,16 @@ static uint32_t bucket_of(uint64_t id)
 	return (uint32_t)(kvd_mix64(id) & (SEQ_BUCKETS - 1));
 }
 
-int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
-			 uint64_t owner, struct kvd_seqn **out)
+static struct kvd_seqn *seq_find(struct kvd_store *s, uint64_t id)
+{
+	for (struct kvd_seqn *q = s->bucket[bucket_of(id)]; q; q = q->next)
+		if (q->id == id)
+			return q;
+	return NULL;
+}
+
+static int seq_new(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
+		   uint64_t id, uint64_t owner, struct kvd_seqn **out)
 {
 	struct kvd_seqn *q = calloc(1, sizeof *q);
 
@@ -194,11 +207,7 @@ int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const
 		free(q);
 		return -ENOMEM;
 	}
-	/* mix64 is a bijection, so distinct counters give distinct ids; 0 is
-	 * skipped because clients use it as "none". */
-	do
-		q->id = kvd_mix64(++s->next_id ^ s->id_key);
-	while (q->id == 0);
+	q->id = id;
 	q->owner = owner;
 	snprintf(q->tenant, sizeof q->tenant, "%s", tenant);
 	q->p = p;
@@ -211,12 +220,43 @@ int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const
 	return 0;
 }
 
+int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
+			 uint64_t owner, struct kvd_seqn **out)
+{
+	uint64_t id;
+
+	/* mix64 is a bijection, so distinct counters give distinct ids within
+	 * a lifetime; ids adopted from disk come from other lifetimes, hence
+	 * the lookup.  0 is skipped because clients use it as "none". */
+	do
+		id = kvd_mix64(++s->next_id ^ s->id_key);
+	while (id == 0 || seq_find(s, id));
+	return seq_new(s, p, tenant, id, owner, out);
+}
+
+int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
+			uint64_t id, uint64_t owner, struct kvd_seqn **out)
+{
+	if (id == 0 || seq_find(s, id))
+		return -EEXIST;
+	return seq_new(s, p, tenant, id, owner, out);
+}
+
 struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char *tenant)
 {
-	for (struct kvd_seqn *q = s->bucket[bucket_of(id)]; q; q = q->next)
-		if (q->id == id)
-			return strcmp(q->tenant, tenant) ? NULL : q;
-	return NULL;
+	struct kvd_seqn *q = seq_find(s, id);
+
+	return q && !strcmp(q->tenant, tenant) ? q : NULL;
+}
+
+void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg)
+{
+	for (uint32_t b = 0; b < SEQ_BUCKETS; b++) {
+		for (struct kvd_seqn *q = s->bucket[b], *nx; q; q = nx) {
+			nx = q->next;
+			fn(arg, q);
+		}
+	}
 }
 
 void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q)
@@ -231,22 +271,6 @@ void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q)
 	s->nseq--;
 	s->bytes -= q->bytes;
 	seq_destroy(q);
-}
-
-unsigned kvd_store_free_owner(struct kvd_store *s, uint64_t owner)
-{
-	unsigned n = 0;
-
-	for (uint32_t b = 0; b < SEQ_BUCKETS; b++) {
-		for (struct kvd_seqn *q = s->bucket[b], *nx; q; q = nx) {
-			nx = q->next;
-			if (q->owner == owner) {
-				kvd_store_seq_free(s, q);
-				n++;
-			}
-		}
-	}
-	return n;
 }
 
 /* ---- rows -------------------------------------------------------------- */
@@ -432,12 +456,12 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 			snprintf(msg, msglen, "layer %u already has its mean", layer);
 			return -EINVAL;
 		}
-		size_t bytes = (size_t)p->g.kv_heads * p->g.d * sizeof(float);
-
-		l->mean = malloc(bytes);
+		l->mean = malloc(mean_bytes(p));
 		if (!l->mean)
 			return -ENOMEM;
-		memcpy(l->mean, mean, bytes);
+		memcpy(l->mean, mean, mean_bytes(p));
+		account(s, q, (ptrdiff_t)mean_bytes(p));
+		q->gen++;
 	}
 	if (!l->mean) {
 		snprintf(msg, msglen, "layer %u: first rows must carry the mean", layer);
@@ -448,10 +472,83 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 			 is_append ? "APPEND before the prefill's last chunk" : "PREFILL after the last chunk");
 		return -EINVAL;
 	}
+	q->gen++;
 	rc = is_append ? append(s, q, l, k, v, codes, n) : prefill(s, q, l, last, k, v, codes, n);
 	if (rc)
 		snprintf(msg, msglen, "layer %u: %s", layer, kvd_strerror(rc));
 	return rc;
+}
+
+/* ---- tiers ------------------------------------------------------------- */
+
+void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q)
+{
+	for (uint32_t i = 0; i < q->p->layers; i++) {
+		struct kvd_layer_state *l = &q->ly[i];
+		uint64_t tokens = l->tokens;
+		int sealed = l->sealed;
+
+		layer_free(q->p, l);
+		l->tokens = tokens;
+		l->sealed = sealed;
+	}
+	s->bytes -= q->bytes;
+	q->bytes = 0;
+}
+
+int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const float *mean, int sealed, uint64_t tokens, const uint16_t *k,
+			    const uint16_t *v, const uint16_t *codes, uint32_t tn)
+{
+	const struct kvd_profile *p = q->p;
+	struct kvd_layer_state *l = &q->ly[layer];
+
+	if (layer >= p->layers || tn > p->seal_tokens || (tn && !sealed) || l->mean || l->tk ||
+	    l->nseg)
+		return -EINVAL;
+	if (mean) {
+		if (!(l->mean = malloc(mean_bytes(p))))
+			return -ENOMEM;
+		memcpy(l->mean, mean, mean_bytes(p));
+		account(s, q, (ptrdiff_t)mean_bytes(p));
+	}
+	if (tn) {
+		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, p->seal_tokens))
+			return -ENOMEM;
+		account(s, q, (ptrdiff_t)rows_bytes(p, p->seal_tokens));
+		put_rows(p, l->tk, l->tv, l->tc, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
+	}
+	l->tn = tn;
+	l->sealed = sealed;
+	l->tokens = tokens;
+	return 0;
+}
+
+int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			  struct kvd_seg *seg)
+{
+	struct kvd_layer_state *l = &q->ly[layer];
+
+	if (l->nseg == l->segcap) {
+		uint32_t nc = l->segcap ? 2 * l->segcap : 4;
+		struct kvd_seg **ns = realloc(l->seg, nc * sizeof *ns);
+
+		if (!ns)
+			return -ENOMEM;
+		l->seg = ns;
+		l->segcap = nc;
+	}
+	l->seg[l->nseg++] = seg;
+	account(s, q, (ptrdiff_t)seg->bytes);
+	return 0;
+}
+
+int kvd_store_spillable(const struct kvd_seqn *q)
+{
+	for (uint32_t i = 0; i < q->p->layers; i++)
+		if (q->ly[i].sn || q->ly[i].scap)
+			return 0;
+	return 1;
 }
 
 struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer)

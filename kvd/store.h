@@ -51,13 +51,26 @@ struct kvd_layer_state {
 	uint64_t tokens;                /* tokens kvd holds for this layer */
 };
 
+/* Where a sequence's data is (kvd/tier.c moves it). */
+enum kvd_seq_state {
+	KVD_SEQ_RAM = 0,                /* all resident */
+	KVD_SEQ_SPILLING,               /* all resident, a file being written */
+	KVD_SEQ_DISK,                   /* nothing resident: a durable file holds it */
+	KVD_SEQ_RESTORING,              /* layers below `ready` resident, the rest being read */
+	KVD_SEQ_LOST,                   /* a restore failed: every use fails -KVD_ELOST */
+};
+
 struct kvd_seqn {
 	uint64_t id;
 	uint64_t owner;                 /* client id */
 	char tenant[KVD_NAME_MAX + 1];
 	const struct kvd_profile *p;
 	struct kvd_layer_state *ly;     /* [layers] */
-	size_t bytes;                   /* resident: segments + staging + tail */
+	size_t bytes;                   /* resident: segments + staging + tail + means */
+	uint64_t gen;                   /* bumped by every change to the data */
+	uint8_t state;                  /* enum kvd_seq_state */
+	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
+	void *tier;                     /* kvd_tier's record, or NULL */
 	struct kvd_seqn *next;          /* hash chain */
 };
 
@@ -76,11 +89,29 @@ const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const c
 
 int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
 			 uint64_t owner, struct kvd_seqn **out);
+/* The same with a given id (sequences found on disk at start-up): -EEXIST
+ * when the id is taken. */
+int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
+			uint64_t id, uint64_t owner, struct kvd_seqn **out);
 /* NULL unless the sequence exists and belongs to `tenant`. */
 struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char *tenant);
 void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q);
-/* Frees every sequence owned by the client; returns how many. */
-unsigned kvd_store_free_owner(struct kvd_store *s, uint64_t owner);
+/* Calls fn on every sequence; fn may free the one it is given. */
+void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
+
+/* Tiering (kvd/tier.c).  drop frees every resident byte of a sequence but
+ * keeps its identity and token counts; the install functions put restored
+ * parts back, accounted.  A layer's tail rows are copied; a segment is
+ * taken over. */
+void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q);
+int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const float *mean, int sealed, uint64_t tokens, const uint16_t *k,
+			    const uint16_t *v, const uint16_t *codes, uint32_t tn);
+int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			  struct kvd_seg *seg);
+/* Whether every sparse layer's prefill staging is empty: only then can the
+ * sequence be written out whole (sealed segments, tails, means). */
+int kvd_store_spillable(const struct kvd_seqn *q);
 
 /* Rows entering a layer: PREFILL (append to staging, seal full segments,
  * and everything with `last`) or APPEND (the tail, sealed at seal_tokens).
@@ -95,7 +126,7 @@ struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer);
 
 struct kvd_store_stats {
 	uint32_t sequences, profiles;
-	uint64_t bytes;
+	uint64_t bytes;                 /* resident, all sequences */
 };
 void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st);
 void kvd_store_seq_stats(const struct kvd_seqn *q, uint64_t *tokens, uint32_t *segments);

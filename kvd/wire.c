@@ -26,7 +26,7 @@ int kvd_wire_sqe(const void *entry, uint32_t nslots, uint64_t slot_size,
 		FAIL(-EINVAL, "flags 0x%x not valid for op %u", e.flags, e.op);
 	if (e._reserved[0] || e._reserved[1] || e._reserved[2] || e._reserved[3])
 		FAIL(-EINVAL, "reserved fields must be zero");
-	if (e.op == KVD_OP_NOP || e.op == KVD_OP_FREE)
+	if (e.op == KVD_OP_NOP || e.op == KVD_OP_FREE || e.op == KVD_OP_PREFETCH)
 		return 0;
 
 	if (e.slot >= nslots)

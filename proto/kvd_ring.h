@@ -24,6 +24,8 @@ enum kvd_op {
 	KVD_OP_APPEND  = 2,     /* rows leaving the GPU window after prefill */
 	KVD_OP_ATTEND  = 3,     /* one layer, a batch of sequences x q heads */
 	KVD_OP_FREE    = 4,     /* drop a sequence (same as the control message) */
+	KVD_OP_PREFETCH = 5,    /* seq: start reading it back if it was spilled;
+				 * completes at once (0, or why it cannot) */
 	KVD_OP_MAX
 };
 

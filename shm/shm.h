@@ -122,6 +122,13 @@ static inline void *shm_slot(const struct shm_region *r, uint32_t i)
  * NULL when the ring is full or broken.  The consumer's index is re-read only
  * when the cached copy says full. */
 void *shm_ring_reserve(struct shm_ring *r);
+/* Producer: takes back the newest reserved, uncommitted entry (a reservation
+ * that turned out not to be needed); nothing reaches the consumer. */
+static inline void shm_ring_unreserve(struct shm_ring *r)
+{
+	if (r->pending)
+		r->pending--;
+}
 /* Producer: publishes the n oldest reserved entries (release store of tail);
  * n above the number reserved is cut to it. */
 void shm_ring_commit(struct shm_ring *r, uint32_t n);

@@ -6,7 +6,7 @@ set -eu
 pkgs="gcc make clang libclang-rt-14-dev pkg-config
       liburing-dev libnuma-dev libprotobuf-c-dev protobuf-c-compiler
       libcmocka-dev libinih-dev libsystemd-dev libisal-dev libxxhash-dev
-      systemd"
+      systemd fio"
 missing=
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed' ||

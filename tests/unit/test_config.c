@@ -405,6 +405,83 @@ static void test_log_file(void **state)
 	assert_string_equal(c.log_path, "/var/log/kvd/kvd.log");
 }
 
+/* The memory watermarks and the spill tier: file lists, repeatable flags
+ * that replace the file's list, bare --persist, and the cross checks. */
+static void test_spill_keys(void **state)
+{
+	struct kvd_config c;
+	char err[256] = "", conf[160];
+
+	write_conf("[memory]\nhigh = 95%\nlow = 60%\n[spill]\ndir = /a:/b/c\nlimit = 3G\n"
+		   "queue_depth = 128\nblock = 256K\ndirect = no\npersist = yes\n");
+	snprintf(conf, sizeof conf, "%s", path);
+	{
+		char *a[] = { "kvd", "--config", conf, NULL };
+
+		kvd_config_defaults(&c);
+		if (kvd_config_parse_args(&c, 3, a, err, sizeof err))
+			print_error("%s\n", err);
+		assert_int_equal(c.mem_high, 95);
+		assert_int_equal(c.mem_low, 60);
+		assert_int_equal(c.spill_ndirs, 2);
+		assert_string_equal(c.spill_dir[0], "/a");
+		assert_string_equal(c.spill_dir[1], "/b/c");
+		assert_int_equal(c.spill_limit, 3ull << 30);
+		assert_int_equal(c.spill_qd, 128);
+		assert_int_equal(c.spill_block, 256u << 10);
+		assert_int_equal(c.spill_buffered, 1);
+		assert_int_equal(c.persist, 1);
+		assert_int_equal(c.spill_fault_on, 0);
+	}
+	{
+		char *a[] = { "kvd", "--spill-dir", "/x", "--config", conf, "--spill-dir", "/y",
+			      "--spill-fault", "eio-read@*", NULL };
+
+		kvd_config_defaults(&c);
+		assert_int_equal(kvd_config_parse_args(&c, 9, a, err, sizeof err), 0);
+		assert_int_equal(c.spill_ndirs, 2);
+		assert_string_equal(c.spill_dir[0], "/x");
+		assert_string_equal(c.spill_dir[1], "/y");
+		assert_int_equal(c.spill_fault_on, 1);
+		assert_string_equal(c.spill_fault, "eio-read@*");
+	}
+	{
+		char *a[] = { "kvd", "--persist", "--spill-dir", "/s", NULL };
+
+		kvd_config_defaults(&c);
+		assert_int_equal(kvd_config_parse_args(&c, 4, a, err, sizeof err), 0);
+		assert_int_equal(c.persist, 1);
+	}
+	static const struct {
+		const char *flag, *value, *why;
+	} bad[] = {
+		{ "--spill-dir", "relative/dir", "absolute" },
+		{ "--mem-high", "50%", "below high" },  /* low 80% >= high 50% */
+		{ "--mem-low", "0%", "percentage" },
+		{ "--mem-high", "90", "percentage" },
+		{ "--spill-limit", "12Q", "suffix" },
+	};
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		char *a[] = { "kvd", (char *)bad[i].flag, (char *)bad[i].value, NULL };
+
+		kvd_config_defaults(&c);
+		err[0] = 0;
+		assert_int_equal(kvd_config_parse_args(&c, 3, a, err, sizeof err), -EINVAL);
+		if (!strstr(err, bad[i].why))
+			fail_msg("%s %s: '%s' lacks '%s'", bad[i].flag, bad[i].value, err, bad[i].why);
+	}
+	{
+		char *a[] = { "kvd", "--persist", NULL };
+
+		kvd_config_defaults(&c);
+		assert_int_equal(kvd_config_parse_args(&c, 2, a, err, sizeof err), -EINVAL);
+		assert_non_null(strstr(err, "spill directory"));
+	}
+	write_conf("[spill]\ndirect = maybe\n");
+	assert_int_equal(kvd_config_load_file(&c, path, err, sizeof err), -EINVAL);
+	assert_non_null(strstr(err, "yes or no"));
+}
+
 static void test_usage(void **state)
 {
 	char *buf = NULL;
@@ -430,6 +507,7 @@ int main(void)
 		cmocka_unit_test(test_bad_flags),
 		cmocka_unit_test(test_example_file),
 		cmocka_unit_test(test_log_file),
+		cmocka_unit_test(test_spill_keys),
 		cmocka_unit_test(test_usage),
 	};
 

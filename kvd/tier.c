@@ -1,0 +1,1060 @@
+/* kvd_tier: RAM or disk, and the budget.  See tier.h. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <syslog.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "log.h"
+#include "tier.h"
+
+#define BACKOFF_NS (5ull * 1000000000ull)      /* after a failed write */
+#define PAGE KVD_SFMT_PAGE
+enum { MINE_PAGE = 1, MINE_SEG = 2 };
+
+/* What a file holds, one entry per extent (from the write, or the scan). */
+struct ext {
+	uint32_t kind, layer, n, flags;
+	uint64_t bytes, tok_begin, tok_end;
+};
+
+struct unl;
+
+struct rec {
+	struct kvd_seqn *q;
+	struct unl *unl;                /* an UNLINK of our file in flight */
+	struct rec *prev, *next;        /* LRU of resident sequences, head = coldest */
+	int in_lru;
+	uint64_t epoch;                 /* request that last used it */
+	/* the file */
+	int has_file;
+	unsigned dir;
+	uint64_t file_gen, disk_bytes;
+	struct ext *ext;
+	unsigned next_ext;
+	/* the job in flight, if busy */
+	int busy, freeing, evict_after;
+	struct kvd_spill_job job;
+	struct kvd_spill_buf *buf;      /* job.ext */
+	uint8_t *mine;                  /* [next]: buf[i] is ours to free at the end:
+					 * MINE_PAGE or MINE_SEG (kvd_seg_io_alloc) */
+	struct ext *wext;               /* WRITE: the extents being written */
+	uint64_t reserved;              /* READ: budget held for what is not installed */
+	uint64_t pend;                  /* WRITE with evict_after: counted in t->pending */
+	uint64_t backoff_until;
+	char why[96];                   /* LOST: the reason */
+};
+
+/* An UNLINK job.  The engine must not run two jobs of one sequence at
+ * once, so the record knows of it (no new write until it has ended); it
+ * outlives a freed record and frees itself when reaped. */
+struct unl {
+	struct kvd_spill_job j;
+	struct rec *r;
+	struct unl *next;               /* t->unls: freed at destroy if never reaped */
+};
+
+struct kvd_tier {
+	struct kvd_tier_cfg cfg;
+	struct kvd_store *st;
+	struct kvd_spill *sp;
+	struct rec *head, *tail;        /* LRU */
+	uint64_t epoch;
+	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
+	struct unl *unls;
+	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
+	int stopping;
+};
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t used(const struct kvd_tier *t)
+{
+	struct kvd_store_stats ss;
+
+	kvd_store_stats(t->st, &ss);
+	return ss.bytes + t->reserved;
+}
+
+static void *page_alloc(uint64_t bytes)
+{
+	void *p = NULL;
+
+	return posix_memalign(&p, PAGE, bytes) ? NULL : p;
+}
+
+/* ---- records and the LRU ------------------------------------------------ */
+
+static struct rec *rec_of(struct kvd_tier *t, struct kvd_seqn *q)
+{
+	struct rec *r = q->tier;
+
+	if (!r && (r = calloc(1, sizeof *r))) {
+		r->q = q;
+		q->tier = r;
+	}
+	return r;
+}
+
+static void lru_del(struct kvd_tier *t, struct rec *r)
+{
+	if (!r->in_lru)
+		return;
+	*(r->prev ? &r->prev->next : &t->head) = r->next;
+	*(r->next ? &r->next->prev : &t->tail) = r->prev;
+	r->prev = r->next = NULL;
+	r->in_lru = 0;
+}
+
+static void lru_use(struct kvd_tier *t, struct rec *r)
+{
+	lru_del(t, r);
+	r->prev = t->tail;
+	*(t->tail ? &t->tail->next : &t->head) = r;
+	t->tail = r;
+	r->in_lru = 1;
+	r->epoch = t->epoch;
+}
+
+static void rec_free(struct kvd_tier *t, struct rec *r)
+{
+	lru_del(t, r);
+	if (r->unl)
+		r->unl->r = NULL;
+	if (r->q)
+		r->q->tier = NULL;
+	free(r->ext);
+	free(r);
+}
+
+
+static void unlink_file(struct kvd_tier *t, struct rec *r)
+{
+	struct unl *u = calloc(1, sizeof *u);
+
+	if (!u || !t->sp) {
+		free(u);
+		return;
+	}
+	u->j.op = KVD_SPILL_UNLINK;
+	u->j.seq = r->q->id;
+	u->j.dir = r->dir;
+	u->j.user = NULL;
+	u->r = r;
+	if (kvd_spill_submit(t->sp, &u->j)) {
+		free(u);
+		return;
+	}
+	r->unl = u;
+	u->next = t->unls;
+	t->unls = u;
+}
+
+static void unl_done(struct kvd_tier *t, struct unl *u)
+{
+	struct unl **pp = &t->unls;
+
+	while (*pp && *pp != u)
+		pp = &(*pp)->next;
+	if (*pp)
+		*pp = u->next;
+	if (u->r)
+		u->r->unl = NULL;
+	free(u);
+}
+
+static void forget_file(struct kvd_tier *t, struct rec *r)
+{
+	if (!r->has_file)
+		return;
+	if (!(t->stopping && t->cfg.persist))
+		unlink_file(t, r);
+	r->has_file = 0;
+	free(r->ext);
+	r->ext = NULL;
+	r->next_ext = 0;
+}
+
+static int clean(const struct rec *r)
+{
+	return r->has_file && r->file_gen == r->q->gen;
+}
+
+/* ---- buffers of a job --------------------------------------------------- */
+
+static void job_release(struct kvd_tier *t, struct rec *r)
+{
+	for (unsigned i = 0; r->buf && r->mine && i < r->job.next; i++) {
+		if (!r->mine[i] || !r->buf[i].p)
+			continue;
+		if (r->mine[i] == MINE_SEG)
+			kvd_seg_io_free(r->buf[i].p, r->buf[i].bytes);
+		else
+			free(r->buf[i].p);
+	}
+	free(r->buf);
+	free(r->mine);
+	free(r->wext);
+	r->buf = NULL;
+	r->mine = NULL;
+	r->wext = NULL;
+	t->reserved -= r->reserved;
+	r->reserved = 0;
+	r->busy = 0;
+	memset(&r->job, 0, sizeof r->job);
+}
+
+static int job_alloc(struct rec *r, unsigned n)
+{
+	r->buf = calloc(n, sizeof *r->buf);
+	r->mine = calloc(n, 1);
+	return r->buf && r->mine ? 0 : -ENOMEM;
+}
+
+/* ---- write-back --------------------------------------------------------- */
+
+static void hdr_init(struct kvd_sfmt_hdr *h, const struct kvd_seqn *q, uint64_t fp, uint32_t kind,
+		     uint32_t index, uint64_t payload)
+{
+	const struct kvd_geom *g = &q->p->g;
+
+	memset(h, 0, sizeof *h);
+	h->kind = kind;
+	h->payload_bytes = payload;
+	h->seq = q->id;
+	h->gen = q->gen;
+	h->profile_fp = fp;
+	h->index = index;
+	h->kv_heads = g->kv_heads;
+	h->d = g->d;
+	h->K = g->K;
+	h->L = g->L;
+	snprintf(h->tenant, sizeof h->tenant, "%s", q->tenant);
+}
+
+static unsigned count_extents(const struct kvd_seqn *q)
+{
+	unsigned n = 2;                 /* PROFILE, END */
+
+	for (uint32_t i = 0; i < q->p->layers; i++) {
+		const struct kvd_layer_state *l = &q->ly[i];
+
+		if (l->mean || l->tn || l->nseg)
+			n += 1 + l->nseg;
+	}
+	return n;
+}
+
+/* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
+ * END.  Segments are written from their own buffers (their header page);
+ * profile, layer and end extents are copies, so later appends do not race
+ * the write. */
+static int build_write(struct kvd_tier *t, struct rec *r)
+{
+	struct kvd_seqn *q = r->q;
+	const struct kvd_profile *p = q->p;
+	const struct kvd_geom *g = &p->g;
+	uint64_t fp = kvd_sfmt_profile_fp(p);
+	unsigned n = count_extents(q), i = 0;
+	uint64_t total = 0;
+
+	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)))
+		goto nomem;
+
+	uint64_t pb = kvd_sfmt_profile_bytes(p);
+
+	r->buf[i].bytes = kvd_sfmt_extent_bytes(pb);
+	if (!(r->buf[i].p = page_alloc(r->buf[i].bytes)))
+		goto nomem;
+	r->mine[i] = 1;
+	memset(r->buf[i].p, 0, r->buf[i].bytes);
+	hdr_init(r->buf[i].p, q, fp, KVD_SFMT_PROFILE, i, pb);
+	kvd_sfmt_profile_put(p, (char *)r->buf[i].p + PAGE);
+	r->wext[i] = (struct ext){ .kind = KVD_SFMT_PROFILE, .bytes = r->buf[i].bytes };
+	total += r->buf[i++].bytes;
+
+	for (uint32_t ly = 0; ly < p->layers; ly++) {
+		const struct kvd_layer_state *l = &q->ly[ly];
+
+		if (!(l->mean || l->tn || l->nseg))
+			continue;
+		uint64_t lb = kvd_sfmt_layer_bytes(g, l->tn, l->mean != NULL);
+		struct kvd_sfmt_hdr *h;
+		float *m;
+		uint16_t *k, *v, *c;
+
+		r->buf[i].bytes = kvd_sfmt_extent_bytes(lb);
+		if (!(r->buf[i].p = page_alloc(r->buf[i].bytes)))
+			goto nomem;
+		r->mine[i] = 1;
+		memset(r->buf[i].p, 0, r->buf[i].bytes);
+		h = r->buf[i].p;
+		hdr_init(h, q, fp, KVD_SFMT_LAYER, i, lb);
+		h->layer = ly;
+		h->n = l->tn;
+		h->flags = (l->mean ? KVD_SFMT_LF_MEAN : 0) | (l->sealed ? KVD_SFMT_LF_SEALED : 0);
+		h->tok_begin = l->tokens - l->tn;
+		h->tok_end = l->tokens;
+		kvd_sfmt_layer_parts(g, l->tn, l->mean != NULL, (char *)h + PAGE, &m, &k, &v, &c);
+		if (m)
+			memcpy(m, l->mean, (size_t)g->kv_heads * g->d * sizeof(float));
+		for (size_t hh = 0; hh < g->kv_heads && l->tn; hh++) {
+			size_t rowb = (size_t)l->tn * g->d * 2, cap = p->seal_tokens;
+
+			memcpy((char *)k + hh * rowb, l->tk + hh * cap * g->d, rowb);
+			memcpy((char *)v + hh * rowb, l->tv + hh * cap * g->d, rowb);
+			for (size_t tb = 0; tb < g->L; tb++)
+				memcpy(c + (hh * g->L + tb) * l->tn, l->tc + (hh * g->L + tb) * cap,
+				       (size_t)l->tn * 2);
+		}
+		r->wext[i] = (struct ext){ KVD_SFMT_LAYER, ly, l->tn, h->flags, r->buf[i].bytes,
+					   h->tok_begin, h->tok_end };
+		total += r->buf[i++].bytes;
+
+		uint64_t tok = 0;
+
+		for (uint32_t sgi = 0; sgi < l->nseg; sgi++) {
+			struct kvd_seg *sg = l->seg[sgi];
+
+			r->buf[i].p = sg->io;
+			r->buf[i].bytes = sg->bytes;
+			h = sg->io;
+			hdr_init(h, q, fp, KVD_SFMT_SEG, i, kvd_seg_bytes(g, sg->n));
+			h->layer = ly;
+			h->n = sg->n;
+			h->tok_begin = tok;
+			h->tok_end = tok += sg->n;
+			r->wext[i] = (struct ext){ KVD_SFMT_SEG, ly, sg->n, 0, sg->bytes, h->tok_begin,
+						   h->tok_end };
+			total += r->buf[i++].bytes;
+		}
+	}
+	r->buf[i].bytes = PAGE;
+	if (!(r->buf[i].p = page_alloc(PAGE)))
+		goto nomem;
+	r->mine[i] = 1;
+	memset(r->buf[i].p, 0, PAGE);
+	hdr_init(r->buf[i].p, q, fp, KVD_SFMT_END, i, 0);
+	((struct kvd_sfmt_hdr *)r->buf[i].p)->n = i;
+	r->wext[i] = (struct ext){ .kind = KVD_SFMT_END, .n = i, .bytes = PAGE };
+	total += PAGE;
+	i++;
+
+	r->job = (struct kvd_spill_job){ .op = KVD_SPILL_WRITE, .seq = q->id, .gen = q->gen,
+					 .ext = r->buf, .next = n, .user = r };
+	(void)total;
+	return 0;
+nomem:
+	r->job.next = n;
+	job_release(t, r);
+	return -ENOMEM;
+}
+
+/* Drops q's resident data; a current file holds it. */
+static void drop(struct kvd_tier *t, struct rec *r)
+{
+	kvd_store_seq_drop(t->st, r->q);
+	r->q->state = KVD_SEQ_DISK;
+	r->q->ready = 0;
+	lru_del(t, r);
+}
+
+/* Starts evicting r: at once when its file is current, else a write-back
+ * that drops it when done.  0, or why not. */
+static int evict(struct kvd_tier *t, struct rec *r)
+{
+	struct kvd_seqn *q = r->q;
+	int rc;
+
+	if (q->state == KVD_SEQ_SPILLING) {
+		if (!r->evict_after) {
+			r->pend = q->bytes;
+			t->pending += r->pend;
+		}
+		r->evict_after = 1;
+		return 0;
+	}
+	if (q->state != KVD_SEQ_RAM)
+		return -EBUSY;
+	if (r->unl)
+		return -EAGAIN;
+	if (clean(r)) {
+		kvd_log(LOG_DEBUG, "sequence %016llx: dropped, its file is current",
+			(unsigned long long)q->id);
+		drop(t, r);
+		t->drops++;
+		return 0;
+	}
+	if (!kvd_store_spillable(q))
+		return -EBUSY;
+	if (r->has_file) {
+		/* A stale file goes first: the write comes once it is gone. */
+		forget_file(t, r);
+		return r->unl ? -EAGAIN : -EBUSY;
+	}
+	if ((rc = build_write(t, r)))
+		return rc;
+	if ((rc = kvd_spill_submit(t->sp, &r->job))) {
+		job_release(t, r);
+		return rc;
+	}
+	r->busy = 1;
+	r->evict_after = 1;
+	q->state = KVD_SEQ_SPILLING;
+	r->pend = q->bytes;
+	t->pending += r->pend;
+	kvd_log(LOG_DEBUG, "sequence %016llx: writing %zu bytes out", (unsigned long long)q->id,
+		q->bytes);
+	return 0;
+}
+
+static void write_done(struct kvd_tier *t, struct rec *r)
+{
+	struct kvd_seqn *q = r->q;
+	struct kvd_spill_job *j = &r->job;
+	uint64_t gen = j->gen;
+
+	if (r->evict_after)
+		t->pending -= r->pend;
+	r->pend = 0;
+	q->state = KVD_SEQ_RAM;
+	if (j->res == 0) {
+		t->spills++;
+		t->spill_bytes += j->disk_bytes;
+		r->has_file = 1;
+		r->dir = j->wdir;
+		r->file_gen = gen;
+		r->disk_bytes = j->disk_bytes;
+		free(r->ext);
+		r->ext = r->wext;
+		r->next_ext = j->next;
+		r->wext = NULL;
+	} else if (j->res != -ECANCELED) {
+		t->spill_errors++;
+		r->backoff_until = now_ns() + BACKOFF_NS;
+		kvd_log(LOG_WARNING, "spill of sequence %016llx failed, it stays in RAM: %s",
+			(unsigned long long)q->id, j->msg[0] ? j->msg : kvd_strerror(j->res));
+	}
+	int evict_now = r->evict_after && j->res == 0;
+
+	kvd_log(LOG_DEBUG, "sequence %016llx: write %s (%d)", (unsigned long long)q->id,
+		j->res ? "failed" : "done", j->res);
+
+	r->evict_after = 0;
+	job_release(t, r);
+	if (r->has_file && r->file_gen != q->gen)
+		forget_file(t, r);      /* changed while being written */
+	else if (evict_now && !r->freeing)
+		drop(t, r);
+}
+
+/* ---- restore ------------------------------------------------------------ */
+
+/* The first layer the file has not delivered yet, once extents [0, i) are in. */
+static uint32_t ready_after(const struct rec *r, unsigned i)
+{
+	for (; i < r->next_ext; i++)
+		if (r->ext[i].kind == KVD_SFMT_LAYER || r->ext[i].kind == KVD_SFMT_SEG)
+			return r->ext[i].layer;
+	return r->q->p->layers;
+}
+
+static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t msglen)
+{
+	struct kvd_seqn *q = r->q;
+	const struct kvd_geom *g = &q->p->g;
+	uint64_t need = 0;
+	int rc;
+
+	for (unsigned i = 0; i < r->next_ext; i++)
+		need += r->ext[i].bytes;
+	if ((rc = kvd_tier_room(t, need, msg, msglen)))
+		return rc;
+	if (job_alloc(r, r->next_ext))
+		goto nomem;
+	r->job.next = r->next_ext;
+	for (unsigned i = 0; i < r->next_ext; i++) {
+		size_t b = r->ext[i].bytes;
+
+		if (r->ext[i].kind == KVD_SFMT_SEG) {
+			r->buf[i].p = kvd_seg_io_alloc(g, r->ext[i].n, &b);
+			if (r->buf[i].p && b != r->ext[i].bytes) {
+				kvd_seg_io_free(r->buf[i].p, b);
+				r->buf[i].p = NULL;
+				snprintf(msg, msglen, "extent %u: %zu bytes, the file says %llu", i, b,
+					 (unsigned long long)r->ext[i].bytes);
+				r->mine[i] = 0;
+				job_release(t, r);
+				return -KVD_EFORMAT;
+			}
+		} else {
+			r->buf[i].p = page_alloc(b);
+		}
+		r->buf[i].bytes = b;
+		r->mine[i] = r->ext[i].kind == KVD_SFMT_SEG ? MINE_SEG : MINE_PAGE;
+		if (!r->buf[i].p)
+			goto nomem;
+	}
+	r->job = (struct kvd_spill_job){ .op = KVD_SPILL_READ, .seq = q->id, .gen = r->file_gen,
+					 .dir = r->dir, .ext = r->buf, .next = r->next_ext,
+					 .user = r };
+	r->reserved = need;
+	t->reserved += need;
+	if ((rc = kvd_spill_submit(t->sp, &r->job))) {
+		snprintf(msg, msglen, "cannot start the restore: %s", kvd_strerror(rc));
+		job_release(t, r);
+		return rc;
+	}
+	r->busy = 1;
+	q->state = KVD_SEQ_RESTORING;
+	q->ready = ready_after(r, 0);
+	kvd_log(LOG_DEBUG, "sequence %016llx: restoring %llu bytes", (unsigned long long)q->id,
+		(unsigned long long)need);
+	return 0;
+nomem:
+	job_release(t, r);
+	snprintf(msg, msglen, "out of memory for the restore");
+	return -ENOMEM;
+}
+
+static void lose(struct kvd_tier *t, struct rec *r, const char *why)
+{
+	struct kvd_seqn *q = r->q;
+
+	kvd_store_seq_drop(t->st, q);
+	q->state = KVD_SEQ_LOST;
+	q->ready = 0;
+	snprintf(r->why, sizeof r->why, "%s", why);
+	t->lost++;
+	kvd_log(LOG_ERR, "sequence %016llx lost: %s", (unsigned long long)q->id, why);
+	forget_file(t, r);
+}
+
+/* Extent i of r's restore has been read and verified: put it in place. */
+static int install(struct kvd_tier *t, struct rec *r, unsigned i)
+{
+	struct kvd_seqn *q = r->q;
+	const struct kvd_geom *g = &q->p->g;
+	const struct ext *e = &r->ext[i];
+	const struct kvd_sfmt_hdr *h = r->buf[i].p;
+	void *payload = (char *)r->buf[i].p + PAGE;
+	int rc = 0;
+
+	/* The header was checked against seq, gen and index; its fields must
+	 * also be what this sequence expects. */
+	if (h->kind != e->kind || h->layer != e->layer || h->n != e->n ||
+	    h->kv_heads != g->kv_heads || h->d != g->d || h->K != g->K || h->L != g->L)
+		return -KVD_EFORMAT;
+	switch (e->kind) {
+	case KVD_SFMT_PROFILE:
+		if (h->profile_fp != kvd_sfmt_profile_fp(q->p))
+			return -KVD_EFORMAT;
+		break;
+	case KVD_SFMT_LAYER: {
+		float *m;
+		uint16_t *k, *v, *c;
+
+		if (e->layer >= q->p->layers || q->p->dense[e->layer])
+			return -KVD_EFORMAT;
+		kvd_sfmt_layer_parts(g, e->n, !!(h->flags & KVD_SFMT_LF_MEAN), payload, &m, &k, &v, &c);
+		rc = kvd_store_install_layer(t->st, q, e->layer, m, !!(h->flags & KVD_SFMT_LF_SEALED),
+					     h->tok_end, k, v, c, e->n);
+		break;
+	}
+	case KVD_SFMT_SEG: {
+		struct kvd_seg *sg;
+
+		if (e->layer >= q->p->layers || q->p->dense[e->layer])
+			return -KVD_EFORMAT;
+		rc = kvd_seg_adopt(g, e->n, r->buf[i].p, r->buf[i].bytes, &sg);
+		if (rc)
+			return rc;
+		r->mine[i] = 0;         /* the segment owns it now */
+		if ((rc = kvd_store_install_seg(t->st, q, e->layer, sg))) {
+			kvd_seg_free(sg);
+			return rc;
+		}
+		t->reserved -= sg->bytes;
+		r->reserved -= sg->bytes;
+		break;
+	}
+	case KVD_SFMT_END:
+		break;
+	}
+	return rc;
+}
+
+static void read_progress(struct kvd_tier *t, struct rec *r, unsigned i)
+{
+	int rc;
+
+	if (r->freeing || r->q->state != KVD_SEQ_RESTORING)
+		return;
+	rc = install(t, r, i);
+	if (rc) {
+		char why[96];
+
+		snprintf(why, sizeof why, "extent %u does not fit the sequence: %s", i,
+			 kvd_strerror(rc));
+		lose(t, r, why);
+		kvd_spill_cancel(t->sp, &r->job);
+		return;
+	}
+	r->q->ready = ready_after(r, i + 1);
+}
+
+static void read_done(struct kvd_tier *t, struct rec *r)
+{
+	struct kvd_seqn *q = r->q;
+	struct kvd_spill_job *j = &r->job;
+
+	kvd_log(LOG_DEBUG, "sequence %016llx: restore %s (%d, %u of %u extents)",
+		(unsigned long long)q->id, j->res ? "failed" : "done", j->res, j->done, j->next);
+	if (q->state == KVD_SEQ_RESTORING) {
+		if (j->res == 0 && j->done == j->next) {
+			q->state = KVD_SEQ_RAM;
+			q->ready = q->p->layers;
+			t->restores++;
+			t->restore_bytes += r->disk_bytes;
+			lru_use(t, r);
+		} else if (!r->freeing) {
+			char why[128];
+
+			snprintf(why, sizeof why, "restore failed: %s",
+				 j->msg[0] ? j->msg : kvd_strerror(j->res ? j->res : -EIO));
+			lose(t, r, why);
+		}
+	}
+	job_release(t, r);
+	if (r->has_file && r->file_gen != q->gen)
+		forget_file(t, r);
+}
+
+/* ---- the API ------------------------------------------------------------ */
+
+int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct kvd_tier **out)
+{
+	struct kvd_tier *t = calloc(1, sizeof *t);
+	int rc;
+
+	if (!t)
+		return -ENOMEM;
+	t->cfg = *cfg;
+	t->st = st;
+	if (cfg->spill && (rc = kvd_spill_create(&t->cfg.io, &t->sp))) {
+		free(t);
+		return rc;
+	}
+	*out = t;
+	return 0;
+}
+
+static void free_all(void *arg, struct kvd_seqn *q)
+{
+	struct kvd_tier *t = arg;
+	struct rec *r = q->tier;
+
+	if (!r)
+		return;
+	if (r->busy)
+		job_release(t, r);
+	if (r->freeing) {
+		r->q = NULL;
+		kvd_store_seq_free(t->st, q);
+	} else {
+		r->q->tier = NULL;
+		r->q = NULL;
+	}
+	lru_del(t, r);
+	free(r->ext);
+	free(r);
+}
+
+void kvd_tier_destroy(struct kvd_tier *t)
+{
+	if (!t)
+		return;
+	/* After destroy no SQE references anything: the buffers are ours. */
+	if (t->sp)
+		kvd_spill_destroy(t->sp);
+	t->sp = NULL;
+	while (t->unls)
+		unl_done(t, t->unls);
+	kvd_store_each(t->st, free_all, t);
+	if (t->cfg.spill && !t->cfg.persist) {
+		/* Nothing outlives kvd without persist: empty the directories
+		 * now rather than at the next start. */
+		struct kvd_spill *sp;
+
+		if (!kvd_spill_create(&t->cfg.io, &sp)) {
+			kvd_spill_scan(sp, 0, NULL, NULL);
+			kvd_spill_destroy(sp);
+		}
+	}
+	free(t);
+}
+
+int kvd_tier_fd(const struct kvd_tier *t)
+{
+	return t->sp ? kvd_spill_fd(t->sp) : -1;
+}
+
+void kvd_tier_begin(struct kvd_tier *t)
+{
+	t->epoch++;
+}
+
+int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
+{
+	uint64_t u = used(t);
+
+	if (!t->cfg.limit || u + bytes <= t->cfg.limit)
+		return 0;
+	if (t->sp) {
+		uint64_t now = now_ns();
+		int later = 0;
+
+		for (struct rec *r = t->head, *nx; r && u + bytes > t->cfg.limit + t->pending; r = nx) {
+			int rc;
+
+			nx = r->next;
+			if (r->epoch == t->epoch || r->busy || r->backoff_until > now)
+				continue;
+			rc = evict(t, r);
+			if (rc == 0)
+				u = used(t);
+			later |= rc == -EAGAIN;
+		}
+		u = used(t);
+		if (u + bytes <= t->cfg.limit)
+			return 0;
+		if (later || (t->pending && u + bytes <= t->cfg.limit + t->pending)) {
+			kvd_log(LOG_DEBUG, "room for %llu bytes: waiting for %llu being written out",
+				(unsigned long long)bytes, (unsigned long long)t->pending);
+			return -EINPROGRESS;
+		}
+	}
+	snprintf(msg, msglen, "memory budget: %llu MiB in use, %llu MiB more needed, limit %llu MiB",
+		 (unsigned long long)(u >> 20), (unsigned long long)((bytes + (1 << 20) - 1) >> 20),
+		 (unsigned long long)(t->cfg.limit >> 20));
+	return -ENOMEM;
+}
+
+int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *msg,
+		  size_t msglen)
+{
+	struct rec *r = rec_of(t, q);
+	int rc;
+
+	if (!r) {
+		snprintf(msg, msglen, "out of memory");
+		return -ENOMEM;
+	}
+	switch (q->state) {
+	case KVD_SEQ_RAM:
+	case KVD_SEQ_SPILLING:
+		lru_use(t, r);
+		return 0;
+	case KVD_SEQ_LOST:
+		snprintf(msg, msglen, "sequence lost, prefill again (%s)", r->why);
+		return -KVD_ELOST;
+	case KVD_SEQ_DISK:
+		r->epoch = t->epoch;
+		if ((rc = start_restore(t, r, msg, msglen)))
+			return rc;
+		break;
+	case KVD_SEQ_RESTORING:
+		r->epoch = t->epoch;
+		break;
+	}
+	return layer != UINT32_MAX && layer < q->ready ? 0 : -EINPROGRESS;
+}
+
+void kvd_tier_changed(struct kvd_tier *t, struct kvd_seqn *q)
+{
+	struct rec *r = q->tier;
+
+	if (r && r->has_file && r->file_gen != q->gen && !r->busy)
+		forget_file(t, r);
+}
+
+int kvd_tier_prefetch(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msglen)
+{
+	int rc = kvd_tier_want(t, q, UINT32_MAX, msg, msglen);
+
+	return rc == -EINPROGRESS ? 0 : rc;
+}
+
+int kvd_tier_evict(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msglen)
+{
+	struct rec *r = rec_of(t, q);
+	int rc;
+
+	if (!t->sp) {
+		snprintf(msg, msglen, "no spill directory configured");
+		return -EOPNOTSUPP;
+	}
+	if (!r)
+		return -ENOMEM;
+	if (q->state == KVD_SEQ_DISK)
+		return 0;
+	if (q->state == KVD_SEQ_LOST) {
+		snprintf(msg, msglen, "sequence lost, prefill again (%s)", r->why);
+		return -KVD_ELOST;
+	}
+	if (q->state == KVD_SEQ_RESTORING) {
+		snprintf(msg, msglen, "sequence is being restored");
+		return -EBUSY;
+	}
+	rc = evict(t, r);
+	if (rc == -EAGAIN)
+		rc = evict(t, r);       /* only if the unlink already ended: else say so */
+	if (rc == -EAGAIN)
+		snprintf(msg, msglen, "its stale file is being deleted: try again");
+	else if (rc == -EBUSY)
+		snprintf(msg, msglen, "a layer's prefill is in progress: finish it first");
+	else if (rc)
+		snprintf(msg, msglen, "cannot start the write: %s", kvd_strerror(rc));
+	return rc;
+}
+
+void kvd_tier_free(struct kvd_tier *t, struct kvd_seqn *q)
+{
+	struct rec *r = q->tier;
+
+	if (r && r->busy) {
+		/* The engine may still have SQEs on our buffers: hide the
+		 * sequence now, free it when the job has ended. */
+		if (!r->freeing) {
+			r->freeing = 1;
+			q->tenant[0] = 0;
+			q->owner = 0;
+			lru_del(t, r);
+			kvd_spill_cancel(t->sp, &r->job);
+		}
+		return;
+	}
+	if (r) {
+		forget_file(t, r);
+		rec_free(t, r);
+	}
+	kvd_store_seq_free(t->st, q);
+}
+
+struct owner_arg {
+	struct kvd_tier *t;
+	uint64_t owner;
+	unsigned n;
+};
+
+static void free_if_owner(void *arg, struct kvd_seqn *q)
+{
+	struct owner_arg *a = arg;
+
+	if (q->owner == a->owner && q->tenant[0]) {
+		kvd_tier_free(a->t, q);
+		a->n++;
+	}
+}
+
+unsigned kvd_tier_free_owner(struct kvd_tier *t, uint64_t owner)
+{
+	struct owner_arg a = { t, owner, 0 };
+
+	kvd_store_each(t->st, free_if_owner, &a);
+	return a.n;
+}
+
+void kvd_tier_stopping(struct kvd_tier *t)
+{
+	t->stopping = 1;
+}
+
+unsigned kvd_tier_poll(struct kvd_tier *t)
+{
+	struct kvd_spill_result res[64];
+	unsigned n, total = 0;
+
+	if (!t->sp)
+		return 0;
+	while ((n = kvd_spill_reap(t->sp, res, 64)) > 0) {
+		total += n;
+		for (unsigned i = 0; i < n; i++) {
+			struct kvd_spill_job *j = res[i].job;
+			struct rec *r = j->user;
+
+			if (!r) {               /* an unlink */
+				struct unl *u = (struct unl *)j;
+
+				if (res[i].final)
+					unl_done(t, u);
+				continue;
+			}
+			if (!res[i].final) {
+				read_progress(t, r, res[i].ext);
+				continue;
+			}
+			if (j->op == KVD_SPILL_WRITE)
+				write_done(t, r);
+			else
+				read_done(t, r);
+			if (r->freeing) {
+				struct kvd_seqn *q = r->q;
+
+				forget_file(t, r);
+				rec_free(t, r);
+				kvd_store_seq_free(t->st, q);
+			}
+		}
+	}
+	return total;
+}
+
+void kvd_tier_balance(struct kvd_tier *t)
+{
+	uint64_t now;
+
+	if (!t->sp || !t->cfg.limit || used(t) <= t->cfg.high)
+		return;
+	now = now_ns();
+	for (struct rec *r = t->head, *nx; r; r = nx) {
+		uint64_t u = used(t);
+
+		nx = r->next;
+		if (u <= t->cfg.low + t->pending)
+			break;
+		if (r->busy || r->epoch == t->epoch || r->backoff_until > now)
+			continue;
+		evict(t, r);
+	}
+}
+
+struct count_arg {
+	uint32_t on_disk;
+	uint64_t disk;
+};
+
+static void count_disk(void *arg, struct kvd_seqn *q)
+{
+	struct count_arg *a = arg;
+	const struct rec *r = q->tier;
+
+	a->on_disk += q->state == KVD_SEQ_DISK;
+	if (r && r->has_file)
+		a->disk += r->disk_bytes;
+}
+
+void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st)
+{
+	struct count_arg a = { 0, 0 };
+
+	memset(st, 0, sizeof *st);
+	st->limit = t->cfg.limit;
+	st->high = t->cfg.high;
+	st->low = t->cfg.low;
+	st->used = used(t);
+	st->reserved = t->reserved;
+	st->spills = t->spills;
+	st->restores = t->restores;
+	st->drops = t->drops;
+	st->spill_errors = t->spill_errors;
+	st->lost = t->lost;
+	st->spill_bytes = t->spill_bytes;
+	st->restore_bytes = t->restore_bytes;
+	kvd_store_each(t->st, count_disk, &a);
+	st->on_disk = a.on_disk;
+	st->disk_bytes = t->sp ? kvd_spill_disk_bytes(t->sp) : 0;
+}
+
+void kvd_tier_seq_info(const struct kvd_tier *t, const struct kvd_seqn *q, int *durable,
+		       uint64_t *disk_bytes)
+{
+	const struct rec *r = q->tier;
+
+	*durable = r && clean(r);
+	*disk_bytes = r && r->has_file ? r->disk_bytes : 0;
+}
+
+/* ---- start-up ----------------------------------------------------------- */
+
+static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, unsigned n,
+		    const void *profile, uint64_t profile_bytes, uint64_t disk_bytes)
+{
+	struct kvd_tier *t = arg;
+	struct kvd_profile want;
+	const struct kvd_profile *p;
+	struct kvd_seqn *q;
+	struct rec *r;
+	char msg[160];
+	int rc;
+
+	if (kvd_sfmt_profile_get(profile, profile_bytes, &want, msg, sizeof msg)) {
+		kvd_log(LOG_WARNING, "spill file of %016llx: bad profile: %s",
+			(unsigned long long)hdr[0].seq, msg);
+		return 1;
+	}
+	rc = kvd_store_profile(t->st, &want, &p);
+	free(want.dense);
+	free(want.W);
+	if (rc || kvd_sfmt_profile_fp(p) != hdr[0].profile_fp) {
+		kvd_log(LOG_WARNING, "spill file of %016llx: profile '%s' %s",
+			(unsigned long long)hdr[0].seq, want.name,
+			rc ? "conflicts with another of that name" : "does not match its fingerprint");
+		return 1;
+	}
+	if (kvd_store_seq_adopt(t->st, p, hdr[0].tenant, hdr[0].seq, 0, &q)) {
+		kvd_log(LOG_WARNING, "spill file of %016llx: that sequence is already loaded",
+			(unsigned long long)hdr[0].seq);
+		return 1;
+	}
+	if (!(r = rec_of(t, q)) || !(r->ext = calloc(n, sizeof *r->ext))) {
+		kvd_store_seq_free(t->st, q);
+		return 1;
+	}
+	uint32_t last = 0;
+
+	for (unsigned i = 0; i < n; i++) {
+		const struct kvd_sfmt_hdr *h = &hdr[i];
+		int data = h->kind == KVD_SFMT_LAYER || h->kind == KVD_SFMT_SEG;
+
+		r->ext[i] = (struct ext){ h->kind, h->layer, h->n, h->flags, h->extent_bytes,
+					  h->tok_begin, h->tok_end };
+		if (data && (h->layer >= p->layers || p->dense[h->layer] || h->layer < last)) {
+			kvd_log(LOG_WARNING, "spill file of %016llx: extent %u names layer %u out of order",
+				(unsigned long long)hdr[0].seq, i, h->layer);
+			rec_free(t, r);
+			kvd_store_seq_free(t->st, q);
+			return 1;
+		}
+		if (data)
+			last = h->layer;
+		if (h->kind == KVD_SFMT_LAYER) {
+			q->ly[h->layer].tokens = h->tok_end;
+			q->ly[h->layer].sealed = !!(h->flags & KVD_SFMT_LF_SEALED);
+		}
+	}
+	r->next_ext = n;
+	r->has_file = 1;
+	r->dir = dir;
+	r->file_gen = hdr[0].gen;
+	r->disk_bytes = disk_bytes;
+	q->gen = hdr[0].gen;
+	q->state = KVD_SEQ_DISK;
+	return 0;
+}
+
+int kvd_tier_load(struct kvd_tier *t)
+{
+	if (!t->sp)
+		return 0;
+	return kvd_spill_scan(t->sp, t->cfg.persist, t->cfg.persist ? load_one : NULL, t);
+}

@@ -1,0 +1,101 @@
+/* kvd_tier: where each sequence lives — RAM or its spill file — and the
+ * memory budget that decides.
+ *
+ * Budget: "used" is what the store holds resident plus what restores in
+ * flight have reserved.  Above the high watermark, the least recently used
+ * sequences are written out in the background (or dropped at once when a
+ * durable file already holds exactly their data) until used, minus what is
+ * being written out, is at or below the low watermark.  A request that
+ * needs room beyond the limit waits for writes in flight to land, or fails
+ * with -ENOMEM and a message when nothing more can go to disk.
+ *
+ * A sequence on disk comes back on demand: kvd_tier_want() starts a
+ * restore and says -EINPROGRESS until the layer asked for is resident;
+ * layers arrive in order, so layer 0 is served before the last one lands.
+ * A restore that fails (I/O error, a checksum or table that does not
+ * verify) leaves the sequence LOST: every later use fails -KVD_ELOST
+ * ("sequence lost, prefill again"), never a wrong answer.
+ *
+ * A file is current only while it holds exactly the sequence's data (its
+ * generation equals the sequence's); a change makes it stale, and a stale
+ * file is deleted.  With persist, files survive kvd (clean stop or crash)
+ * and kvd_tier_load() finds them at start-up; without it they are deleted.
+ *
+ * Single-threaded: the event loop only.  The I/O runs on kvd_spill's thread.
+ */
+#ifndef KVD_TIER_H
+#define KVD_TIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "spill.h"
+#include "store.h"
+
+struct kvd_tier_cfg {
+	uint64_t limit;                 /* bytes; 0: no budget */
+	uint64_t high, low;             /* watermarks in bytes, low < high <= limit */
+	int spill;                      /* 0: no spill directories (budget only) */
+	int persist;
+	struct kvd_spill_cfg io;
+};
+
+struct kvd_tier;
+
+int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct kvd_tier **out);
+/* Stops the I/O, frees every buffer; deletes the files unless persist. */
+void kvd_tier_destroy(struct kvd_tier *t);
+/* Readable when I/O results wait: then call kvd_tier_poll().  -1 without spill. */
+int kvd_tier_fd(const struct kvd_tier *t);
+
+/* persist: the sequences in the spill directories become DISK sequences
+ * without an owner (SeqOpen takes them over); else the directories are
+ * emptied.  Returns how many were found, or -errno. */
+int kvd_tier_load(struct kvd_tier *t);
+
+/* A new request begins: sequences it touches are not evicted to make room
+ * for it. */
+void kvd_tier_begin(struct kvd_tier *t);
+
+/* Before a request uses `layer` of q (UINT32_MAX: every layer): 0 when it
+ * is resident; -EINPROGRESS when it is being restored (retry after
+ * kvd_tier_poll() reports progress); -KVD_ELOST; -ENOMEM when the budget
+ * cannot hold it.  Marks q used (LRU). */
+int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *msg,
+		  size_t msglen);
+/* Room for `bytes` more resident: 0, -EINPROGRESS (writes in flight will
+ * make room: retry after progress), or -ENOMEM with a message. */
+int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen);
+/* After q's data changed: its file, if any, is stale and goes. */
+void kvd_tier_changed(struct kvd_tier *t, struct kvd_seqn *q);
+
+/* PREFETCH: start the restore of a DISK sequence (0 also when resident). */
+int kvd_tier_prefetch(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msglen);
+/* SeqEvict: write q out and drop it from RAM (0 once started). */
+int kvd_tier_evict(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msglen);
+
+/* Frees q (after its I/O, if any, has been cancelled and has ended: until
+ * then it is invisible to every tenant). */
+void kvd_tier_free(struct kvd_tier *t, struct kvd_seqn *q);
+unsigned kvd_tier_free_owner(struct kvd_tier *t, uint64_t owner);
+/* kvd is stopping: freeing sequences from now on keeps their files
+ * (persist). */
+void kvd_tier_stopping(struct kvd_tier *t);
+
+/* Reaps I/O results.  Returns how many; nonzero means waiting requests may
+ * proceed. */
+unsigned kvd_tier_poll(struct kvd_tier *t);
+/* Starts write-backs when used is above the high watermark. */
+void kvd_tier_balance(struct kvd_tier *t);
+
+struct kvd_tier_stats {
+	uint64_t limit, high, low, used, reserved, disk_bytes;
+	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
+	uint32_t on_disk;
+};
+void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st);
+/* durable: a synced file holds exactly q's data; its bytes on disk. */
+void kvd_tier_seq_info(const struct kvd_tier *t, const struct kvd_seqn *q, int *durable,
+		       uint64_t *disk_bytes);
+
+#endif

@@ -1,0 +1,541 @@
+/* The memory budget and the spill tier, through the real daemon: a sequence
+ * written out and read back answers ATTEND bit for bit as before; a budget
+ * smaller than the sessions evicts the coldest and brings them back; every
+ * injected disk fault (fake I/O backend) keeps kvd serving and never gives
+ * a wrong answer — data stays in RAM, or the request fails "sequence lost";
+ * --persist finds sequences again after a clean stop and after kill -9. */
+#include <dirent.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <cmocka.h>
+
+#include "daemon.h"
+#include "err.h"
+#include "kvc.h"
+#include "synth.h"
+#include "testutil.h"
+
+#define N_TOK   6000
+#define LAYERS  3
+#define APPENDS 100             /* decoded tokens after the prompt: a tail */
+
+static const uint32_t dense_layers[] = { 0 };
+static const struct kvc_model model = {
+	.name = "tier", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense_layers,
+	.n_dense = 1, .seed = 11, .segment_tokens = 4096, .seal_tokens = 256,
+};
+
+static struct daemon D;
+static char spill[128];
+
+static struct kvc *client(const char *name)
+{
+	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = name,
+			      .slots = 8, .slot_size = 1 << 20 };
+	struct kvc *c;
+
+	if (kvc_connect(&o, &c))
+		fail_msg("connect: %s", kvc_last_error(c));
+	if (kvc_profile(c, &model))
+		fail_msg("profile: %s", kvc_last_error(c));
+	return c;
+}
+
+/* A session: the prompt of every layer, then APPENDS decoded tokens, and
+ * kvd's answer for each sparse layer recorded. */
+struct session {
+	struct kvc_seq *s;
+	uint64_t id;
+	struct kvd_synth w[LAYERS];
+	float o[LAYERS][8 * 128], lse[LAYERS][8];
+};
+
+static int build(struct kvc *c, struct session *x, uint64_t seed)
+{
+	int rc;
+
+	memset(x, 0, sizeof *x);
+	if ((rc = kvc_seq_create(c, &x->s)))
+		return rc;
+	x->id = kvc_seq_id(x->s);
+	for (uint32_t l = 0; l < LAYERS; l++) {
+		uint32_t n0 = N_TOK - APPENDS;
+		float *k0 = xmalloc((size_t)2 * n0 * 128 * 4), *v0 = xmalloc((size_t)2 * n0 * 128 * 4);
+
+		assert_int_equal(kvd_synth_make(&x->w[l], (enum kvd_wl)(l % KVD_WL_COUNT), N_TOK, 8, 2,
+						128, seed * 10 + l), 0);
+		for (int h = 0; h < 2; h++) {
+			memcpy(k0 + (size_t)h * n0 * 128, x->w[l].k + (size_t)h * N_TOK * 128,
+			       (size_t)n0 * 128 * 4);
+			memcpy(v0 + (size_t)h * n0 * 128, x->w[l].v + (size_t)h * N_TOK * 128,
+			       (size_t)n0 * 128 * 4);
+		}
+		rc = kvc_prefill(c, x->s, l, k0, v0, n0);
+		free(k0);
+		free(v0);
+		if (rc)
+			return rc;
+	}
+	for (uint32_t t = N_TOK - APPENDS; t < N_TOK; t++) {
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			float kt[2 * 128], vt[2 * 128];
+
+			for (int h = 0; h < 2; h++) {
+				memcpy(kt + h * 128, x->w[l].k + ((size_t)h * N_TOK + t) * 128, 512);
+				memcpy(vt + h * 128, x->w[l].v + ((size_t)h * N_TOK + t) * 128, 512);
+			}
+			if ((rc = kvc_append(c, x->s, l, kt, vt)))
+				return rc;
+		}
+	}
+	return 0;
+}
+
+static int record(struct kvc *c, struct session *x)
+{
+	int rc;
+
+	for (uint32_t l = 1; l < LAYERS; l++)
+		if ((rc = kvc_attend_kvd(c, l, &x->s, 1, x->w[l].q, x->o[l], x->lse[l])))
+			return rc;
+	return 0;
+}
+
+/* kvd's answers now equal the recorded ones bit for bit: 0; else the
+ * error of the first ATTEND that failed, or 1 when an answer differs. */
+static int same(struct kvc *c, struct session *x)
+{
+	float o[8 * 128], lse[8];
+	int rc;
+
+	for (uint32_t l = 1; l < LAYERS; l++) {
+		if ((rc = kvc_attend_kvd(c, l, &x->s, 1, x->w[l].q, o, lse)))
+			return rc;
+		if (memcmp(o, x->o[l], sizeof o) || memcmp(lse, x->lse[l], sizeof lse))
+			return 1;
+	}
+	return 0;
+}
+
+static void drop_session(struct kvc *c, struct session *x)
+{
+	for (uint32_t l = 0; l < LAYERS; l++)
+		kvd_synth_free(&x->w[l]);
+	if (x->s)
+		kvc_seq_free(c, x->s);
+	x->s = NULL;
+}
+
+static struct kvc_seq_stats seq_stats(struct kvc *c, struct kvc_seq *s)
+{
+	struct kvc_seq_stats st;
+
+	if (kvc_seq_stats(c, s, &st))
+		fail_msg("seq stats: %s", kvc_last_error(c));
+	return st;
+}
+
+static struct kvc_stats stats(struct kvc *c)
+{
+	struct kvc_stats st;
+
+	if (kvc_server_stats(c, &st))
+		fail_msg("stats: %s", kvc_last_error(c));
+	return st;
+}
+
+/* Waits until the write kvc_seq_evict() started has ended either way. */
+static struct kvc_seq_stats wait_spilled(struct kvc *c, struct kvc_seq *s)
+{
+	struct kvc_seq_stats st;
+
+	for (int i = 0; i < 3000; i++) {
+		st = seq_stats(c, s);
+		if (st.state != KVC_SEQ_SPILLING)
+			return st;
+		daemon_sleep_ms(10);
+	}
+	fail_msg("spill did not end in 30 s");
+	return st;
+}
+
+static unsigned count_files(const char *dir, const char *suffix)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	unsigned n = 0;
+
+	if (!d)
+		return 0;
+	while ((e = readdir(d))) {
+		size_t a = strlen(e->d_name), b = strlen(suffix);
+
+		n += a > b && !strcmp(e->d_name + a - b, suffix);
+	}
+	closedir(d);
+	return n;
+}
+
+/* kvd with the spill directory <test dir>/spill and up to two more flags. */
+static int up(const char *a1, const char *a2)
+{
+	char tmpl[] = "/tmp/kvd-spill.XXXXXX";
+
+	if (!spill[0]) {
+		if (!mkdtemp(tmpl))
+			return -1;
+		snprintf(spill, sizeof spill, "%s", tmpl);
+	}
+	return daemon_start4(&D, "--spill-dir", spill, a1, a2);
+}
+
+static void clean_spill(void)
+{
+	DIR *d = opendir(spill);
+	struct dirent *e;
+	char p[400];
+
+	if (!d)
+		return;
+	while ((e = readdir(d))) {
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(p, sizeof p, "%s/%s", spill, e->d_name);
+		unlink(p);
+	}
+	closedir(d);
+	rmdir(spill);
+	spill[0] = 0;
+}
+
+static int down(void **state)
+{
+	int rc = D.pid > 0 ? daemon_stop(&D) : 0;
+
+	clean_spill();
+	return rc == 0 ? 0 : -1;
+}
+
+/* ---- real io_uring ------------------------------------------------------ */
+
+static void test_spill_restore_bit_equal(void **state)
+{
+	struct kvc *c;
+	struct session x;
+	struct kvc_seq_stats st;
+	struct kvc_stats ss;
+
+	assert_int_equal(up(NULL, NULL), 0);
+	c = client("spill");
+	assert_int_equal(build(c, &x, 1), 0);
+	assert_int_equal(record(c, &x), 0);
+	st = seq_stats(c, x.s);
+	assert_int_equal(st.state, KVC_SEQ_RAM);
+	assert_false(st.durable);
+	uint64_t resident = st.bytes;
+
+	if (kvc_seq_evict(c, x.s))
+		fail_msg("evict: %s", kvc_last_error(c));
+	st = wait_spilled(c, x.s);
+	assert_int_equal(st.state, KVC_SEQ_DISK);
+	assert_true(st.durable);
+	assert_int_equal(st.bytes, 0);
+	assert_true(st.disk_bytes >= resident / 2);
+	assert_int_equal(count_files(spill, ".kvs"), 1);
+	ss = stats(c);
+	assert_int_equal(ss.spills, 1);
+	assert_int_equal(ss.on_disk, 1);
+	assert_int_equal(ss.bytes, 0);
+
+	/* ATTEND brings it back, layer by layer, and answers as before */
+	assert_int_equal(same(c, &x), 0);
+	/* ATTEND of the last layer may answer before the restore's last
+	 * result is in: layers are served as they land */
+	for (int i = 0; i < 3000 && (st = seq_stats(c, x.s)).state == KVC_SEQ_RESTORING; i++)
+		daemon_sleep_ms(1);
+	assert_int_equal(st.state, KVC_SEQ_RAM);
+	assert_true(st.durable);                /* unchanged since: the file is current */
+	assert_int_equal(st.bytes, resident);
+	ss = stats(c);
+	assert_int_equal(ss.restores, 1);
+	assert_int_equal(ss.lost, 0);
+
+	/* a clean sequence goes back to disk without a write */
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	st = wait_spilled(c, x.s);
+	assert_int_equal(st.state, KVC_SEQ_DISK);
+	assert_int_equal(stats(c).spills, 1);
+	assert_int_equal(stats(c).drops, 1);
+
+	/* PREFETCH, then a change makes the file stale: it goes */
+	assert_int_equal(kvc_prefetch(c, x.s), 0);
+	for (int i = 0; i < 3000 && seq_stats(c, x.s).state != KVC_SEQ_RAM; i++)
+		daemon_sleep_ms(10);
+	assert_int_equal(seq_stats(c, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(same(c, &x), 0);
+	{
+		float kt[2 * 128] = { 1 }, vt[2 * 128] = { 1 };
+
+		/* a window's worth, so a batch of them leaves the client for kvd */
+		for (int t = 0; t < 100; t++)
+			for (uint32_t l = 0; l < LAYERS; l++)
+				assert_int_equal(kvc_append(c, x.s, l, kt, vt), 0);
+		assert_int_equal(kvc_nop(c), 0);
+	}
+	for (int i = 0; i < 300 && count_files(spill, ".kvs"); i++)
+		daemon_sleep_ms(10);
+	assert_false(seq_stats(c, x.s).durable);
+	assert_int_equal(count_files(spill, ".kvs"), 0);
+
+	drop_session(c, &x);
+	kvc_close(c);
+}
+
+/* Six sessions of ~15 MB under a 48 MiB budget: prefill evicts the coldest,
+ * ATTEND brings them back, every answer as recorded while resident. */
+static void test_budget_evicts_and_restores(void **state)
+{
+	enum { N = 6 };
+	struct kvc *c;
+	struct session *x = xmalloc(N * sizeof *x);
+	struct kvc_stats ss;
+
+	assert_int_equal(up("--mem-limit", "48M"), 0);
+	c = client("budget");
+	for (int i = 0; i < N; i++) {
+		if (build(c, &x[i], 100 + (uint64_t)i))
+			fail_msg("session %d: %s", i, kvc_last_error(c));
+		assert_int_equal(record(c, &x[i]), 0);
+	}
+	ss = stats(c);
+	print_message("  %d sessions under 48 MiB: %llu spills, %llu MiB resident, %u on disk\n", N,
+		      (unsigned long long)ss.spills, (unsigned long long)(ss.bytes >> 20), ss.on_disk);
+	assert_true(ss.spills >= 2);
+	assert_true(ss.bytes <= ss.mem_limit);
+	for (int round = 0; round < 2; round++)
+		for (int i = 0; i < N; i++)
+			if (same(c, &x[i]))
+				fail_msg("session %d round %d: %s", i, round, kvc_last_error(c));
+	ss = stats(c);
+	assert_true(ss.restores >= 2);
+	assert_int_equal(ss.lost, 0);
+	assert_true(ss.bytes <= ss.mem_limit);
+	for (int i = 0; i < N; i++)
+		drop_session(c, &x[i]);
+	assert_int_equal(stats(c).sequences, 0);
+	kvc_close(c);
+	free(x);
+}
+
+/* Without a spill directory the budget is a hard wall with a clear error. */
+static void test_budget_without_spill(void **state)
+{
+	struct kvc *c, *c2;
+	struct session x, y;
+	int rc;
+
+	assert_int_equal(daemon_start4(&D, "--mem-limit", "24M", NULL, NULL), 0);
+	c = client("wall");
+	assert_int_equal(build(c, &x, 3), 0);
+	rc = build(c, &y, 4);
+	assert_int_equal(rc, -ENOMEM);
+	print_message("  over budget: %s\n", kvc_last_error(c));
+	assert_non_null(strstr(kvc_last_error(c), "memory budget"));
+	drop_session(c, &y);
+	/* kvd keeps serving: the first session answers, another client works */
+	assert_int_equal(record(c, &x), 0);
+	c2 = client("other");
+	assert_int_equal(kvc_nop(c2), 0);
+	kvc_close(c2);
+	drop_session(c, &x);
+	kvc_close(c);
+}
+
+/* ---- faults (fake backend) ---------------------------------------------- */
+
+/* Evicts a recorded session under `fault` and checks what must hold:
+ * spill_fails: the write fails and the data stays in RAM, answering as
+ * before; read_fails: the write "succeeds" and the restore fails with
+ * KVD_ELOST, never a wrong answer; neither: everything round-trips. */
+static void fault_case(const char *fault, int spill_fails, int read_fails)
+{
+	struct kvc *c;
+	struct session x, y;
+	struct kvc_seq_stats st;
+	struct kvc_stats ss;
+	int rc;
+
+	assert_int_equal(up("--spill-fault", fault), 0);
+	c = client(fault);
+	assert_int_equal(build(c, &x, 7), 0);
+	assert_int_equal(record(c, &x), 0);
+	assert_int_equal(build(c, &y, 8), 0);
+	assert_int_equal(record(c, &y), 0);
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	st = wait_spilled(c, x.s);
+	ss = stats(c);
+	if (spill_fails) {
+		assert_int_equal(st.state, KVC_SEQ_RAM);
+		assert_false(st.durable);
+		assert_true(ss.spill_errors >= 1);
+		assert_int_equal(count_files(spill, ".kvs"), 0);
+		assert_int_equal(count_files(spill, ".tmp"), 0);
+		assert_int_equal(same(c, &x), 0);
+	} else {
+		assert_int_equal(st.state, KVC_SEQ_DISK);
+		rc = same(c, &x);
+		if (read_fails) {
+			assert_int_equal(rc, -KVD_ELOST);
+			print_message("  %s: %s\n", fault, kvc_last_error(c));
+			assert_non_null(strstr(kvc_last_error(c), "lost"));
+			assert_int_equal(stats(c).lost, 1);
+			assert_int_equal(seq_stats(c, x.s).state, KVC_SEQ_LOST);
+			assert_int_equal(seq_stats(c, x.s).bytes, 0);
+			/* and stays lost */
+			assert_int_equal(same(c, &x), -KVD_ELOST);
+		} else {
+			assert_int_equal(rc, 0);
+		}
+	}
+	/* the other session never noticed */
+	assert_int_equal(same(c, &y), 0);
+	drop_session(c, &x);
+	drop_session(c, &y);
+	assert_int_equal(stats(c).sequences, 0);
+	kvc_close(c);
+}
+
+static void test_fault_enospc(void **state) { fault_case("enospc@*", 1, 0); }
+static void test_fault_eio_write(void **state) { fault_case("eio-write@*", 1, 0); }
+static void test_fault_fsync(void **state) { fault_case("fsync@*", 1, 0); }
+static void test_fault_short(void **state) { fault_case("short@*", 0, 0); }
+static void test_fault_torn(void **state) { fault_case("torn@*", 0, 1); }
+static void test_fault_corrupt(void **state) { fault_case("corrupt@*", 0, 1); }
+static void test_fault_eio_read(void **state) { fault_case("eio-read@*", 0, 1); }
+
+/* ---- restart ------------------------------------------------------------ */
+
+static void test_persist_clean_restart(void **state)
+{
+	struct kvc *c, *c2;
+	struct session x;
+	uint64_t tokens;
+	struct kvc_seq *s2;
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c = client("persist");
+	assert_int_equal(build(c, &x, 21), 0);
+	assert_int_equal(record(c, &x), 0);
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	assert_true(wait_spilled(c, x.s).durable);
+	/* kvd stops while the client is attached: the file stays (persist) */
+	assert_int_equal(daemon_stop(&D), 0);
+	kvc_close(c);
+	assert_int_equal(count_files(spill, ".kvs"), 1);
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c2 = client("persist2");
+	assert_int_equal(stats(c2).on_disk, 1);
+	assert_int_equal(kvc_seq_open(c2, x.id, &s2, &tokens), 0);
+	print_message("  after restart: sequence %016llx found, %llu tokens per layer\n",
+		      (unsigned long long)x.id, (unsigned long long)tokens);
+	assert_true(tokens > N_TOK - 4 - 64 - 32 && tokens <= N_TOK - 4 - 64);
+	free(x.s);              /* the old handle's connection is gone: nothing to free in kvd */
+	x.s = s2;
+	assert_int_equal(same(c2, &x), 0);
+	assert_int_equal(seq_stats(c2, x.s).state, KVC_SEQ_RAM);
+	/* another tenant cannot take it, a second open by the owner's peer neither */
+	drop_session(c2, &x);
+	kvc_close(c2);
+}
+
+/* kill -9 in the middle of a burst of write-backs, restart with --persist:
+ * every sequence kvd reported durable before the kill is found and answers
+ * bit for bit; the others are gone or complete, never half there. */
+static void test_crash_during_spill_burst(void **state)
+{
+	enum { N = 8 };
+	struct kvc *c, *c2;
+	struct session *x = xmalloc(N * sizeof *x);
+	int durable[N] = { 0 }, nd = 0, found = 0;
+	int st;
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c = client("crash");
+	for (int i = 0; i < N; i++) {
+		assert_int_equal(build(c, &x[i], 300 + (uint64_t)i), 0);
+		assert_int_equal(record(c, &x[i]), 0);
+	}
+	for (int i = 0; i < N; i++)
+		assert_int_equal(kvc_seq_evict(c, x[i].s), 0);
+	/* Kill once some, not necessarily all, are durable. */
+	for (int t = 0; t < 3000 && nd < N / 2; t++) {
+		nd = 0;
+		for (int i = 0; i < N; i++)
+			nd += durable[i] = seq_stats(c, x[i].s).durable;
+		if (nd < N / 2)
+			daemon_sleep_ms(2);
+	}
+	kill(D.pid, SIGKILL);
+	assert_int_equal(waitpid(D.pid, &st, 0), D.pid);
+	D.pid = 0;
+	rmdir(D.dir);
+	kvc_close(c);
+	print_message("  killed with %d of %d sequences durable, %u files, %u temporary\n", nd, N,
+		      count_files(spill, ".kvs"), count_files(spill, ".tmp"));
+	assert_true(nd >= N / 2);
+
+	assert_int_equal(up("--persist", NULL), 0);
+	assert_int_equal(count_files(spill, ".tmp"), 0);
+	c2 = client("crash2");
+	for (int i = 0; i < N; i++) {
+		struct kvc_seq *s2;
+		int rc = kvc_seq_open(c2, x[i].id, &s2, NULL);
+
+		free(x[i].s);
+		x[i].s = NULL;
+		if (durable[i])
+			assert_int_equal(rc, 0);
+		if (rc) {
+			assert_int_equal(rc, -ENOENT);
+			continue;
+		}
+		found++;
+		x[i].s = s2;
+		if (same(c2, &x[i]))
+			fail_msg("sequence %d (%s durable): %s", i, durable[i] ? "reported" : "not reported",
+				 kvc_last_error(c2));
+	}
+	print_message("  after restart: %d found, all verified\n", found);
+	assert_int_equal(stats(c2).lost, 0);
+	for (int i = 0; i < N; i++)
+		drop_session(c2, &x[i]);
+	kvc_close(c2);
+	free(x);
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_teardown(test_spill_restore_bit_equal, down),
+		cmocka_unit_test_teardown(test_budget_evicts_and_restores, down),
+		cmocka_unit_test_teardown(test_budget_without_spill, down),
+		cmocka_unit_test_teardown(test_fault_enospc, down),
+		cmocka_unit_test_teardown(test_fault_eio_write, down),
+		cmocka_unit_test_teardown(test_fault_fsync, down),
+		cmocka_unit_test_teardown(test_fault_short, down),
+		cmocka_unit_test_teardown(test_fault_torn, down),
+		cmocka_unit_test_teardown(test_fault_corrupt, down),
+		cmocka_unit_test_teardown(test_fault_eio_read, down),
+		cmocka_unit_test_teardown(test_persist_clean_restart, down),
+		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),
+	};
+
+	if (getenv("KVD_TEST_FILTER"))
+		cmocka_set_test_filter(getenv("KVD_TEST_FILTER"));
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
