@@ -63,6 +63,11 @@ size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n)
 
 void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes)
 {
+	return kvd_seg_io_alloc_node(g, n, -1, bytes);
+}
+
+void *kvd_seg_io_alloc_node(const struct kvd_geom *g, uint32_t n, int node, size_t *bytes)
+{
 	size_t b = kvd_seg_io_bytes(g, n);
 	void *p;
 
@@ -72,7 +77,7 @@ void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes)
 		/* Huge-page aligned, and zero as every fresh mapping is; touching
 		 * it here would fault huge pages on this thread, not on the
 		 * workers that fill them. */
-		p = kvd_mem_alloc(b);
+		p = kvd_mem_alloc_node(b, node);
 	} else {
 		/* Zeroed so that no stale heap bytes reach a file through the
 		 * header page or the padding. */
@@ -197,6 +202,13 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
 		  struct kvd_seg **out)
 {
+	return kvd_seg_build_node(g, n, k, v, codes, pool, -1, out);
+}
+
+int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
+		       struct kvd_seg **out)
+{
 	struct kvd_seg *s;
 	int rc = kvd_geom_check(g);
 
@@ -207,7 +219,7 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 	s = seg_new(g, n);
 	if (!s)
 		return -ENOMEM;
-	s->io = kvd_seg_io_alloc(g, n, &s->bytes);
+	s->io = kvd_seg_io_alloc_node(g, n, node, &s->bytes);
 	if (!s->io) {
 		free(s);
 		return -ENOMEM;

@@ -65,6 +65,11 @@ struct kvd_seg {
 int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
 		  struct kvd_seg **out);
+/* The same with its memory on NUMA node `node` (kvd_mem_alloc_node; -1: no
+ * preference).  Pass a pool whose workers run on that node. */
+int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
+		       struct kvd_seg **out);
 void kvd_seg_free(struct kvd_seg *s);
 
 /* Bytes of a segment's payload (rows, 1/|k|, tables of every kv head), as
@@ -84,6 +89,7 @@ size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n);
 #define KVD_SEG_IO_PAGE 4096u
 size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n);
 void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes);
+void *kvd_seg_io_alloc_node(const struct kvd_geom *g, uint32_t n, int node, size_t *bytes);
 void kvd_seg_io_free(void *io, size_t bytes);
 
 /* Checks a segment payload of n tokens at mem (64-byte aligned,

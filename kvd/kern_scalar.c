@@ -93,7 +93,10 @@ static void logp_scalar(float *s, size_t m, const float *kinv, float qinv, float
 	for (size_t i = 0; i < m; i++) {
 		float c = s[i] * kinv[i] * qinv;
 
-		c = c > 1.0f ? 1.0f : c < -1.0f ? -1.0f : c;
+		/* Written so that NaN (from a client's NaN rows or query) lands
+		 * on -1 like the vector kernels' min/max: (int)NaN would index
+		 * the table anywhere. */
+		c = c > 1.0f ? 1.0f : c >= -1.0f ? c : -1.0f;
 		float x = acosf(c) * (float)(KVD_LOGP_N / M_PI);
 		int j = (int)x;
 

@@ -25,6 +25,7 @@
 #include "pool.h"
 #include "server.h"
 #include "shm.h"
+#include "numa_nodes.h"
 #include "store.h"
 #include "tier.h"
 #include "wire.h"
@@ -58,8 +59,12 @@ struct client {
 struct kvd_server {
 	const struct kvd_config *cfg;
 	int lfd, epfd, sfd, tfd;
-	struct kvd_pool *pool;
-	struct kvd_attn_scratch *scr;
+	/* One pool per NUMA node whose CPUs we may use (one in all on a
+	 * one-node machine); a sequence is sealed and attended on its node's. */
+	struct kvd_numa numa;
+	unsigned npools;
+	struct kvd_pool *pools[KVD_STORE_NODES];
+	struct kvd_attn_scratch *scrs[KVD_STORE_NODES];
 	struct kvd_store *store;
 	struct kvd_tier *tier;
 	struct client *clients;
@@ -717,7 +722,8 @@ static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sq
 		memcpy(s->cbuf, in + 64 + KVD_ALIGN64(qb), cb);
 		struct kvd_layer_view lv = kvd_store_view(q, e->layer);
 
-		rc = kvd_attn_layer(s->pool, s->scr, kvd_kern_get(), &p->g, p->tab, &lv, s->qbuf,
+		rc = kvd_attn_layer(kvd_store_pool(s->store, q), s->scrs[q->node], kvd_kern_get(),
+				    &p->g, p->tab, &lv, s->qbuf,
 				    s->cbuf, s->obuf, s->lbuf, NULL);
 		if (rc) {
 			snprintf(msg, msglen, "batch[%u]: %s", i, kvd_strerror(rc));
@@ -869,6 +875,28 @@ static uint64_t now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* What the handler recorded.  Called after every event batch and every
+ * wait, not only when the eventfd fires: the flags, not the wake-up, are
+ * the truth. */
+static void check_signals(struct kvd_server *s)
+{
+	if (sig_hup) {
+		int rc = s->cfg->log_path[0] ? kvd_log_open(s->cfg->log_path) : 0;
+
+		sig_hup = 0;
+		if (rc)
+			kvd_log(LOG_ERR, "SIGHUP: cannot reopen %s: %s", s->cfg->log_path,
+				kvd_strerror(rc));
+		else
+			kvd_log(LOG_INFO, "SIGHUP: %s", s->cfg->log_path[0] ?
+				"log file reopened" : "logging to stderr, nothing to reopen");
+	}
+	if (sig_term && !s->stopping) {
+		kvd_log(LOG_INFO, "signal %d: draining and stopping", (int)sig_term);
+		s->stopping = 1;
+	}
+}
+
 static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 {
 	for (int i = 0; i < n; i++) {
@@ -884,21 +912,7 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 
 			if (read(s->sfd, &x, sizeof x) < 0 && errno != EAGAIN)
 				break;
-			if (sig_hup) {
-				int rc = s->cfg->log_path[0] ? kvd_log_open(s->cfg->log_path) : 0;
-
-				sig_hup = 0;
-				if (rc)
-					kvd_log(LOG_ERR, "SIGHUP: cannot reopen %s: %s", s->cfg->log_path,
-						kvd_strerror(rc));
-				else
-					kvd_log(LOG_INFO, "SIGHUP: %s", s->cfg->log_path[0] ?
-						"log file reopened" : "logging to stderr, nothing to reopen");
-			}
-			if (sig_term && !s->stopping) {
-				kvd_log(LOG_INFO, "signal %d: draining and stopping", (int)sig_term);
-				s->stopping = 1;
-			}
+			check_signals(s);
 			break;
 		}
 		case EV_TIMER: {
@@ -926,6 +940,15 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 	}
 }
 
+static unsigned total_workers(const struct kvd_server *s)
+{
+	unsigned n = 0;
+
+	for (unsigned i = 0; i < s->npools; i++)
+		n += kvd_pool_size(s->pools[i]);
+	return n;
+}
+
 int kvd_server_run(struct kvd_server *s)
 {
 	struct epoll_event ev[64];
@@ -933,7 +956,10 @@ int kvd_server_run(struct kvd_server *s)
 
 	sd_notify(0, "READY=1\nSTATUS=serving");
 	kvd_log(LOG_INFO, "serving on %s with %u worker(s), kernels %s", s->cfg->socket_path,
-		kvd_pool_size(s->pool), kvd_kern_get()->name);
+		total_workers(s), kvd_kern_get()->name);
+	if (s->numa.active)
+		kvd_log(LOG_INFO, "NUMA: %u node(s), one pool each; sequences placed by resident bytes",
+			s->npools);
 	while (!s->stopping) {
 		int n = epoll_wait(s->epfd, ev, 64, 0);
 
@@ -952,9 +978,12 @@ int kvd_server_run(struct kvd_server *s)
 		 * caught by this second look (see shm_ring_set_sleeping). */
 		set_sleeping(s, 1);
 		if (poll_rings(s) == 0) {
-			n = epoll_wait(s->epfd, ev, 64, -1);
+			/* A bounded sleep: a wake-up a second costs nothing
+			 * and no lost wake-up can hold kvd longer. */
+			n = epoll_wait(s->epfd, ev, 64, 1000);
 			if (n > 0)
 				handle_events(s, ev, n);
+			check_signals(s);
 		}
 		set_sleeping(s, 0);
 		reap_dead(s);
@@ -974,6 +1003,41 @@ int kvd_server_run(struct kvd_server *s)
 }
 
 /* ---- setup ------------------------------------------------------------- */
+
+/* One node: one pool over every allowed CPU, as ever.  Several: a pool per
+ * node pinned to its CPUs, `threads` shared out in proportion. */
+static int make_pools(struct kvd_server *s)
+{
+	unsigned total = 0;
+	int rc = kvd_numa_init(&s->numa, KVD_STORE_NODES);
+
+	if (rc)
+		return rc;
+	if (!s->numa.active) {
+		s->npools = 1;
+		rc = kvd_pool_create(s->cfg->threads, 1, &s->pools[0]);
+	} else {
+		for (unsigned i = 0; i < s->numa.nnodes; i++)
+			total += s->numa.node[i].ncpus;
+		for (unsigned i = 0; i < s->numa.nnodes && !rc; i++) {
+			const struct kvd_numa_node *nd = &s->numa.node[i];
+			unsigned th = s->cfg->threads ? (s->cfg->threads * nd->ncpus + total - 1) / total
+						      : nd->ncpus;
+
+			rc = kvd_pool_create_cpus(th, nd->cpu, nd->ncpus, &s->pools[i]);
+			if (!rc)
+				s->npools = i + 1;
+		}
+	}
+	for (unsigned i = 0; i < s->npools && !rc; i++) {
+		s->scrs[i] = calloc(kvd_pool_size(s->pools[i]), sizeof *s->scrs[i]);
+		if (!s->scrs[i])
+			return -ENOMEM;
+		for (unsigned w = 0; w < kvd_pool_size(s->pools[i]) && !rc; w++)
+			rc = kvd_attn_scratch_init(&s->scrs[i][w], KVD_SEG_MAX);
+	}
+	return rc;
+}
 
 static int listen_on(const char *path)
 {
@@ -1032,16 +1096,18 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	rc = -ENOMEM;
 	if (!s->rxbuf || !s->qbuf || !s->obuf || !s->lbuf || !s->cbuf)
 		goto fail;
-	if ((rc = kvd_pool_create(cfg->threads, 1, &s->pool)))
+	if ((rc = make_pools(s)))
 		goto fail;
-	s->scr = calloc(kvd_pool_size(s->pool), sizeof *s->scr);
-	if (!s->scr)
+	if ((rc = kvd_store_create(s->pools[0], &s->store)))
 		goto fail;
-	for (unsigned w = 0; w < kvd_pool_size(s->pool); w++)
-		if ((rc = kvd_attn_scratch_init(&s->scr[w], KVD_SEG_MAX)))
+	if (s->numa.active) {
+		int mem[KVD_STORE_NODES];
+
+		for (unsigned i = 0; i < s->npools; i++)
+			mem[i] = s->numa.node[i].mem;
+		if ((rc = kvd_store_nodes(s->store, s->pools, mem, s->npools)))
 			goto fail;
-	if ((rc = kvd_store_create(s->pool, &s->store)))
-		goto fail;
+	}
 	{
 		struct kvd_tier_cfg tc = { 0 };
 
@@ -1140,10 +1206,13 @@ void kvd_server_destroy(struct kvd_server *s)
 		close(s->tfd);
 	kvd_tier_destroy(s->tier);
 	kvd_store_destroy(s->store);
-	for (unsigned w = 0; s->scr && w < kvd_pool_size(s->pool); w++)
-		kvd_attn_scratch_free(&s->scr[w]);
-	free(s->scr);
-	kvd_pool_destroy(s->pool);
+	for (unsigned i = 0; i < s->npools; i++) {
+		for (unsigned w = 0; s->scrs[i] && w < kvd_pool_size(s->pools[i]); w++)
+			kvd_attn_scratch_free(&s->scrs[i][w]);
+		free(s->scrs[i]);
+		kvd_pool_destroy(s->pools[i]);
+	}
+	kvd_numa_fini(&s->numa);
 	free(s->rxbuf);
 	free(s->qbuf);
 	free(s->obuf);

@@ -14,7 +14,11 @@
 #define MAX_PROFILES 256
 
 struct kvd_store {
-	struct kvd_pool *pool;
+	struct kvd_pool *pool[KVD_STORE_NODES];
+	int mem[KVD_STORE_NODES];
+	uint64_t node_bytes[KVD_STORE_NODES];
+	unsigned nnodes;
+	uint64_t picks;
 	struct kvd_profile *prof[MAX_PROFILES];
 	uint32_t nprof;
 	struct kvd_seqn *bucket[SEQ_BUCKETS];
@@ -31,7 +35,9 @@ int kvd_store_create(struct kvd_pool *pool, struct kvd_store **out)
 
 	if (!s)
 		return -ENOMEM;
-	s->pool = pool;
+	s->pool[0] = pool;
+	s->mem[0] = -1;
+	s->nnodes = 1;
 	/* Ids are a keyed permutation of a counter: unique, and not guessable
 	 * across restarts (tenancy is still checked on every use). */
 	clock_gettime(CLOCK_REALTIME, &ts);
@@ -70,11 +76,11 @@ static void rows_free(const struct kvd_profile *p, uint16_t *k, uint16_t *v, uin
 }
 
 static int rows_alloc(const struct kvd_profile *p, uint16_t **k, uint16_t **v, uint16_t **c,
-		      uint32_t cap)
+		      uint32_t cap, int node)
 {
-	*k = kvd_mem_alloc(kv_bytes(p, cap));
-	*v = kvd_mem_alloc(kv_bytes(p, cap));
-	*c = kvd_mem_alloc(codes_bytes(p, cap));
+	*k = kvd_mem_alloc_node(kv_bytes(p, cap), node);
+	*v = kvd_mem_alloc_node(kv_bytes(p, cap), node);
+	*c = kvd_mem_alloc_node(codes_bytes(p, cap), node);
 	if (*k && *v && *c)
 		return 0;
 	rows_free(p, *k, *v, *c, cap);
@@ -120,6 +126,29 @@ void kvd_store_destroy(struct kvd_store *s)
 	for (uint32_t i = 0; i < s->nprof; i++)
 		profile_free(s->prof[i]);
 	free(s);
+}
+
+int kvd_store_nodes(struct kvd_store *s, struct kvd_pool *const *pools, const int *mem,
+		    unsigned n)
+{
+	if (n < 1 || n > KVD_STORE_NODES || s->nseq)
+		return -EINVAL;
+	for (unsigned i = 0; i < n; i++) {
+		s->pool[i] = pools[i];
+		s->mem[i] = mem[i];
+	}
+	s->nnodes = n;
+	return 0;
+}
+
+struct kvd_pool *kvd_store_pool(const struct kvd_store *s, const struct kvd_seqn *q)
+{
+	return s->pool[q->node];
+}
+
+int kvd_store_mem_node(const struct kvd_store *s, const struct kvd_seqn *q)
+{
+	return s->mem[q->node];
 }
 
 /* ---- profiles ---------------------------------------------------------- */
@@ -209,6 +238,11 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, const char 
 	}
 	q->id = id;
 	q->owner = owner;
+	/* The node with the fewest resident bytes; ties go round robin. */
+	q->node = (uint32_t)(s->picks++ % s->nnodes);
+	for (unsigned i = 0; i < s->nnodes; i++)
+		if (s->node_bytes[i] < s->node_bytes[q->node])
+			q->node = i;
 	snprintf(q->tenant, sizeof q->tenant, "%s", tenant);
 	q->p = p;
 	uint32_t b = bucket_of(q->id);
@@ -270,6 +304,7 @@ void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q)
 	*pp = q->next;
 	s->nseq--;
 	s->bytes -= q->bytes;
+	s->node_bytes[q->node] -= q->bytes;
 	seq_destroy(q);
 }
 
@@ -279,6 +314,7 @@ static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
 {
 	q->bytes += (size_t)delta;
 	s->bytes += (uint64_t)delta;
+	s->node_bytes[q->node] += (uint64_t)delta;
 }
 
 static size_t rows_bytes(const struct kvd_profile *p, uint32_t cap)
@@ -334,7 +370,7 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 		for (size_t r = 1; r < H * L; r++)
 			memmove(cc + r * cnt, cc + r * cap, cnt * sizeof *cc);
 	}
-	rc = kvd_seg_build(&p->g, cnt, kk, vv, cc, s->pool, &seg);
+	rc = kvd_seg_build_node(&p->g, cnt, kk, vv, cc, s->pool[q->node], s->mem[q->node], &seg);
 	if (rc)
 		return rc;
 	l->seg[l->nseg++] = seg;
@@ -355,7 +391,7 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 		cap = p->seg_tokens;
 	if (cap <= l->scap)
 		return 0;
-	if (rows_alloc(p, &nk, &nv, &nc, cap))
+	if (rows_alloc(p, &nk, &nv, &nc, cap, s->mem[q->node]))
 		return -ENOMEM;
 	if (l->sn)
 		put_rows(p, nk, nv, nc, cap, 0, l->sk, l->sv, l->sc, l->scap, 0, l->sn);
@@ -417,7 +453,7 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	int rc;
 
 	if (!l->tk) {
-		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, cap))
+		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, cap, s->mem[q->node]))
 			return -ENOMEM;
 		account(s, q, (ptrdiff_t)rows_bytes(p, cap));
 	}
@@ -493,6 +529,7 @@ void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q)
 		l->sealed = sealed;
 	}
 	s->bytes -= q->bytes;
+	s->node_bytes[q->node] -= q->bytes;
 	q->bytes = 0;
 }
 
@@ -513,7 +550,7 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 		account(s, q, (ptrdiff_t)mean_bytes(p));
 	}
 	if (tn) {
-		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, p->seal_tokens))
+		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, p->seal_tokens, s->mem[q->node]))
 			return -ENOMEM;
 		account(s, q, (ptrdiff_t)rows_bytes(p, p->seal_tokens));
 		put_rows(p, l->tk, l->tv, l->tc, p->seal_tokens, 0, k, v, codes, tn, 0, tn);

@@ -70,6 +70,7 @@ struct kvd_seqn {
 	uint64_t gen;                   /* bumped by every change to the data */
 	uint8_t state;                  /* enum kvd_seq_state */
 	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
+	uint32_t node;                  /* NUMA node (index into the store's nodes) */
 	void *tier;                     /* kvd_tier's record, or NULL */
 	struct kvd_seqn *next;          /* hash chain */
 };
@@ -77,6 +78,15 @@ struct kvd_seqn {
 struct kvd_store;
 
 int kvd_store_create(struct kvd_pool *pool, struct kvd_store **out);
+/* NUMA: sequences are spread over n nodes (the one with the fewest resident
+ * bytes takes the next sequence); node i seals on pools[i] and allocates
+ * with kvd_mem_alloc_node(mem[i]).  Before any sequence exists.  Without
+ * it: one node, the create's pool, no placement. */
+#define KVD_STORE_NODES 64
+int kvd_store_nodes(struct kvd_store *s, struct kvd_pool *const *pools, const int *mem,
+		    unsigned n);
+struct kvd_pool *kvd_store_pool(const struct kvd_store *s, const struct kvd_seqn *q);
+int kvd_store_mem_node(const struct kvd_store *s, const struct kvd_seqn *q);
 void kvd_store_destroy(struct kvd_store *s);
 
 /* A profile from validated fields (geometry already checked by the caller).

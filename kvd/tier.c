@@ -486,7 +486,8 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		size_t b = r->ext[i].bytes;
 
 		if (r->ext[i].kind == KVD_SFMT_SEG) {
-			r->buf[i].p = kvd_seg_io_alloc(g, r->ext[i].n, &b);
+			r->buf[i].p = kvd_seg_io_alloc_node(g, r->ext[i].n,
+							    kvd_store_mem_node(t->st, q), &b);
 			if (r->buf[i].p && b != r->ext[i].bytes) {
 				kvd_seg_io_free(r->buf[i].p, b);
 				r->buf[i].p = NULL;

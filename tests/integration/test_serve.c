@@ -685,5 +685,7 @@ int main(void)
 		cmocka_unit_test(test_sd_notify),
 	};
 
+	if (getenv("KVD_TEST_FILTER"))
+		cmocka_set_test_filter(getenv("KVD_TEST_FILTER"));
 	return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -163,6 +163,17 @@ static struct kvc_seq_stats wait_spilled(struct kvc *c, struct kvc_seq *s)
 	return st;
 }
 
+/* ATTEND of the last layer may answer before the restore's last result is
+ * in (layers are served as they land): wait for the end. */
+static struct kvc_seq_stats wait_restored(struct kvc *c, struct kvc_seq *s)
+{
+	struct kvc_seq_stats st;
+
+	for (int i = 0; i < 3000 && (st = seq_stats(c, s)).state == KVC_SEQ_RESTORING; i++)
+		daemon_sleep_ms(1);
+	return st;
+}
+
 static unsigned count_files(const char *dir, const char *suffix)
 {
 	DIR *d = opendir(dir);
@@ -253,10 +264,7 @@ static void test_spill_restore_bit_equal(void **state)
 
 	/* ATTEND brings it back, layer by layer, and answers as before */
 	assert_int_equal(same(c, &x), 0);
-	/* ATTEND of the last layer may answer before the restore's last
-	 * result is in: layers are served as they land */
-	for (int i = 0; i < 3000 && (st = seq_stats(c, x.s)).state == KVC_SEQ_RESTORING; i++)
-		daemon_sleep_ms(1);
+	st = wait_restored(c, x.s);
 	assert_int_equal(st.state, KVC_SEQ_RAM);
 	assert_true(st.durable);                /* unchanged since: the file is current */
 	assert_int_equal(st.bytes, resident);
@@ -434,6 +442,7 @@ static void test_persist_clean_restart(void **state)
 	assert_true(wait_spilled(c, x.s).durable);
 	/* kvd stops while the client is attached: the file stays (persist) */
 	assert_int_equal(daemon_stop(&D), 0);
+	kvc_seq_free(c, x.s);           /* kvd is gone: this frees our handle only */
 	kvc_close(c);
 	assert_int_equal(count_files(spill, ".kvs"), 1);
 
@@ -444,10 +453,9 @@ static void test_persist_clean_restart(void **state)
 	print_message("  after restart: sequence %016llx found, %llu tokens per layer\n",
 		      (unsigned long long)x.id, (unsigned long long)tokens);
 	assert_true(tokens > N_TOK - 4 - 64 - 32 && tokens <= N_TOK - 4 - 64);
-	free(x.s);              /* the old handle's connection is gone: nothing to free in kvd */
 	x.s = s2;
 	assert_int_equal(same(c2, &x), 0);
-	assert_int_equal(seq_stats(c2, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(wait_restored(c2, x.s).state, KVC_SEQ_RAM);
 	/* another tenant cannot take it, a second open by the owner's peer neither */
 	drop_session(c2, &x);
 	kvc_close(c2);
@@ -484,6 +492,8 @@ static void test_crash_during_spill_burst(void **state)
 	assert_int_equal(waitpid(D.pid, &st, 0), D.pid);
 	D.pid = 0;
 	rmdir(D.dir);
+	for (int i = 0; i < N; i++)
+		kvc_seq_free(c, x[i].s);        /* our handles only: kvd is gone */
 	kvc_close(c);
 	print_message("  killed with %d of %d sequences durable, %u files, %u temporary\n", nd, N,
 		      count_files(spill, ".kvs"), count_files(spill, ".tmp"));
@@ -496,7 +506,6 @@ static void test_crash_during_spill_burst(void **state)
 		struct kvc_seq *s2;
 		int rc = kvc_seq_open(c2, x[i].id, &s2, NULL);
 
-		free(x[i].s);
 		x[i].s = NULL;
 		if (durable[i])
 			assert_int_equal(rc, 0);

@@ -443,6 +443,32 @@ static void test_logp(void **state)
 	report("logp", "worst absolute error %.2e where the table is smooth");
 }
 
+/* NaN scores (a client's NaN rows or query) must stay inside the table in
+ * every variant, the scalar one included: UBSan and ASan watch the index. */
+static void test_logp_nan(void **state)
+{
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	float s[37], kinv[37];
+	const struct kvd_kern *vars[8];
+	size_t n = 0;
+
+	vars[n++] = &kvd_kern_scalar;
+	for (size_t v = 0; v < nvar; v++)
+		vars[n++] = var[v];
+	kvd_logp_tab_init(tab, 10, 150, 2);
+	for (size_t v = 0; v < n; v++) {
+		for (int i = 0; i < 37; i++) {
+			s[i] = i % 3 ? NAN : (float)i;
+			kinv[i] = i % 5 ? 1.0f : NAN;
+		}
+		vars[v]->logp(s, 37, kinv, 1.0f, 0.1f, tab);
+		for (int i = 0; i < 37; i++)
+			if (!isnan(s[i]) && !(s[i] > -1e30f && s[i] < 1e30f))
+				fail_msg("%s: s[%d] = %g", vars[v]->name, i, s[i]);
+	}
+	free(tab);
+}
+
 /* ---- kinv ------------------------------------------------------------------ */
 
 static void test_kinv(void **state)
@@ -593,6 +619,7 @@ int main(void)
 		cmocka_unit_test(test_max),
 		cmocka_unit_test(test_expsum),
 		cmocka_unit_test(test_logp),
+		cmocka_unit_test(test_logp_nan),
 		cmocka_unit_test(test_kinv),
 		cmocka_unit_test(test_hash),
 	};
