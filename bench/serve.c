@@ -385,6 +385,68 @@ out:
 	free(v0);
 }
 
+/* Starts kvd (srv_start_conf) and says so. */
+static int srv_up(struct srv *srv, const char *memory, const char *extra)
+{
+	if (srv_start_conf(srv, memory, extra)) {
+		fprintf(stderr, "kvbench: kvd did not start\n");
+		return -1;
+	}
+	printf("kvd started (pid %d, socket %s)\n", (int)srv->pid, srv->sock);
+	fflush(stdout);
+	return 0;
+}
+
+/* Forks n client processes, child i running kid(i, arg) (0: success), and
+ * waits for all of them.  1 if any failed. */
+static int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg)
+{
+	pid_t *pids = calloc(n, sizeof *pids);
+	int failed = !pids;
+
+	for (uint32_t i = 0; pids && i < n; i++) {
+		pids[i] = fork();
+		if (pids[i] == 0)
+			_exit(kid(i, arg) ? 1 : 0);
+	}
+	for (uint32_t i = 0; pids && i < n; i++) {
+		int st;
+
+		waitpid(pids[i], &st, 0);
+		failed |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
+	}
+	free(pids);
+	return failed;
+}
+
+struct demo_arg {
+	const char *sock;
+	uint32_t ctx, steps;
+	struct client_res *res;
+};
+
+static int demo_kid(uint32_t i, void *arg)
+{
+	struct demo_arg *a = arg;
+
+	demo_client(a->sock, (int)i, a->ctx, a->steps, &a->res[i]);
+	return !a->res[i].ok;
+}
+
+struct spill_arg {
+	const char *sock;
+	uint32_t nsess, ctx, turns, steps;
+	struct spill_res *res;
+};
+
+static int spill_kid(uint32_t i, void *arg)
+{
+	struct spill_arg *a = arg;
+
+	spill_client(a->sock, (int)i, a->nsess, a->ctx, a->turns, a->steps, &a->res[i]);
+	return !a->res[i].ok;
+}
+
 /* Resident bytes of one session of the demo's model (one segment per sparse
  * layer while ctx fits one), to size the budget at a third of the total. */
 static uint64_t session_bytes(uint32_t ctx)
@@ -423,27 +485,11 @@ static int demo_spill(uint32_t clients, uint32_t nsess, uint32_t ctx, uint32_t t
 	       "back when their turn comes.  Each turn starts by checking that kvd's answer equals,\n"
 	       "bit for bit, the one it gave at the end of the session's previous turn.\n\n",
 	       clients, nsess, ctx, turns, steps, total / 1073741824.0, limit / 1073741824.0, dir);
-	if (srv_start_conf(&srv, mem, spill)) {
-		fprintf(stderr, "kvbench: kvd did not start\n");
+	if (srv_up(&srv, mem, spill))
 		return 1;
-	}
-	printf("kvd started (pid %d, socket %s)\n", (int)srv.pid, srv.sock);
-	fflush(stdout);
-	pid_t *kids = calloc(clients, sizeof *kids);
+	struct spill_arg sa = { srv.sock, nsess, ctx, turns, steps, res };
 
-	for (uint32_t i = 0; i < clients; i++) {
-		kids[i] = fork();
-		if (kids[i] == 0) {
-			spill_client(srv.sock, (int)i, nsess, ctx, turns, steps, &res[i]);
-			_exit(res[i].ok ? 0 : 1);
-		}
-	}
-	for (uint32_t i = 0; i < clients; i++) {
-		int ws;
-
-		waitpid(kids[i], &ws, 0);
-		failed |= !WIFEXITED(ws) || WEXITSTATUS(ws) != 0;
-	}
+	failed = run_clients(clients, spill_kid, &sa);
 	{
 		struct kvc_opts o = { .socket_path = srv.sock, .tenant = "demo", .name = "stats" };
 		struct kvc *c;
@@ -483,7 +529,6 @@ static int demo_spill(uint32_t clients, uint32_t nsess, uint32_t ctx, uint32_t t
 	       (unsigned long long)st.lost, st.bytes / 1073741824.0, st.mem_limit / 1073741824.0);
 	printf("%u sessions came back from disk, %u answers differed; kvd exited with status %d; %.1f s in all\n",
 	       back, mism, rc, (bench_now_ms() - t0) / 1e3);
-	free(kids);
 	return failed || rc || mism || !back || st.lost ? 1 : 0;
 }
 
@@ -539,29 +584,11 @@ int bench_demo_main(int argc, char **argv)
 	       "Llama-3.1-8B geometry (32 layers, 32 q / 8 kv heads, d=128; layers 0 and 16 dense),\n"
 	       "4 sink + 64 window tokens per layer kept by the client, the rest in kvd (K=10, L=150).\n\n",
 	       clients, ctx, steps);
-	if (srv_start(&srv)) {
-		fprintf(stderr, "kvbench: kvd did not start\n");
+	if (srv_up(&srv, NULL, NULL))
 		return 1;
-	}
-	printf("kvd started (pid %d, socket %s)\n", (int)srv.pid, srv.sock);
-	fflush(stdout);
-	pid_t *kids = calloc(clients, sizeof *kids);
+	struct demo_arg da = { srv.sock, ctx, steps, res };
+	int failed = run_clients(clients, demo_kid, &da);
 
-	for (uint32_t i = 0; i < clients; i++) {
-		kids[i] = fork();
-		if (kids[i] == 0) {
-			demo_client(srv.sock, (int)i, ctx, steps, &res[i]);
-			_exit(res[i].ok ? 0 : 1);
-		}
-	}
-	int failed = 0;
-
-	for (uint32_t i = 0; i < clients; i++) {
-		int st;
-
-		waitpid(kids[i], &st, 0);
-		failed |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-	}
 	int rc = srv_stop(&srv);
 
 	printf("\n%-7s %-8s %10s %10s %12s %12s %9s\n", "client", "workload", "prefill_s",
@@ -585,7 +612,6 @@ int bench_demo_main(int argc, char **argv)
 	       total, rc, (bench_now_ms() - t0) / 1e3);
 	printf("(per-layer latency = append + attend of one sparse layer, client's view;\n"
 	       " rel_err = last step, layer 1, against exact attention over all tokens)\n");
-	free(kids);
 	return failed || rc ? 1 : 0;
 }
 
@@ -685,6 +711,21 @@ out:
 	free(tab);
 }
 
+struct serve_arg {
+	const char *sock;
+	uint32_t ctx, layers;
+	int reps;
+	struct serve_shared *sh;
+};
+
+static int serve_kid(uint32_t i, void *arg)
+{
+	struct serve_arg *a = arg;
+
+	serve_client(a->sock, (int)i, a->ctx, a->layers, a->reps, a->sh);
+	return !a->sh->r[i].ok;
+}
+
 int bench_serve_main(int argc, char **argv)
 {
 	uint32_t clients = 1, ctx = 65536, layers = 4, reps = 9;
@@ -719,23 +760,9 @@ int bench_serve_main(int argc, char **argv)
 		fprintf(stderr, "kvbench: kvd did not start\n");
 		return 1;
 	}
-	pid_t kids[64];
+	struct serve_arg sa = { srv.sock, ctx, layers, (int)reps, sh };
+	int failed = run_clients(clients, serve_kid, &sa);
 
-	for (uint32_t i = 0; i < clients; i++) {
-		kids[i] = fork();
-		if (kids[i] == 0) {
-			serve_client(srv.sock, (int)i, ctx, layers, (int)reps, sh);
-			_exit(sh->r[i].ok ? 0 : 1);
-		}
-	}
-	int failed = 0;
-
-	for (uint32_t i = 0; i < clients; i++) {
-		int st;
-
-		waitpid(kids[i], &st, 0);
-		failed |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-	}
 	srv_stop(&srv);
 	if (failed) {
 		for (uint32_t i = 0; i < clients; i++)

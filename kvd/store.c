@@ -339,6 +339,21 @@ static void put_rows(const struct kvd_profile *p, uint16_t *dk, uint16_t *dv, ui
 	}
 }
 
+/* Room in l->seg for one more segment.  0 or -ENOMEM. */
+static int seg_room(struct kvd_layer_state *l)
+{
+	if (l->nseg == l->segcap) {
+		uint32_t nc = l->segcap ? 2 * l->segcap : 4;
+		struct kvd_seg **ns = realloc(l->seg, nc * sizeof *ns);
+
+		if (!ns)
+			return -ENOMEM;
+		l->seg = ns;
+		l->segcap = nc;
+	}
+	return 0;
+}
+
 /* Seals `cnt` rows held in a [H][cap][d] buffer into a new segment. */
 static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l,
 		const uint16_t *k, const uint16_t *v, const uint16_t *c, uint32_t cap, uint32_t cnt)
@@ -351,15 +366,8 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 
 	if (cnt == 0)
 		return 0;
-	if (l->nseg == l->segcap) {
-		uint32_t nc = l->segcap ? 2 * l->segcap : 4;
-		struct kvd_seg **ns = realloc(l->seg, nc * sizeof *ns);
-
-		if (!ns)
-			return -ENOMEM;
-		l->seg = ns;
-		l->segcap = nc;
-	}
+	if (seg_room(l))
+		return -ENOMEM;
 	/* kvd_seg_build wants [H][cnt][d]: compact a partly filled buffer in
 	 * place (heads move towards the front, so ascending order is safe). */
 	if (cnt < cap) {
@@ -566,15 +574,8 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 {
 	struct kvd_layer_state *l = &q->ly[layer];
 
-	if (l->nseg == l->segcap) {
-		uint32_t nc = l->segcap ? 2 * l->segcap : 4;
-		struct kvd_seg **ns = realloc(l->seg, nc * sizeof *ns);
-
-		if (!ns)
-			return -ENOMEM;
-		l->seg = ns;
-		l->segcap = nc;
-	}
+	if (seg_room(l))
+		return -ENOMEM;
 	l->seg[l->nseg++] = seg;
 	account(s, q, (ptrdiff_t)seg->bytes);
 	return 0;
