@@ -149,18 +149,8 @@ static struct kvd_sfmt_hdr *ext_new(struct seq *s, uint64_t seq, unsigned kind, 
 	}
 	memset(s->ext[i].p, 0, bytes);
 	h = s->ext[i].p;
-	h->kind = kind;
-	h->payload_bytes = payload;
-	h->seq = seq;
-	h->gen = 1;
-	h->profile_fp = kvd_sfmt_profile_fp(&prof);
-	h->index = i;
+	kvd_sfmt_hdr_init(h, kind, i, payload, seq, 1, kvd_sfmt_profile_fp(&prof), &prof.g, "bench");
 	h->layer = layer;
-	h->kv_heads = prof.g.kv_heads;
-	h->d = prof.g.d;
-	h->K = prof.g.K;
-	h->L = prof.g.L;
-	snprintf(h->tenant, sizeof h->tenant, "bench");
 	return h;
 }
 

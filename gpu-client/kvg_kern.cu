@@ -4,27 +4,11 @@
 
 #include <cuda_runtime.h>
 
+#include "kvg_bf16.cuh"
 #include "kvg_kern.h"
 
 #define NT 128                  /* threads per block of every kernel here */
 #define MEAN_NB 256             /* most partial-sum blocks per head */
-
-/* ---- bf16, bit for bit as kvd/bf16.h ------------------------------------ */
-
-static __device__ __forceinline__ float bf2f(uint16_t h)
-{
-	return __uint_as_float((uint32_t)h << 16);
-}
-
-static __device__ __forceinline__ uint16_t f2bf(float f)
-{
-	uint32_t u = __float_as_uint(f);
-
-	if ((u & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((u >> 16) | 0x40);
-	u += 0x7fffu + ((u >> 16) & 1);
-	return (uint16_t)(u >> 16);
-}
 
 template <int DT> static __device__ __forceinline__ float ld(const void *p, size_t i);
 template <> __device__ __forceinline__ float ld<KVG_F32>(const void *p, size_t i)

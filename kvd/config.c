@@ -144,20 +144,28 @@ static int set_threads(struct kvd_config *c, const char *v, char *why, size_t n)
 	return 0;
 }
 
+static int parse_pct(const char *v, uint64_t *x, char *why, size_t n)
+{
+	size_t len = strlen(v);
+	char num[16];
+
+	if (!len || v[len - 1] != '%' || len - 1 >= sizeof(num))
+		return fail(why, n, "not a percentage (1%%..100%%)");
+	memcpy(num, v, len - 1);
+	num[len - 1] = 0;
+	if (parse_uint(num, 100, x, why, n) || *x == 0)
+		return fail(why, n, "not a percentage (1%%..100%%)");
+	return 0;
+}
+
 static int set_mem_limit(struct kvd_config *c, const char *v, char *why, size_t n)
 {
 	size_t len = strlen(v);
 	uint64_t x, phys;
 
 	if (len && v[len - 1] == '%') {
-		char num[16];
-
-		if (len - 1 >= sizeof(num))
-			return fail(why, n, "not a percentage (1%%..100%%)");
-		memcpy(num, v, len - 1);
-		num[len - 1] = 0;
-		if (parse_uint(num, 100, &x, why, n) || x == 0)
-			return fail(why, n, "not a percentage (1%%..100%%)");
+		if (parse_pct(v, &x, why, n))
+			return -EINVAL;
 		phys = phys_bytes();
 		if (!phys)
 			return fail(why, n, "physical memory size unknown: give bytes");
@@ -217,20 +225,6 @@ static int set_spin(struct kvd_config *c, const char *v, char *why, size_t n)
 	if (parse_uint(v, KVD_CONFIG_SPIN_US_MAX, &x, why, n))
 		return -EINVAL;
 	c->spin_ns = x * 1000;
-	return 0;
-}
-
-static int parse_pct(const char *v, uint64_t *x, char *why, size_t n)
-{
-	size_t len = strlen(v);
-	char num[16];
-
-	if (!len || v[len - 1] != '%' || len - 1 >= sizeof(num))
-		return fail(why, n, "not a percentage (1%%..100%%)");
-	memcpy(num, v, len - 1);
-	num[len - 1] = 0;
-	if (parse_uint(num, 100, x, why, n) || *x == 0)
-		return fail(why, n, "not a percentage (1%%..100%%)");
 	return 0;
 }
 

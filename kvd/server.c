@@ -671,13 +671,14 @@ static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sq
 	/* Pass 1: every sequence exists, agrees on the profile and has this
 	 * layer resident.  Restores of all of them start before any waiting,
 	 * so a batch waits for the slowest once, not for each in turn. */
+	const char *rec = in;
+
 	for (uint32_t i = 0; i < e->nseq; i++) {
 		uint64_t seq;
 		struct kvd_seqn *q;
 		char m[128];
 
-		memcpy(&seq, in + (size_t)i * (p ? kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L) : 0),
-		       sizeof seq);
+		memcpy(&seq, rec, sizeof seq);
 		q = kvd_store_seq_get(s->store, seq, c->tenant);
 		if (!q) {
 			snprintf(msg, msglen, "batch[%u]: no sequence %llu", i, (unsigned long long)seq);
@@ -698,6 +699,7 @@ static int do_attend(struct kvd_server *s, struct client *c, const struct kvd_sq
 			snprintf(msg, msglen, "batch[%u]: %s", i, m);
 			return rc;
 		}
+		rec += kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L);
 	}
 	if (wait)
 		return -EINPROGRESS;
@@ -850,10 +852,7 @@ static int poll_rings(struct kvd_server *s)
  * client tries its entry again. */
 static void tier_event(struct kvd_server *s)
 {
-	unsigned n = kvd_tier_poll(s->tier);
-
-	kvd_log(LOG_DEBUG, "spill tier: %u result(s)", n);
-	if (!n)
+	if (!kvd_tier_poll(s->tier))
 		return;
 	for (struct client *c = s->clients; c; c = c->next)
 		c->parked = 0;

@@ -347,6 +347,24 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
 
 /* ---- headers ------------------------------------------------------------ */
 
+void kvd_sfmt_hdr_init(struct kvd_sfmt_hdr *h, uint32_t kind, uint32_t index,
+		       uint64_t payload_bytes, uint64_t seq, uint64_t gen, uint64_t profile_fp,
+		       const struct kvd_geom *g, const char *tenant)
+{
+	memset(h, 0, sizeof *h);
+	h->kind = kind;
+	h->index = index;
+	h->payload_bytes = payload_bytes;
+	h->seq = seq;
+	h->gen = gen;
+	h->profile_fp = profile_fp;
+	h->kv_heads = g->kv_heads;
+	h->d = g->d;
+	h->K = g->K;
+	h->L = g->L;
+	snprintf(h->tenant, sizeof h->tenant, "%s", tenant);
+}
+
 void kvd_sfmt_seal(struct kvd_sfmt_hdr *h, const void *payload)
 {
 	memcpy(h->magic, KVD_SFMT_MAGIC, sizeof h->magic);

@@ -139,6 +139,13 @@ uint64_t kvd_sfmt_layer_bytes(const struct kvd_geom *g, uint32_t n, int mean);
 void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *payload,
 			  float **m, uint16_t **k, uint16_t **v, uint16_t **codes);
 
+/* Starts a header: zeroes it and fills what every extent of one file shares
+ * (seq, gen, profile_fp, geometry, tenant) plus kind, index and
+ * payload_bytes.  The caller adds layer, tokens, n and flags. */
+void kvd_sfmt_hdr_init(struct kvd_sfmt_hdr *h, uint32_t kind, uint32_t index,
+		       uint64_t payload_bytes, uint64_t seq, uint64_t gen, uint64_t profile_fp,
+		       const struct kvd_geom *g, const char *tenant);
+
 /* Completes a header the caller filled (kind, payload_bytes, seq, gen,
  * profile_fp, index, layer, tokens, geometry, n, flags, tenant): writes
  * magic, version, extent_bytes, crc over `payload`, then hdr_crc. */

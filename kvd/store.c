@@ -584,7 +584,7 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 int kvd_store_spillable(const struct kvd_seqn *q)
 {
 	for (uint32_t i = 0; i < q->p->layers; i++)
-		if (q->ly[i].sn || q->ly[i].scap)
+		if (q->ly[i].scap)      /* staging exists from a layer's first PREFILL to its LAST */
 			return 0;
 	return 1;
 }

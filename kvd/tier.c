@@ -225,20 +225,7 @@ static int job_alloc(struct rec *r, unsigned n)
 static void hdr_init(struct kvd_sfmt_hdr *h, const struct kvd_seqn *q, uint64_t fp, uint32_t kind,
 		     uint32_t index, uint64_t payload)
 {
-	const struct kvd_geom *g = &q->p->g;
-
-	memset(h, 0, sizeof *h);
-	h->kind = kind;
-	h->payload_bytes = payload;
-	h->seq = q->id;
-	h->gen = q->gen;
-	h->profile_fp = fp;
-	h->index = index;
-	h->kv_heads = g->kv_heads;
-	h->d = g->d;
-	h->K = g->K;
-	h->L = g->L;
-	snprintf(h->tenant, sizeof h->tenant, "%s", q->tenant);
+	kvd_sfmt_hdr_init(h, kind, index, payload, q->id, q->gen, fp, &q->p->g, q->tenant);
 }
 
 static unsigned count_extents(const struct kvd_seqn *q)
@@ -265,8 +252,6 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	const struct kvd_geom *g = &p->g;
 	uint64_t fp = kvd_sfmt_profile_fp(p);
 	unsigned n = count_extents(q), i = 0;
-	uint64_t total = 0;
-
 	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)))
 		goto nomem;
 
@@ -280,7 +265,7 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	hdr_init(r->buf[i].p, q, fp, KVD_SFMT_PROFILE, i, pb);
 	kvd_sfmt_profile_put(p, (char *)r->buf[i].p + PAGE);
 	r->wext[i] = (struct ext){ .kind = KVD_SFMT_PROFILE, .bytes = r->buf[i].bytes };
-	total += r->buf[i++].bytes;
+	i++;
 
 	for (uint32_t ly = 0; ly < p->layers; ly++) {
 		const struct kvd_layer_state *l = &q->ly[ly];
@@ -318,7 +303,7 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 		}
 		r->wext[i] = (struct ext){ KVD_SFMT_LAYER, ly, l->tn, h->flags, r->buf[i].bytes,
 					   h->tok_begin, h->tok_end };
-		total += r->buf[i++].bytes;
+		i++;
 
 		uint64_t tok = 0;
 
@@ -335,7 +320,7 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 			h->tok_end = tok += sg->n;
 			r->wext[i] = (struct ext){ KVD_SFMT_SEG, ly, sg->n, 0, sg->bytes, h->tok_begin,
 						   h->tok_end };
-			total += r->buf[i++].bytes;
+			i++;
 		}
 	}
 	r->buf[i].bytes = PAGE;
@@ -346,12 +331,10 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	hdr_init(r->buf[i].p, q, fp, KVD_SFMT_END, i, 0);
 	((struct kvd_sfmt_hdr *)r->buf[i].p)->n = i;
 	r->wext[i] = (struct ext){ .kind = KVD_SFMT_END, .n = i, .bytes = PAGE };
-	total += PAGE;
 	i++;
 
 	r->job = (struct kvd_spill_job){ .op = KVD_SPILL_WRITE, .seq = q->id, .gen = q->gen,
 					 .ext = r->buf, .next = n, .user = r };
-	(void)total;
 	return 0;
 nomem:
 	r->job.next = n;

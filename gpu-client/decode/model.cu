@@ -4,24 +4,10 @@
 
 #include <cuda_runtime.h>
 
+#include "kvg_bf16.cuh"
 #include "model.h"
 
 #define NT 256
-
-static __device__ __forceinline__ float bf2f(uint16_t h)
-{
-	return __uint_as_float((uint32_t)h << 16);
-}
-
-static __device__ __forceinline__ uint16_t f2bf(float f)
-{
-	uint32_t u = __float_as_uint(f);
-
-	if ((u & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((u >> 16) | 0x40);
-	u += 0x7fffu + ((u >> 16) & 1);
-	return (uint16_t)(u >> 16);
-}
 
 static __device__ __forceinline__ uint64_t mix64(uint64_t z)
 {

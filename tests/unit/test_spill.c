@@ -70,18 +70,8 @@ static struct kvd_sfmt_hdr *hdr_init(struct seqb *s, unsigned kind, uint64_t pay
 	s->ext[i].bytes = bytes;
 	s->ext[i].p = xalign(bytes);
 	h = s->ext[i].p;
-	h->kind = kind;
-	h->payload_bytes = payload;
-	h->seq = s->seq;
-	h->gen = s->gen;
-	h->profile_fp = prof_fp;
-	h->index = i;
+	kvd_sfmt_hdr_init(h, kind, i, payload, s->seq, s->gen, prof_fp, &prof.g, "acme");
 	h->layer = layer;
-	h->kv_heads = prof.g.kv_heads;
-	h->d = prof.g.d;
-	h->K = prof.g.K;
-	h->L = prof.g.L;
-	snprintf(h->tenant, sizeof h->tenant, "acme");
 	return h;
 }
 
