@@ -1268,6 +1268,10 @@ void kvd_spill_destroy(struct kvd_spill *sp)
 
 /* ---- start-up scan ------------------------------------------------------ */
 
+#define SP_QUARANTINE   "quarantine"
+
+ssize_t (*kvd_spill_scan_pread)(int fd, void *buf, size_t n, off_t off) = pread;
+
 static int has_suffix(const char *s, const char *suf)
 {
 	size_t n = strlen(s), m = strlen(suf);
@@ -1275,14 +1279,34 @@ static int has_suffix(const char *s, const char *suf)
 	return n >= m && !strcmp(s + n - m, suf);
 }
 
-/* Reads and checks one file's headers; 0 when complete, else -KVD_EFORMAT or
- * -errno with the reason in msg.  *hdr, *profile: malloc'd, the caller frees. */
-static int scan_file(int fd, const char *name, struct kvd_sfmt_hdr **hdr, unsigned *n,
+/* "<16 hex digits>.kvs" followed by tail exactly (what the engine names its
+ * files, "" or ".tmp"): 1 and *seq, or 0 for a name kvd never writes. */
+static int our_name(const char *nm, const char *tail, uint64_t *seq)
+{
+	uint64_t v = 0;
+
+	for (int i = 0; i < 16; i++) {
+		int c = nm[i];
+		int x = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+
+		if (x < 0)
+			return 0;
+		v = v << 4 | (uint64_t)x;
+	}
+	if (strncmp(nm + 16, ".kvs", 4) || strcmp(nm + 20, tail))
+		return 0;
+	*seq = v;
+	return 1;
+}
+
+/* Reads and checks one file's headers; 0 when complete, else -KVD_EFORMAT
+ * (the file is bad) or -errno (the reading failed) with the reason in msg.
+ * *hdr, *profile: malloc'd, the caller frees. */
+static int scan_file(int fd, uint64_t seq, struct kvd_sfmt_hdr **hdr, unsigned *n,
 		     void **profile, char *msg, size_t msglen)
 {
 	struct kvd_sfmt_hdr h, *hs = NULL;
 	unsigned cap = 0, cnt = 0;
-	uint64_t seq = 0;
 	char page[PAGE], m[80];
 	struct stat st;
 	uint64_t off = 0;
@@ -1290,15 +1314,6 @@ static int scan_file(int fd, const char *name, struct kvd_sfmt_hdr **hdr, unsign
 
 	*hdr = NULL;
 	*profile = NULL;
-	for (int i = 0; i < 16; i++) {
-		int c = name[i], v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-
-		if (v < 0 || strcmp(name + 16, ".kvs")) {
-			snprintf(msg, msglen, "not a spill file name");
-			return -KVD_EFORMAT;
-		}
-		seq = seq << 4 | (uint64_t)v;
-	}
 	if (fstat(fd, &st) < 0) {
 		snprintf(msg, msglen, "fstat: %s", strerror(errno));
 		return -errno;
@@ -1312,7 +1327,7 @@ static int scan_file(int fd, const char *name, struct kvd_sfmt_hdr **hdr, unsign
 			rc = -KVD_EFORMAT;
 			goto out;
 		}
-		got = pread(fd, page, PAGE, (off_t)off);
+		got = kvd_spill_scan_pread(fd, page, PAGE, (off_t)off);
 		if (got != PAGE) {
 			rc = got < 0 ? -errno : -KVD_EFORMAT;
 			snprintf(msg, msglen, "read at %llu: %s", (unsigned long long)off,
@@ -1361,7 +1376,7 @@ static int scan_file(int fd, const char *name, struct kvd_sfmt_hdr **hdr, unsign
 				snprintf(msg, msglen, "out of memory");
 				goto out;
 			}
-			got = pread(fd, *profile, h.payload_bytes, (off_t)(off + PAGE));
+			got = kvd_spill_scan_pread(fd, *profile, h.payload_bytes, (off_t)(off + PAGE));
 			if (got < 0 || (uint64_t)got != h.payload_bytes) {
 				rc = got < 0 ? -errno : -KVD_EFORMAT;
 				snprintf(msg, msglen, "profile: %s", got < 0 ? strerror(errno) : "short");
@@ -1384,6 +1399,43 @@ out:
 	return rc;
 }
 
+/* Moves a bad file into <dir>/quarantine/ (0700, made on first use) rather
+ * than deleting it: a header that fails its checks may be one flipped bit in
+ * hours of prefill, or a kvd bug, and either way an operator wants to see it.
+ * A name already there gets ".1", ".2"... so nothing quarantined is lost.
+ * If the move fails the file stays where it is, to be judged again next
+ * start. */
+static void quarantine(struct kvd_spill *sp, unsigned d, const char *nm, const char *why)
+{
+	int dfd = sp->dirfd[d];
+	char to[sizeof SP_QUARANTINE + 256 + 8];
+	struct stat st;
+	int rc = 0;
+
+	if (mkdirat(dfd, SP_QUARANTINE, 0700) < 0 && errno != EEXIST)
+		rc = -errno;
+	for (unsigned i = 0; !rc; i++) {
+		if (i == 0)
+			snprintf(to, sizeof to, SP_QUARANTINE "/%s", nm);
+		else
+			snprintf(to, sizeof to, SP_QUARANTINE "/%s.%u", nm, i);
+		if (fstatat(dfd, to, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+			rc = errno == ENOENT ? 0 : -errno;
+			break;
+		}
+		if (i == 1000)
+			rc = -EEXIST;
+	}
+	if (!rc && renameat(dfd, nm, dfd, to) < 0)
+		rc = -errno;
+	if (rc)
+		kvd_log(LOG_WARNING, "spill: %s/%s: %s; cannot move it to %s/: %s, left in place",
+			sp->dir[d], nm, why, SP_QUARANTINE, strerror(-rc));
+	else
+		kvd_log(LOG_WARNING, "spill: %s/%s: %s; moved to %s/%s", sp->dir[d], nm, why,
+			sp->dir[d], to);
+}
+
 int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *arg)
 {
 	int kept = 0;
@@ -1400,20 +1452,29 @@ int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *a
 				close(lfd);
 			return rc;
 		}
+		/* Only names the engine writes are touched; quarantine/ and
+		 * anything else in the directory is left alone in both modes. */
 		while ((de = readdir(dp))) {
 			const char *nm = de->d_name;
 			struct kvd_sfmt_hdr *hdr;
 			void *profile;
 			char msg[160];
 			unsigned n = 0;
+			uint64_t seq;
 			int fd, rc;
 
-			if (has_suffix(nm, ".tmp")) {
+			/* A writer that died before its rename: never a complete
+			 * file, so nothing to keep (likewise create's probe). */
+			if (our_name(nm, ".tmp", &seq) || !strcmp(nm, ".kvd-probe.tmp")) {
 				unlinkat(dfd, nm, 0);
 				continue;
 			}
-			if (!has_suffix(nm, ".kvs"))
+			if (!our_name(nm, "", &seq)) {
+				if (has_suffix(nm, ".kvs"))
+					kvd_log(LOG_NOTICE, "spill: %s/%s: not a spill file name; left alone",
+						sp->dir[d], nm);
 				continue;
+			}
 			if (!keep) {
 				unlinkat(dfd, nm, 0);
 				continue;
@@ -1424,20 +1485,33 @@ int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *a
 					strerror(errno));
 				continue;
 			}
-			rc = scan_file(fd, nm, &hdr, &n, &profile, msg, sizeof msg);
+			rc = scan_file(fd, seq, &hdr, &n, &profile, msg, sizeof msg);
 			if (rc == 0) {
 				struct stat st;
 				uint64_t bytes = fstat(fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
 
-				if (fn && fn(arg, d, hdr, n, profile, hdr[0].payload_bytes, bytes)) {
-					unlinkat(dfd, nm, 0);
-				} else {
+				rc = fn ? fn(arg, d, hdr, n, profile, hdr[0].payload_bytes, bytes) : 0;
+				if (rc == 0) {
 					atomic_fetch_add(&sp->disk, bytes);
 					kept++;
+				} else if (rc > 0) {
+					unlinkat(dfd, nm, 0);
+				} else if (rc <= -KVD_EBASE) {
+					quarantine(sp, d, nm, "refused at load");
+				} else {
+					kvd_log(LOG_WARNING, "spill: %s/%s: load: %s; left in place, "
+						"not loaded this run", sp->dir[d], nm, kvd_strerror(rc));
 				}
+			} else if (rc <= -KVD_EBASE) {
+				/* The bytes themselves are wrong: reading it again
+				 * will not help. */
+				quarantine(sp, d, nm, msg);
 			} else {
-				kvd_log(LOG_WARNING, "spill: %s/%s: %s; deleted", sp->dir[d], nm, msg);
-				unlinkat(dfd, nm, 0);
+				/* EIO, ENOMEM, EINTR...: the disk or the machine had
+				 * a bad moment; the file may be fine.  It stays for
+				 * the next start, unknown to the engine until then. */
+				kvd_log(LOG_WARNING, "spill: %s/%s: %s; left in place, not loaded this run",
+					sp->dir[d], nm, msg);
 			}
 			free(hdr);
 			free(profile);

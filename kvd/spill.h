@@ -41,6 +41,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "sfmt.h"
 
@@ -139,19 +140,37 @@ struct kvd_spill_stats {
 };
 void kvd_spill_stats(struct kvd_spill *sp, struct kvd_spill_stats *out);
 
-/* Start-up, before any job: lists the directories.  *.tmp files are deleted.
- * keep = 0: every .kvs file is deleted too (no --persist).  keep = 1: each
- * .kvs file's headers are read and checked (kvd_sfmt_check_hdr, one seq and
- * gen, indices in order, ending in END); fn gets the complete ones (hdr[0]
- * is the PROFILE extent's header, whose payload is read too: profile,
- * profile_bytes), and files that fail are deleted with a log line.  fn's
- * nonzero return deletes the file as well (hdr and profile live for the call
- * only; the profile payload has passed kvd_sfmt_check_payload).  The engine
- * counts kept files toward its bytes on disk.  Returns the number of files
- * kept or -errno. */
+/* Start-up, before any job: lists the directories and judges each file by
+ * its name.  Only names the engine writes are touched; anything else,
+ * quarantine/ included, is left alone (a "*.kvs" name that is not ours gets a
+ * log line).
+ *  - <seq>.kvs.tmp (a writer that died before its rename, so never a complete
+ *    file) is deleted, in both modes.
+ *  - keep = 0 (no --persist): every <seq>.kvs is deleted too.
+ *  - keep = 1: each <seq>.kvs file's headers are read and checked
+ *    (kvd_sfmt_check_hdr, one seq and gen, indices in order, ending in END;
+ *    the PROFILE extent's payload too).  fn gets the complete ones (hdr[0] is
+ *    the PROFILE extent's header: profile, profile_bytes; hdr and profile
+ *    live for the call only).  A file that fails a check (bad magic, CRC,
+ *    header, truncated: a -KVD_E* code) is moved to <dir>/quarantine/ (0700,
+ *    made when first needed; a name already there gets ".N"), never deleted:
+ *    if the move fails it stays where it is.  A file whose reading failed
+ *    (-errno: EIO, ENOMEM, EINTR...) stays where it is, is skipped for this
+ *    run and not counted, and is judged again at the next start.  Each case
+ *    logs one line naming the file and the reason.
+ * fn's return: 0 keeps the file (the engine counts it toward its bytes on
+ * disk); > 0 deletes it; a -KVD_E* code quarantines it (the file is bad);
+ * another negative (-ENOMEM...) leaves it in place, skipped this run.
+ * Returns the number of files kept, or -errno when a directory cannot be
+ * listed. */
 typedef int (*kvd_spill_scan_fn)(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr,
 				 unsigned n, const void *profile, uint64_t profile_bytes,
 				 uint64_t disk_bytes);
 int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *arg);
+
+/* Tests only: what kvd_spill_scan reads with (pread by default), so a test
+ * can fail a read the way a disk does; the scan reads synchronously, outside
+ * the fake backend.  Set it only while no scan runs. */
+extern ssize_t (*kvd_spill_scan_pread)(int fd, void *buf, size_t n, off_t off);
 
 #endif

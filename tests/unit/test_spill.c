@@ -294,6 +294,7 @@ static int no_files(void)
 	       count_files(dir1, ".kvs") + count_files(dir1, ".tmp") == 0;
 }
 
+/* Empties d, and its quarantine/ (which the scan fills), and removes that. */
 static void rm_all(const char *d)
 {
 	DIR *dp = opendir(d);
@@ -306,7 +307,10 @@ static void rm_all(const char *d)
 		if (de->d_name[0] == '.' && (!de->d_name[1] || !strcmp(de->d_name, "..")))
 			continue;
 		snprintf(p, sizeof p, "%s/%s", d, de->d_name);
-		unlink(p);
+		if (unlink(p) && errno == EISDIR && !strcmp(de->d_name, "quarantine")) {
+			rm_all(p);
+			rmdir(p);
+		}
 	}
 	closedir(dp);
 }
@@ -323,8 +327,9 @@ static int setup(void **state)
 struct scan_seen {
 	unsigned files, n[4];
 	uint64_t seq[4], disk;
-	int reject_seq;                 /* fn returns nonzero for this seq */
+	int reject_seq;                 /* fn returns reject_rc (0: 1) for this seq */
 	uint64_t reject;
+	int reject_rc;
 };
 
 static int scan_fn(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, unsigned n,
@@ -335,7 +340,7 @@ static int scan_fn(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, unsi
 	char m[128];
 
 	if (s->reject_seq && hdr[0].seq == s->reject)
-		return 1;
+		return s->reject_rc ? s->reject_rc : 1;
 	assert_true(s->files < 4);
 	assert_int_equal(hdr[0].kind, KVD_SFMT_PROFILE);
 	assert_int_equal(hdr[n - 1].kind, KVD_SFMT_END);
@@ -525,7 +530,147 @@ static void test_uring_truncated(void **state)
 	assert_true(no_files());
 	assert_true(kvd_spill_disk_bytes(sp) == 0);
 	kvd_spill_destroy(sp);
+	/* moved aside, not deleted */
+	snprintf(path, sizeof path, "%s/quarantine/%016x.kvs", dir0, 0x55);
+	assert_int_equal(access(path, F_OK), 0);
 	seq_free(&a);
+	seq_free(&ra);
+}
+
+/* ---- start-up scan: bad files are quarantined, unreadable ones kept ----- */
+
+static ino_t eio_ino;                   /* reads of this file fail EIO */
+static unsigned eio_hits;
+
+static ssize_t eio_pread(int fd, void *buf, size_t n, off_t off)
+{
+	struct stat st;
+
+	if (fstat(fd, &st) == 0 && st.st_ino == eio_ino) {
+		eio_hits++;
+		errno = EIO;
+		return -1;
+	}
+	return pread(fd, buf, n, off);
+}
+
+static void flip(const char *d, uint64_t seq, off_t off)
+{
+	char path[256];
+	unsigned char c;
+	int fd;
+
+	snprintf(path, sizeof path, "%s/%016llx.kvs", d, (unsigned long long)seq);
+	fd = open(path, O_RDWR);
+	assert_true(fd >= 0 && pread(fd, &c, 1, off) == 1);
+	c ^= 0x10;
+	assert_true(pwrite(fd, &c, 1, off) == 1);
+	close(fd);
+}
+
+static int exists(const char *d, const char *name)
+{
+	char path[256];
+
+	snprintf(path, sizeof path, "%s/%s", d, name);
+	return access(path, F_OK) == 0;
+}
+
+static void test_scan_quarantine(void **state)
+{
+	struct kvd_spill *sp = mk(NULL, 0, 0, 1);
+	struct seqb s[6], ra;
+	struct track t;
+	struct stat st;
+	char q[128], path[256];
+	int fd;
+
+	/* good, header flipped, profile payload flipped, EIO, refused bad by
+	 * fn, refused for want of memory by fn */
+	for (unsigned i = 0; i < 6; i++) {
+		seq_make(&s[i], 0x101 + i, 1, 2, 1, 256, 10 + i);
+		job_init(&t, KVD_SPILL_WRITE, &s[i], 0);
+		run1(sp, &t);
+		assert_int_equal(t.j.res, 0);
+	}
+	kvd_spill_destroy(sp);
+	flip(dir0, 0x102, (off_t)s[1].ext[0].bytes + 40);       /* extent 1's header */
+	flip(dir0, 0x103, 4096 + 8);                            /* PROFILE payload */
+	snprintf(path, sizeof path, "%s/%016x.kvs", dir0, 0x104);
+	assert_int_equal(stat(path, &st), 0);
+	eio_ino = st.st_ino;
+	/* not ours: never deleted nor moved */
+	snprintf(path, sizeof path, "%s/notes.kvs", dir0);
+	fd = open(path, O_CREAT | O_WRONLY, 0600);
+	assert_true(fd >= 0);
+	close(fd);
+	snprintf(path, sizeof path, "%s/other.tmp", dir0);
+	fd = open(path, O_CREAT | O_WRONLY, 0600);
+	assert_true(fd >= 0);
+	close(fd);
+
+	/* fn fails 0x106 for want of memory: it stays in place */
+	struct scan_seen seen = { .reject_seq = 1, .reject = 0x106, .reject_rc = -ENOMEM };
+
+	kvd_spill_scan_pread = eio_pread;
+	sp = mk(NULL, 0, 0, 1);
+	assert_int_equal(kvd_spill_scan(sp, 1, scan_fn, &seen), 2);     /* 101, 105 */
+	kvd_spill_destroy(sp);
+	kvd_spill_scan_pread = pread;
+	assert_true(eio_hits > 0);
+	assert_int_equal(seen.files, 2);
+	snprintf(q, sizeof q, "%s/quarantine", dir0);
+	assert_int_equal(stat(q, &st), 0);
+	assert_true(S_ISDIR(st.st_mode) && (st.st_mode & 0777) == 0700);
+	assert_true(exists(q, "0000000000000102.kvs") && !exists(dir0, "0000000000000102.kvs"));
+	assert_true(exists(q, "0000000000000103.kvs") && !exists(dir0, "0000000000000103.kvs"));
+	assert_true(exists(dir0, "0000000000000104.kvs") && !exists(q, "0000000000000104.kvs"));
+	assert_true(exists(dir0, "0000000000000106.kvs") && !exists(q, "0000000000000106.kvs"));
+	assert_true(exists(dir0, "notes.kvs") && exists(dir0, "other.tmp"));
+	assert_int_equal(count_files(q, ".kvs"), 2);
+
+	/* fn says bad: quarantined; the EIO file and the -ENOMEM one load now */
+	memset(&seen, 0, sizeof seen);
+	seen.reject_seq = 1;
+	seen.reject = 0x105;
+	seen.reject_rc = -KVD_EFORMAT;
+	sp = mk(NULL, 0, 0, 1);
+	assert_int_equal(kvd_spill_scan(sp, 1, scan_fn, &seen), 3);     /* 101, 104, 106 */
+	assert_true(exists(q, "0000000000000105.kvs") && !exists(dir0, "0000000000000105.kvs"));
+
+	/* the good file still reads back intact */
+	seq_blank(&ra, &s[0]);
+	job_init(&t, KVD_SPILL_READ, &ra, 0);
+	run1(sp, &t);
+	assert_int_equal(t.j.res, 0);
+	seq_equal(&s[0], &ra);
+	kvd_spill_destroy(sp);
+
+	/* the same name quarantined twice: both kept */
+	job_init(&t, KVD_SPILL_WRITE, &s[1], 0);
+	sp = mk(NULL, 0, 0, 1);
+	run1(sp, &t);
+	assert_int_equal(t.j.res, 0);
+	kvd_spill_destroy(sp);
+	flip(dir0, 0x102, 100);                                 /* PROFILE header */
+	memset(&seen, 0, sizeof seen);
+	sp = mk(NULL, 0, 0, 1);
+	assert_int_equal(kvd_spill_scan(sp, 1, scan_fn, &seen), 3);
+	kvd_spill_destroy(sp);
+	assert_true(exists(q, "0000000000000102.kvs.1") && exists(q, "0000000000000102.kvs"));
+
+	/* without --persist the directory is emptied of our files, but
+	 * quarantine/ and names not ours stay */
+	sp = mk(NULL, 0, 0, 1);
+	assert_int_equal(kvd_spill_scan(sp, 0, NULL, NULL), 0);
+	kvd_spill_destroy(sp);
+	assert_int_equal(count_files(dir0, ".kvs"), 1);         /* notes.kvs */
+	assert_true(exists(dir0, "other.tmp"));
+	assert_int_equal(count_files(q, ".kvs"), 3);
+	assert_true(exists(q, "0000000000000102.kvs.1"));
+
+	for (unsigned i = 0; i < 6; i++)
+		seq_free(&s[i]);
 	seq_free(&ra);
 }
 
@@ -1083,6 +1228,7 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup(test_uring_roundtrip, setup),
 		cmocka_unit_test_setup(test_uring_truncated, setup),
+		cmocka_unit_test_setup(test_scan_quarantine, setup),
 		cmocka_unit_test_setup(test_buffered, setup),
 		cmocka_unit_test_setup(test_memlock_fallback, setup),
 		cmocka_unit_test_setup(test_fake_write_faults, setup),
