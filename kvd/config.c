@@ -66,6 +66,14 @@ void kvd_config_defaults(struct kvd_config *c)
 	c->mem_low = 80;
 	c->spill_qd = 64;
 	c->spill_block = 1u << 20;
+	c->connections = 1024;
+	c->connections_per_uid = 256;
+	c->sequences = 65536;
+	c->sequences_per_uid = 16384;
+	c->profiles = 256;
+	c->profiles_per_uid = 16;
+	c->memory_per_uid_pct = 100;
+	c->spill_per_uid_pct = 100;
 }
 
 /* ---- values ------------------------------------------------------------- */
@@ -384,6 +392,187 @@ static int set_log_file(struct kvd_config *c, const char *v, char *why, size_t n
 	return 0;
 }
 
+/* [limits] counts: 1..KVD_CONFIG_COUNT_MAX. */
+static int parse_count(const char *v, uint32_t *out, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, KVD_CONFIG_COUNT_MAX, &x, why, n))
+		return -EINVAL;
+	if (!x)
+		return fail(why, n, "at least 1");
+	*out = (uint32_t)x;
+	return 0;
+}
+
+static int set_connections(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_count(v, &c->connections, why, n);
+}
+
+static int set_connections_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_count(v, &c->connections_per_uid, why, n);
+}
+
+static int set_sequences(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_count(v, &c->sequences, why, n);
+}
+
+static int set_sequences_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_count(v, &c->sequences_per_uid, why, n);
+}
+
+static int set_profiles(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_count(v, &c->profiles, why, n);
+}
+
+static int set_profiles_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_count(v, &c->profiles_per_uid, why, n);
+}
+
+/* SIZE (at least 1 MiB: smaller is a typo, and 0 would mean no cap, above
+ * the global) or N% of the global limit, resolved at use because the
+ * global may be set later in the file or by a flag. */
+static int parse_share(const char *v, uint64_t *bytes, uint32_t *pct, char *why, size_t n)
+{
+	size_t len = strlen(v);
+	uint64_t x;
+
+	if (len && v[len - 1] == '%') {
+		if (parse_pct(v, &x, why, n))
+			return -EINVAL;
+		*pct = (uint32_t)x;
+		*bytes = 0;
+		return 0;
+	}
+	if (parse_size(v, &x, why, n))
+		return -EINVAL;
+	if (x < KVD_CONFIG_MEM_MIN)
+		return fail(why, n, "%llu bytes is below 1 MiB (100%% for the whole limit)",
+			    (unsigned long long)x);
+	*bytes = x;
+	*pct = 0;
+	return 0;
+}
+
+static int set_memory_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_share(v, &c->memory_per_uid, &c->memory_per_uid_pct, why, n);
+}
+
+static int set_spill_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_share(v, &c->spill_per_uid, &c->spill_per_uid_pct, why, n);
+}
+
+/* "1000,1001 2000,2001": groups separated by spaces (or tabs), uids in a
+ * group by commas; at least two uids a group, none in two groups, none at
+ * or above KVD_NS_GROUP (those values name the groups' namespaces). */
+static int set_groups(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint32_t uid[KVD_LIMITS_SHARE_MAX], grp[KVD_LIMITS_SHARE_MAX];
+	unsigned nu = 0, ng = 0;
+
+	for (;;) {
+		unsigned first = nu;
+
+		v += strspn(v, " \t");
+		if (!*v)
+			break;
+		if (ng == KVD_LIMITS_GROUPS_MAX)
+			return fail(why, n, "more than %d groups", KVD_LIMITS_GROUPS_MAX);
+		for (;;) {
+			char num[16];
+			size_t len = strcspn(v, ", \t");
+			uint64_t x;
+
+			if (!len || len >= sizeof num)
+				return fail(why, n, "group %u: %s", ng + 1,
+					    len ? "uid too long" : "empty uid (no spaces inside a group)");
+			memcpy(num, v, len);
+			num[len] = 0;
+			if (parse_uint(num, KVD_NS_GROUP - 1, &x, why, n))
+				return fail(why, n, "group %u: uid '%s' is not a number below %u", ng + 1,
+					    num, KVD_NS_GROUP);
+			for (unsigned i = 0; i < nu; i++)
+				if (uid[i] == x)
+					return fail(why, n, "uid %llu is in %s", (unsigned long long)x,
+						    grp[i] == ng ? "its group twice" : "two groups");
+			if (nu == KVD_LIMITS_SHARE_MAX)
+				return fail(why, n, "more than %d uids in groups", KVD_LIMITS_SHARE_MAX);
+			uid[nu] = (uint32_t)x;
+			grp[nu++] = ng;
+			v += len;
+			if (*v != ',')
+				break;
+			v++;
+		}
+		if (nu - first < 2)
+			return fail(why, n, "group %u has one uid (a group shares between two or more)",
+				    ng + 1);
+		ng++;
+	}
+	memset(c->share_uid, 0, sizeof c->share_uid);
+	memset(c->share_group, 0, sizeof c->share_group);
+	memcpy(c->share_uid, uid, nu * sizeof *uid);
+	memcpy(c->share_group, grp, nu * sizeof *grp);
+	c->nshare = nu;
+	c->ngroups = ng;
+	return 0;
+}
+
+/* pct of whole; 100% is the whole exactly (whole / 100 * 100 may not be). */
+static uint64_t pct_of(uint64_t whole, uint32_t pct)
+{
+	return pct >= 100 ? whole : whole / 100 * pct;
+}
+
+uint64_t kvd_config_memory_per_uid(const struct kvd_config *c)
+{
+	return c->memory_per_uid_pct ? pct_of(c->mem_limit, c->memory_per_uid_pct) : c->memory_per_uid;
+}
+
+uint64_t kvd_config_spill_per_uid(const struct kvd_config *c)
+{
+	return c->spill_per_uid_pct ? pct_of(c->spill_limit, c->spill_per_uid_pct) : c->spill_per_uid;
+}
+
+void kvd_config_limits(const struct kvd_config *c, struct kvd_limits_cfg *out)
+{
+	memset(out, 0, sizeof *out);
+	out->cap[KVD_RES_CONNECTIONS] = c->connections;
+	out->per_uid[KVD_RES_CONNECTIONS] = c->connections_per_uid;
+	out->cap[KVD_RES_SEQUENCES] = c->sequences;
+	out->per_uid[KVD_RES_SEQUENCES] = c->sequences_per_uid;
+	out->cap[KVD_RES_PROFILES] = c->profiles;
+	out->per_uid[KVD_RES_PROFILES] = c->profiles_per_uid;
+	out->cap[KVD_RES_MEMORY] = c->mem_limit;
+	out->per_uid[KVD_RES_MEMORY] = kvd_config_memory_per_uid(c);
+	out->cap[KVD_RES_SPILL] = c->spill_limit;
+	out->per_uid[KVD_RES_SPILL] = kvd_config_spill_per_uid(c);
+	/* 100% of the whole is no per-uid cap at all: one check fewer. */
+	if (out->per_uid[KVD_RES_MEMORY] == out->cap[KVD_RES_MEMORY])
+		out->per_uid[KVD_RES_MEMORY] = 0;
+	if (out->per_uid[KVD_RES_SPILL] == out->cap[KVD_RES_SPILL])
+		out->per_uid[KVD_RES_SPILL] = 0;
+	memcpy(out->share_uid, c->share_uid, sizeof out->share_uid);
+	memcpy(out->share_group, c->share_group, sizeof out->share_group);
+	out->nshare = c->nshare;
+}
+
+uint32_t kvd_config_namespace(const struct kvd_config *c, uint32_t uid)
+{
+	for (unsigned i = 0; i < c->nshare; i++)
+		if (c->share_uid[i] == uid)
+			return KVD_NS_GROUP | c->share_group[i];
+	return uid & KVD_NS_GROUP ? KVD_NS_NONE : uid;
+}
+
 typedef int (*setter)(struct kvd_config *c, const char *v, char *why, size_t n);
 
 static const struct key {
@@ -409,6 +598,15 @@ static const struct key {
 	{ "transport", "slot_size", NULL, set_slot_size, NULL, 0 },
 	{ "transport", "ring_entries", NULL, set_ring, NULL, 0 },
 	{ "transport", "spin_us", NULL, set_spin, NULL, 0 },
+	{ "limits", "connections", NULL, set_connections, NULL, 0 },
+	{ "limits", "connections_per_uid", NULL, set_connections_per_uid, NULL, 0 },
+	{ "limits", "sequences", NULL, set_sequences, NULL, 0 },
+	{ "limits", "sequences_per_uid", NULL, set_sequences_per_uid, NULL, 0 },
+	{ "limits", "profiles", NULL, set_profiles, NULL, 0 },
+	{ "limits", "profiles_per_uid", NULL, set_profiles_per_uid, NULL, 0 },
+	{ "limits", "memory_per_uid", NULL, set_memory_per_uid, NULL, 0 },
+	{ "limits", "spill_per_uid", NULL, set_spill_per_uid, NULL, 0 },
+	{ "sharing", "groups", NULL, set_groups, NULL, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0 },
 	{ "log", "file", "log-file", set_log_file, NULL, 0 },
 };
@@ -420,6 +618,44 @@ static int known_section(const char *s, size_t len)
 		if (strlen(keys[i].section) == len && !memcmp(keys[i].section, s, len))
 			return 1;
 	}
+	return 0;
+}
+
+/* [limits]: ranges (for a struct not made by the setters), and every
+ * per-uid value at most its global one. */
+static int check_limits(const struct kvd_config *c, char *err, size_t errlen)
+{
+	const struct {
+		const char *name;
+		uint32_t global, per_uid;
+	} cnt[] = {
+		{ "connections", c->connections, c->connections_per_uid },
+		{ "sequences", c->sequences, c->sequences_per_uid },
+		{ "profiles", c->profiles, c->profiles_per_uid },
+	};
+
+	for (size_t i = 0; i < sizeof cnt / sizeof cnt[0]; i++) {
+		if (!cnt[i].global || cnt[i].global > KVD_CONFIG_COUNT_MAX || !cnt[i].per_uid)
+			return fail(err, errlen, "[limits] %s %u / %s_per_uid %u out of range 1..%u",
+				    cnt[i].name, cnt[i].global, cnt[i].name, cnt[i].per_uid,
+				    KVD_CONFIG_COUNT_MAX);
+		if (cnt[i].per_uid > cnt[i].global)
+			return fail(err, errlen,
+				    "[limits] %s_per_uid %u is above %s %u (lower it, or raise %s)",
+				    cnt[i].name, cnt[i].per_uid, cnt[i].name, cnt[i].global, cnt[i].name);
+	}
+	if (c->memory_per_uid_pct > 100 || c->spill_per_uid_pct > 100 ||
+	    (!c->memory_per_uid_pct && c->memory_per_uid < KVD_CONFIG_MEM_MIN) ||
+	    (!c->spill_per_uid_pct && c->spill_per_uid < KVD_CONFIG_MEM_MIN))
+		return fail(err, errlen, "[limits] memory_per_uid or spill_per_uid out of range");
+	if (!c->memory_per_uid_pct && c->mem_limit && c->memory_per_uid > c->mem_limit)
+		return fail(err, errlen, "[limits] memory_per_uid %llu bytes is above [memory] limit %llu",
+			    (unsigned long long)c->memory_per_uid, (unsigned long long)c->mem_limit);
+	if (!c->spill_per_uid_pct && c->spill_limit && c->spill_per_uid > c->spill_limit)
+		return fail(err, errlen, "[limits] spill_per_uid %llu bytes is above [spill] limit %llu",
+			    (unsigned long long)c->spill_per_uid, (unsigned long long)c->spill_limit);
+	if (c->nshare > KVD_LIMITS_SHARE_MAX || c->ngroups > KVD_LIMITS_GROUPS_MAX)
+		return fail(err, errlen, "[sharing] groups out of range");
 	return 0;
 }
 
@@ -450,7 +686,7 @@ int kvd_config_check(const struct kvd_config *c, char *err, size_t errlen)
 		return fail(err, errlen, "persist needs a spill directory");
 	if (kvd_ctl_check_arena(c->slots, c->slot_size, &e))
 		return fail(err, errlen, "[transport] %s", e.msg);
-	return 0;
+	return check_limits(c, err, errlen);
 }
 
 /* ---- the file ----------------------------------------------------------- */

@@ -24,13 +24,25 @@
  *                slot_size = SIZE                        (bytes per slot)
  *                ring_entries = N                        (SQ entries: power of two)
  *                spin_us = N                             (spin before sleeping, <= 1 s)
+ *   [limits]     connections = N                         (clients at once; 1024)
+ *                connections_per_uid = N                 (of one uid; 256)
+ *                sequences = N                           (all uids; 65536)
+ *                sequences_per_uid = N                   (16384)
+ *                profiles = N                            (all namespaces; 256)
+ *                profiles_per_uid = N                    (created by one uid; 16)
+ *                memory_per_uid = SIZE | N%              (N% of [memory] limit; 100%)
+ *                spill_per_uid = SIZE | N%               (N% of [spill] limit; 100%)
+ *   [sharing]    groups = UID,UID[,...] [UID,UID ...]    (uids sharing profiles; none)
  *   [log]        level = error|warning|notice|info|debug   --log-level LEVEL
  *                file = PATH           --log-file PATH   (absolute; "" = stderr;
  *                                                          SIGHUP reopens it)
  *
  * SIZE is a decimal number with an optional binary suffix K, M, G, T (also
  * KiB, MiB, GiB, TiB; lower case accepted).  N% is a whole percentage
- * (1..100) of physical memory, resolved when parsed.  Every value is
+ * (1..100) of physical memory, resolved when parsed ([memory] limit), or of
+ * the global limit, resolved at use (memory_per_uid, spill_per_uid).
+ * Counts are 1..KVD_CONFIG_COUNT_MAX; a per-uid value above its global one
+ * is an error.  Every value is
  * checked: a number is digits only, every range is enforced, an unknown
  * section or key, a key outside a section, a key given twice and a line
  * longer than the parser's limit are errors.  Messages name file:line (or the
@@ -41,6 +53,8 @@
 
 #include <stdint.h>
 #include <stdio.h>
+
+#include "uidlimits.h"
 
 #define KVD_CONFIG_SPILL_DIRS   16      /* == KVD_SPILL_DIRS_MAX */
 
@@ -66,6 +80,18 @@ struct kvd_config {
 	int persist;
 	int spill_fault_on;             /* spill_fault names the fake backend's faults */
 	char spill_fault[256];
+	/* [limits] */
+	uint32_t connections, connections_per_uid;
+	uint32_t sequences, sequences_per_uid;
+	uint32_t profiles, profiles_per_uid;
+	uint64_t memory_per_uid;        /* bytes, when memory_per_uid_pct is 0 */
+	uint32_t memory_per_uid_pct;    /* % of mem_limit; default 100 */
+	uint64_t spill_per_uid;         /* bytes, when spill_per_uid_pct is 0 */
+	uint32_t spill_per_uid_pct;     /* % of spill_limit; default 100 */
+	/* [sharing] groups: share_uid[i] is in group share_group[i] */
+	uint32_t share_uid[KVD_LIMITS_SHARE_MAX];
+	uint32_t share_group[KVD_LIMITS_SHARE_MAX];
+	unsigned nshare, ngroups;
 };
 
 #define KVD_CONFIG_SOCKET       "/run/kvd/kvd.sock"
@@ -74,6 +100,7 @@ struct kvd_config {
 #define KVD_CONFIG_RING_MIN     16u
 #define KVD_CONFIG_RING_MAX     65536u
 #define KVD_CONFIG_SPIN_US_MAX  1000000u
+#define KVD_CONFIG_COUNT_MAX    16777216u       /* [limits] counts */
 
 /* kvd_config_parse_args() returns this for --help: print kvd_config_usage()
  * and exit 0. */
@@ -102,6 +129,21 @@ int kvd_config_parse_args(struct kvd_config *c, int argc, char **argv, char *err
 int kvd_config_check(const struct kvd_config *c, char *err, size_t errlen);
 
 void kvd_config_usage(FILE *f, const char *argv0);
+
+/* memory_per_uid / spill_per_uid in bytes (a percentage resolved against
+ * the global limit); 0: no per-uid cap. */
+uint64_t kvd_config_memory_per_uid(const struct kvd_config *c);
+uint64_t kvd_config_spill_per_uid(const struct kvd_config *c);
+/* The caps and sharing groups for kvd_limits_create(): counts from
+ * [limits], memory from [memory] limit and memory_per_uid, spill from
+ * [spill] limit and spill_per_uid. */
+void kvd_config_limits(const struct kvd_config *c, struct kvd_limits_cfg *out);
+/* The profile namespace of uid: uid itself when it is in no [sharing]
+ * group; KVD_NS_GROUP | i (0x80000000 + i) for the i-th group (0-based, in
+ * file order); KVD_NS_NONE for a uid >= 0x80000000 in no group (Linux
+ * tools never allocate those; see uidlimits.h).  Group values cannot collide
+ * with a real uid's namespace because groups refuse such uids. */
+uint32_t kvd_config_namespace(const struct kvd_config *c, uint32_t uid);
 
 /* "info" for LOG_INFO, ...; "?" for anything else. */
 const char *kvd_config_level_name(int level);

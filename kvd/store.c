@@ -1,4 +1,5 @@
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,7 +12,16 @@
 #include "store.h"
 
 #define SEQ_BUCKETS 4096        /* chains stay short for thousands of sequences */
-#define MAX_PROFILES 256
+#define PROF_BUCKETS 1024
+#define MAX_PROFILES 256        /* old API without limits: the cap it always had */
+
+/* A profile and the store's bookkeeping; callers see &p. */
+struct prof {
+	struct kvd_profile p;
+	uint32_t refs;
+	size_t bytes;                   /* charged to p.uid */
+	struct prof *next_id, *next_name;
+};
 
 struct kvd_store {
 	struct kvd_pool *pool[KVD_STORE_NODES];
@@ -19,8 +29,16 @@ struct kvd_store {
 	uint64_t node_bytes[KVD_STORE_NODES];
 	unsigned nnodes;
 	uint64_t picks;
-	struct kvd_profile *prof[MAX_PROFILES];
-	uint32_t nprof;
+	struct prof *by_id[PROF_BUCKETS], *by_name[PROF_BUCKETS];
+	uint32_t nprof, nglobal;
+	uint32_t next_pid;              /* last profile id handed out */
+	uint64_t prof_bytes;
+	uint64_t fixed;                 /* sequences' structs and layer arrays */
+	struct kvd_limits *lim;
+	kvd_store_room_fn room;         /* the tier's policy before the wall */
+	void *room_arg;
+	int exact;                      /* this rows call grows staging exactly */
+	char why[192];                  /* the last refused charge's message */
 	struct kvd_seqn *bucket[SEQ_BUCKETS];
 	uint32_t nseq;
 	uint64_t bytes;
@@ -46,14 +64,82 @@ int kvd_store_create(struct kvd_pool *pool, struct kvd_store **out)
 	return 0;
 }
 
-static void profile_free(struct kvd_profile *p)
+int kvd_store_set_limits(struct kvd_store *s, struct kvd_limits *l)
 {
-	if (!p)
+	if (s->nseq || s->nprof)
+		return -EBUSY;
+	s->lim = l;
+	return 0;
+}
+
+struct kvd_limits *kvd_store_limits(const struct kvd_store *s)
+{
+	return s->lim;
+}
+
+void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg)
+{
+	s->room = fn;
+	s->room_arg = arg;
+}
+
+/* ---- charges ------------------------------------------------------------ */
+
+/* n bytes more for uid, before they are allocated.  force: the room was
+ * reserved already (restores).  The message of a refusal stays in s->why. */
+static int charge(struct kvd_store *s, uint32_t uid, size_t n, int force)
+{
+	int rc;
+
+	if (!s->lim || !n)
+		return 0;
+	if (force)
+		rc = kvd_limits_force(s->lim, uid, KVD_RES_MEMORY, n);
+	else
+		rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, n, s->why, sizeof s->why);
+	if (rc == -ENOMEM && force)
+		snprintf(s->why, sizeof s->why, "out of memory");
+	return rc;
+}
+
+static void uncharge(struct kvd_store *s, uint32_t uid, size_t n)
+{
+	if (s->lim)
+		kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, n);
+}
+
+static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
+{
+	q->bytes += (size_t)delta;
+	s->bytes += (uint64_t)delta;
+	s->node_bytes[q->node] += (uint64_t)delta;
+}
+
+/* Charge and account n bytes of q (before allocating them). */
+static int take(struct kvd_store *s, struct kvd_seqn *q, size_t n, int force)
+{
+	int rc = charge(s, q->uid, n, force);
+
+	if (!rc)
+		account(s, q, (ptrdiff_t)n);
+	return rc;
+}
+
+/* After freeing n bytes of q. */
+static void give(struct kvd_store *s, struct kvd_seqn *q, size_t n)
+{
+	account(s, q, -(ptrdiff_t)n);
+	uncharge(s, q->uid, n);
+}
+
+static void profile_free(struct prof *x)
+{
+	if (!x)
 		return;
-	free(p->dense);
-	free(p->W);
-	free(p->tab);
-	free(p);
+	free(x->p.dense);
+	free(x->p.W);
+	free(x->p.tab);
+	free(x);
 }
 
 /* Row buffers of `cap` tokens: K and V [H][cap][d], codes [H][L][cap]. */
@@ -105,12 +191,24 @@ static size_t mean_bytes(const struct kvd_profile *p)
 	return (size_t)p->g.kv_heads * p->g.d * sizeof(float);
 }
 
-static void seq_destroy(struct kvd_seqn *q)
+static void prof_unlink(struct kvd_store *s, struct prof *x);
+
+/* Frees q, gives back everything charged for it and its profile reference. */
+static void seq_destroy(struct kvd_store *s, struct kvd_seqn *q)
 {
-	for (uint32_t i = 0; i < q->p->layers; i++)
-		layer_free(q->p, &q->ly[i]);
+	const struct kvd_profile *p = q->p;
+
+	for (uint32_t i = 0; i < p->layers; i++)
+		layer_free(p, &q->ly[i]);
 	free(q->ly);
+	s->bytes -= q->bytes;
+	s->node_bytes[q->node] -= q->bytes;
+	s->fixed -= q->fixed;
+	uncharge(s, q->uid, q->bytes + q->fixed);
+	if (s->lim)
+		kvd_limits_uncharge(s->lim, q->uid, KVD_RES_SEQUENCES, 1);
 	free(q);
+	kvd_store_profile_unref(s, p);
 }
 
 void kvd_store_destroy(struct kvd_store *s)
@@ -120,11 +218,17 @@ void kvd_store_destroy(struct kvd_store *s)
 	for (uint32_t b = 0; b < SEQ_BUCKETS; b++) {
 		for (struct kvd_seqn *q = s->bucket[b], *nx; q; q = nx) {
 			nx = q->next;
-			seq_destroy(q);
+			seq_destroy(s, q);
 		}
 	}
-	for (uint32_t i = 0; i < s->nprof; i++)
-		profile_free(s->prof[i]);
+	for (uint32_t b = 0; b < PROF_BUCKETS; b++) {
+		while (s->by_id[b]) {
+			struct prof *x = s->by_id[b];
+
+			prof_unlink(s, x);
+			profile_free(x);
+		}
+	}
 	free(s);
 }
 
@@ -161,12 +265,186 @@ static int same_profile(const struct kvd_profile *a, const struct kvd_profile *b
 	       !memcmp(a->dense, b->dense, a->layers);
 }
 
+static uint32_t pid_bucket(uint32_t id)
+{
+	return (uint32_t)(kvd_mix64(id) & (PROF_BUCKETS - 1));
+}
+
+static uint32_t pname_bucket(uint32_t ns, const char *name)
+{
+	uint64_t h = kvd_mix64(ns);
+
+	for (; *name; name++)
+		h = kvd_mix64(h ^ (unsigned char)*name);
+	return (uint32_t)(h & (PROF_BUCKETS - 1));
+}
+
+static struct prof *prof_of(const struct kvd_profile *p)
+{
+	/* Every profile callers see is the first member of a struct prof. */
+	return (struct prof *)(uintptr_t)p;
+}
+
+static void prof_unlink(struct kvd_store *s, struct prof *x)
+{
+	struct prof **pp = &s->by_id[pid_bucket(x->p.id)];
+
+	while (*pp && *pp != x)
+		pp = &(*pp)->next_id;
+	if (*pp)
+		*pp = x->next_id;
+	pp = &s->by_name[pname_bucket(x->p.ns, x->p.name)];
+	while (*pp && *pp != x)
+		pp = &(*pp)->next_name;
+	if (*pp)
+		*pp = x->next_name;
+	s->nprof--;
+	s->nglobal -= x->p.ns == KVD_STORE_NS_GLOBAL;
+	s->prof_bytes -= x->bytes;
+	uncharge(s, x->p.uid, x->bytes);
+	if (s->lim)
+		kvd_limits_uncharge(s->lim, x->p.uid, KVD_RES_PROFILES, 1);
+}
+
+size_t kvd_store_profile_bytes(const struct kvd_profile *p)
+{
+	return sizeof(struct prof) + p->layers + (size_t)p->g.d * p->g.K * p->g.L * sizeof(float) +
+	       sizeof(struct kvd_logp_tab);
+}
+
+const struct kvd_profile *kvd_store_profile_find(struct kvd_store *s, uint32_t ns, const char *name)
+{
+	for (struct prof *x = s->by_name[pname_bucket(ns, name)]; x; x = x->next_name)
+		if (x->p.ns == ns && !strcmp(x->p.name, name))
+			return &x->p;
+	return NULL;
+}
+
+const struct kvd_profile *kvd_store_profile_get(struct kvd_store *s, uint32_t ns, uint32_t id)
+{
+	const struct kvd_profile *p = kvd_store_profile_by_id(s, id);
+
+	return p && p->ns == ns ? p : NULL;
+}
+
+void kvd_store_profile_ref(struct kvd_store *s, const struct kvd_profile *p)
+{
+	prof_of(p)->refs++;
+}
+
+void kvd_store_profile_unref(struct kvd_store *s, const struct kvd_profile *p)
+{
+	struct prof *x = prof_of(p);
+
+	if (!x->refs || --x->refs)
+		return;
+	prof_unlink(s, x);
+	profile_free(x);
+}
+
+__attribute__((format(printf, 3, 4)))
+static int say(char *msg, size_t msglen, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (msg && msglen) {
+		va_start(ap, fmt);
+		vsnprintf(msg, msglen, fmt, ap);
+		va_end(ap);
+	}
+	return 0;
+}
+
+/* A new profile in ns, charged to uid, with one reference. */
+static int profile_new(struct kvd_store *s, uint32_t ns, uint32_t uid,
+		       const struct kvd_profile *want, struct prof **out, char *msg, size_t msglen)
+{
+	size_t wn = (size_t)want->g.d * want->g.K * want->g.L;
+	size_t bytes = kvd_store_profile_bytes(want);
+	struct prof *x;
+	int rc;
+
+	if (s->next_pid == UINT32_MAX) {
+		say(msg, msglen, "profile ids used up (restart kvd)");
+		return -EOVERFLOW;
+	}
+	if (s->lim) {
+		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_PROFILES, 1, msg, msglen)))
+			return rc;
+		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, bytes, msg, msglen))) {
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
+			return rc;
+		}
+	}
+	x = calloc(1, sizeof *x);
+	if (x) {
+		x->p = *want;
+		x->p.dense = malloc(want->layers);
+		x->p.W = malloc(wn * sizeof *x->p.W);
+		x->p.tab = malloc(sizeof *x->p.tab);
+	}
+	if (!x || !x->p.dense || !x->p.W || !x->p.tab) {
+		profile_free(x);
+		if (s->lim) {
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, bytes);
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
+		}
+		say(msg, msglen, "out of memory");
+		return -ENOMEM;
+	}
+	x->p.id = ++s->next_pid;        /* never reused: the counter only grows */
+	x->p.ns = ns;
+	x->p.uid = uid;
+	x->bytes = bytes;
+	x->refs = 1;
+	memcpy(x->p.dense, want->dense, want->layers);
+	kvd_lsh_make_w(x->p.seed, (int)x->p.g.d, (int)x->p.g.K, (int)x->p.g.L, x->p.W);
+	kvd_logp_tab_init(x->p.tab, (int)x->p.g.K, (int)x->p.g.L, (int)x->p.g.c);
+	x->next_id = s->by_id[pid_bucket(x->p.id)];
+	s->by_id[pid_bucket(x->p.id)] = x;
+	x->next_name = s->by_name[pname_bucket(ns, x->p.name)];
+	s->by_name[pname_bucket(ns, x->p.name)] = x;
+	s->nprof++;
+	s->nglobal += ns == KVD_STORE_NS_GLOBAL;
+	s->prof_bytes += bytes;
+	*out = x;
+	return 0;
+}
+
+int kvd_store_profile_ns(struct kvd_store *s, uint32_t ns, uint32_t uid,
+			 const struct kvd_profile *want, const struct kvd_profile **out, char *msg,
+			 size_t msglen)
+{
+	const struct kvd_profile *old;
+	struct prof *x;
+	int rc;
+
+	if (ns == KVD_NS_NONE) {
+		say(msg, msglen, "uid %u is outside the uids kvd serves (below %u)", uid,
+		    KVD_NS_GROUP);
+		return -EACCES;
+	}
+	if ((old = kvd_store_profile_find(s, ns, want->name))) {
+		if (!same_profile(old, want)) {
+			say(msg, msglen, "profile '%s' exists with other fields", want->name);
+			return -EEXIST;
+		}
+		kvd_store_profile_ref(s, old);
+		*out = old;
+		return 0;
+	}
+	if ((rc = profile_new(s, ns, uid, want, &x, msg, msglen)))
+		return rc;
+	*out = &x->p;
+	return 0;
+}
+
 int kvd_store_profile(struct kvd_store *s, const struct kvd_profile *want,
 		      const struct kvd_profile **out)
 {
 	const struct kvd_profile *old = kvd_store_profile_by_name(s, want->name);
-	struct kvd_profile *p;
-	size_t wn = (size_t)want->g.d * want->g.K * want->g.L;
+	struct prof *x;
+	int rc;
 
 	if (old) {
 		if (!same_profile(old, want))
@@ -174,39 +452,27 @@ int kvd_store_profile(struct kvd_store *s, const struct kvd_profile *want,
 		*out = old;
 		return 0;
 	}
-	if (s->nprof == MAX_PROFILES)
+	if (!s->lim && s->nglobal == MAX_PROFILES)
 		return -ENOSPC;
-	p = calloc(1, sizeof *p);
-	if (!p)
-		return -ENOMEM;
-	*p = *want;
-	p->id = s->nprof + 1;
-	p->dense = malloc(want->layers);
-	p->W = malloc(wn * sizeof *p->W);
-	p->tab = malloc(sizeof *p->tab);
-	if (!p->dense || !p->W || !p->tab) {
-		profile_free(p);
-		return -ENOMEM;
-	}
-	memcpy(p->dense, want->dense, want->layers);
-	kvd_lsh_make_w(p->seed, (int)p->g.d, (int)p->g.K, (int)p->g.L, p->W);
-	kvd_logp_tab_init(p->tab, (int)p->g.K, (int)p->g.L, (int)p->g.c);
-	s->prof[s->nprof++] = p;
-	*out = p;
+	/* The reference profile_new gives is never dropped: old-API profiles
+	 * live as long as the store, as they always did. */
+	if ((rc = profile_new(s, KVD_STORE_NS_GLOBAL, 0, want, &x, NULL, 0)))
+		return rc;
+	*out = &x->p;
 	return 0;
 }
 
 const struct kvd_profile *kvd_store_profile_by_id(struct kvd_store *s, uint32_t id)
 {
-	return id >= 1 && id <= s->nprof ? s->prof[id - 1] : NULL;
+	for (struct prof *x = s->by_id[pid_bucket(id)]; x; x = x->next_id)
+		if (x->p.id == id)
+			return &x->p;
+	return NULL;
 }
 
 const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const char *name)
 {
-	for (uint32_t i = 0; i < s->nprof; i++)
-		if (!strcmp(s->prof[i]->name, name))
-			return s->prof[i];
-	return NULL;
+	return kvd_store_profile_find(s, KVD_STORE_NS_GLOBAL, name);
 }
 
 /* ---- sequences --------------------------------------------------------- */
@@ -224,18 +490,47 @@ static struct kvd_seqn *seq_find(struct kvd_store *s, uint64_t id)
 	return NULL;
 }
 
-static int seq_new(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
-		   uint64_t id, uint64_t owner, struct kvd_seqn **out)
+uint32_t kvd_store_tenant_uid(const char *tenant)
 {
-	struct kvd_seqn *q = calloc(1, sizeof *q);
+	uint64_t v = 0;
+	const char *t = tenant;
 
-	if (!q)
-		return -ENOMEM;
-	q->ly = calloc(p->layers, sizeof *q->ly);
-	if (!q->ly) {
+	for (; *t >= '0' && *t <= '9' && v <= UINT32_MAX; t++)
+		v = v * 10 + (uint64_t)(*t - '0');
+	return t > tenant && *t == ':' && v <= UINT32_MAX ? (uint32_t)v : 0;
+}
+
+static int seq_new(struct kvd_store *s, const struct kvd_profile *p, uint32_t uid,
+		   const char *tenant, uint64_t id, uint64_t owner, struct kvd_seqn **out,
+		   char *msg, size_t msglen)
+{
+	size_t fixed = sizeof(struct kvd_seqn) + (size_t)p->layers * sizeof(struct kvd_layer_state);
+	struct kvd_seqn *q;
+	int rc;
+
+	if (s->lim) {
+		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_SEQUENCES, 1, msg, msglen)))
+			return rc;
+		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, fixed, msg, msglen))) {
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_SEQUENCES, 1);
+			return rc;
+		}
+	}
+	q = calloc(1, sizeof *q);
+	if (q && !(q->ly = calloc(p->layers, sizeof *q->ly))) {
 		free(q);
+		q = NULL;
+	}
+	if (!q) {
+		if (s->lim) {
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, fixed);
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_SEQUENCES, 1);
+		}
+		say(msg, msglen, "out of memory");
 		return -ENOMEM;
 	}
+	q->uid = uid;
+	q->fixed = fixed;
 	q->id = id;
 	q->owner = owner;
 	/* The node with the fewest resident bytes; ties go round robin. */
@@ -245,6 +540,8 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, const char 
 			q->node = i;
 	snprintf(q->tenant, sizeof q->tenant, "%s", tenant);
 	q->p = p;
+	kvd_store_profile_ref(s, p);
+	s->fixed += fixed;
 	uint32_t b = bucket_of(q->id);
 
 	q->next = s->bucket[b];
@@ -257,6 +554,14 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, const char 
 int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
 			 uint64_t owner, struct kvd_seqn **out)
 {
+	return kvd_store_seq_create_uid(s, p, kvd_store_tenant_uid(tenant), tenant, owner, out,
+					NULL, 0);
+}
+
+int kvd_store_seq_create_uid(struct kvd_store *s, const struct kvd_profile *p, uint32_t uid,
+			     const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
+			     size_t msglen)
+{
 	uint64_t id;
 
 	/* mix64 is a bijection, so distinct counters give distinct ids within
@@ -265,7 +570,7 @@ int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const
 	do
 		id = kvd_mix64(++s->next_id ^ s->id_key);
 	while (id == 0 || seq_find(s, id));
-	return seq_new(s, p, tenant, id, owner, out);
+	return seq_new(s, p, uid, tenant, id, owner, out, msg, msglen);
 }
 
 int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
@@ -273,7 +578,7 @@ int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const 
 {
 	if (id == 0 || seq_find(s, id))
 		return -EEXIST;
-	return seq_new(s, p, tenant, id, owner, out);
+	return seq_new(s, p, kvd_store_tenant_uid(tenant), tenant, id, owner, out, NULL, 0);
 }
 
 struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char *tenant)
@@ -303,19 +608,10 @@ void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q)
 		return;
 	*pp = q->next;
 	s->nseq--;
-	s->bytes -= q->bytes;
-	s->node_bytes[q->node] -= q->bytes;
-	seq_destroy(q);
+	seq_destroy(s, q);
 }
 
 /* ---- rows -------------------------------------------------------------- */
-
-static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
-{
-	q->bytes += (size_t)delta;
-	s->bytes += (uint64_t)delta;
-	s->node_bytes[q->node] += (uint64_t)delta;
-}
 
 static size_t rows_bytes(const struct kvd_profile *p, uint32_t cap)
 {
@@ -339,15 +635,32 @@ static void put_rows(const struct kvd_profile *p, uint16_t *dk, uint16_t *dv, ui
 	}
 }
 
-/* Room in l->seg for one more segment.  0 or -ENOMEM. */
-static int seg_room(struct kvd_layer_state *l)
+/* The table of a layer with room for n segments (the growth of seg_room). */
+static uint32_t seg_cap(uint32_t n)
+{
+	uint32_t c = 0;
+
+	while (c < n)
+		c = c ? 2 * c : 4;
+	return c;
+}
+
+/* Room in l->seg for one more segment, charged to q.  0 or -ENOMEM /
+ * -EDQUOT. */
+static int seg_room(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l, int force)
 {
 	if (l->nseg == l->segcap) {
-		uint32_t nc = l->segcap ? 2 * l->segcap : 4;
-		struct kvd_seg **ns = realloc(l->seg, nc * sizeof *ns);
+		uint32_t nc = seg_cap(l->segcap + 1);
+		size_t more = (size_t)(nc - l->segcap) * sizeof(struct kvd_seg *);
+		struct kvd_seg **ns;
+		int rc;
 
-		if (!ns)
+		if ((rc = take(s, q, more, force)))
+			return rc;
+		if (!(ns = realloc(l->seg, nc * sizeof *ns))) {
+			give(s, q, more);
 			return -ENOMEM;
+		}
 		l->seg = ns;
 		l->segcap = nc;
 	}
@@ -364,10 +677,16 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 	struct kvd_seg *seg;
 	int rc;
 
+	size_t sb;
+
 	if (cnt == 0)
 		return 0;
-	if (seg_room(l))
-		return -ENOMEM;
+	if ((rc = seg_room(s, q, l, 0)))
+		return rc;
+	/* The segment is charged before kvd_seg_build allocates it. */
+	sb = kvd_seg_io_bytes(&p->g, cnt);
+	if ((rc = take(s, q, sb, 0)))
+		return rc;
 	/* kvd_seg_build wants [H][cnt][d]: compact a partly filled buffer in
 	 * place (heads move towards the front, so ascending order is safe). */
 	if (cnt < cap) {
@@ -379,32 +698,52 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 			memmove(cc + r * cnt, cc + r * cap, cnt * sizeof *cc);
 	}
 	rc = kvd_seg_build_node(&p->g, cnt, kk, vv, cc, s->pool[q->node], s->mem[q->node], &seg);
-	if (rc)
+	if (rc) {
+		give(s, q, sb);
 		return rc;
+	}
 	l->seg[l->nseg++] = seg;
-	account(s, q, (ptrdiff_t)seg->bytes);
+	if (seg->bytes != sb) {         /* kvd_seg_io_bytes is its size: never, but stay exact */
+		give(s, q, sb);
+		take(s, q, seg->bytes, 1);
+	}
 	return 0;
 }
 
+/* The staging size for `need` rows: it grows geometrically from what is
+ * needed (double the old size, at least `need`, at most a segment) -- or
+ * exactly `need` when kvd_store_rows found that doubling does not fit the
+ * budget.  Never 1024 rows for one token: that broke the wall. */
+static uint32_t staging_cap(const struct kvd_store *s, const struct kvd_profile *p,
+			    uint32_t scap, uint32_t need)
+{
+	uint32_t cap = !s->exact && scap * 2 > need ? scap * 2 : need;
+
+	return cap > p->seg_tokens ? p->seg_tokens : cap;
+}
+
+/* Staging for `need` rows, charged before it is allocated: the new buffer
+ * in full while the old one is still held. */
 static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l,
 			uint32_t need)
 {
 	const struct kvd_profile *p = q->p;
-	uint32_t cap = l->scap ? l->scap : 1024;
+	uint32_t cap = staging_cap(s, p, l->scap, need);
 	uint16_t *nk, *nv, *nc;
+	int rc;
 
-	while (cap < need)
-		cap *= 2;
-	if (cap > p->seg_tokens)
-		cap = p->seg_tokens;
-	if (cap <= l->scap)
+	if (need <= l->scap)
 		return 0;
-	if (rows_alloc(p, &nk, &nv, &nc, cap, s->mem[q->node]))
+	if ((rc = take(s, q, rows_bytes(p, cap), 0)))
+		return rc;
+	if (rows_alloc(p, &nk, &nv, &nc, cap, s->mem[q->node])) {
+		give(s, q, rows_bytes(p, cap));
 		return -ENOMEM;
+	}
 	if (l->sn)
 		put_rows(p, nk, nv, nc, cap, 0, l->sk, l->sv, l->sc, l->scap, 0, l->sn);
 	rows_free(p, l->sk, l->sv, l->sc, l->scap);
-	account(s, q, (ptrdiff_t)rows_bytes(p, cap) - (ptrdiff_t)rows_bytes(p, l->scap));
+	give(s, q, rows_bytes(p, l->scap));
 	l->sk = nk;
 	l->sv = nv;
 	l->sc = nc;
@@ -414,8 +753,8 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 
 static void drop_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
 {
-	account(s, q, -(ptrdiff_t)rows_bytes(q->p, l->scap));
 	rows_free(q->p, l->sk, l->sv, l->sc, l->scap);
+	give(s, q, rows_bytes(q->p, l->scap));
 	l->sk = l->sv = l->sc = NULL;
 	l->scap = l->sn = 0;
 }
@@ -461,9 +800,12 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	int rc;
 
 	if (!l->tk) {
-		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, cap, s->mem[q->node]))
+		if ((rc = take(s, q, rows_bytes(p, cap), 0)))
+			return rc;
+		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, cap, s->mem[q->node])) {
+			give(s, q, rows_bytes(p, cap));
 			return -ENOMEM;
-		account(s, q, (ptrdiff_t)rows_bytes(p, cap));
+		}
 	}
 	while (done < n) {
 		uint32_t cnt = n - done < cap - l->tn ? n - done : cap - l->tn;
@@ -481,6 +823,104 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	return 0;
 }
 
+/* A segment of cnt rows sealed, in rows_peak's bookkeeping. */
+static void sim_seal(const struct kvd_profile *p, uint32_t *nseg, uint32_t *segcap, uint32_t cnt,
+		     uint64_t *cur, uint64_t *peak)
+{
+	if (*nseg == *segcap) {
+		uint32_t nc = seg_cap(*segcap + 1);
+
+		*cur += (uint64_t)(nc - *segcap) * sizeof(struct kvd_seg *);
+		*segcap = nc;
+	}
+	*cur += kvd_seg_io_bytes(&p->g, cnt);
+	(*nseg)++;
+	*peak = *cur > *peak ? *cur : *peak;
+}
+
+/* The most bytes a kvd_store_rows call will have charged at one time
+ * (everything is charged before it is allocated, and staging is given back
+ * only after its successor is allocated): prefill and append step by step
+ * as below, with s->exact as the staging policy. */
+static uint64_t rows_peak(const struct kvd_store *s, const struct kvd_seqn *q,
+			  const struct kvd_layer_state *l, int is_append, int last, int mean,
+			  uint32_t n)
+{
+	const struct kvd_profile *p = q->p;
+	uint64_t cur = mean ? mean_bytes(p) : 0, peak = cur;
+	uint32_t nseg = l->nseg, segcap = l->segcap, done = 0;
+
+	if (is_append) {
+		uint32_t tn = l->tn, cap = p->seal_tokens;
+
+		if (!l->tk)
+			peak = cur += rows_bytes(p, cap);
+		while (done < n) {
+			uint32_t cnt = n - done < cap - tn ? n - done : cap - tn;
+
+			tn += cnt;
+			done += cnt;
+			if (tn == cap) {
+				sim_seal(p, &nseg, &segcap, cap, &cur, &peak);
+				tn = 0;
+			}
+		}
+		return peak;
+	}
+	uint32_t sn = l->sn, scap = l->scap;
+
+	while (done < n || sn == p->seg_tokens) {
+		uint32_t cnt = n - done < p->seg_tokens - sn ? n - done : p->seg_tokens - sn;
+
+		if (sn + cnt > scap) {
+			uint32_t nc = staging_cap(s, p, scap, sn + cnt);
+
+			cur += rows_bytes(p, nc);
+			peak = cur > peak ? cur : peak;
+			cur -= rows_bytes(p, scap);
+			scap = nc;
+		}
+		sn += cnt;
+		done += cnt;
+		if (sn == p->seg_tokens) {
+			sim_seal(p, &nseg, &segcap, sn, &cur, &peak);
+			sn = 0;
+		}
+	}
+	if (last && sn)
+		sim_seal(p, &nseg, &segcap, sn, &cur, &peak);
+	return peak;
+}
+
+/* Before a rows call changes anything: the tier's policy for the bytes it
+ * needs at least (evict others, or wait for write-backs: -EINPROGRESS),
+ * then the wall.  Doubling staging is used when its peak fits, exact
+ * growth when only that fits; else the call is refused whole. */
+static int rows_budget(struct kvd_store *s, struct kvd_seqn *q, const struct kvd_layer_state *l,
+		       int is_append, int last, int mean, uint32_t n, char *msg, size_t msglen)
+{
+	uint64_t p1, p2;
+	int rc;
+
+	s->exact = 0;
+	if (!s->lim)
+		return 0;
+	p2 = rows_peak(s, q, l, is_append, last, mean, n);
+	s->exact = 1;
+	p1 = rows_peak(s, q, l, is_append, last, mean, n);
+	if (s->room && (rc = s->room(s->room_arg, p1, msg, msglen)))
+		return rc;
+	if (!kvd_limits_charge(s->lim, q->uid, KVD_RES_MEMORY, p2, NULL, 0)) {
+		kvd_limits_uncharge(s->lim, q->uid, KVD_RES_MEMORY, p2);
+		s->exact = 0;
+		return 0;
+	}
+	if ((rc = kvd_limits_charge(s->lim, q->uid, KVD_RES_MEMORY, p1, msg, msglen)))
+		return rc;
+	kvd_limits_uncharge(s->lim, q->uid, KVD_RES_MEMORY, p1);
+	return 0;
+}
+
 int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int is_append,
 		   int last, const float *mean, const uint16_t *k, const uint16_t *v,
 		   const uint16_t *codes, uint32_t n, char *msg, size_t msglen)
@@ -495,19 +935,14 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 		return -EINVAL;
 	}
 	l = &q->ly[layer];
-	if (mean) {
-		if (l->mean) {
-			snprintf(msg, msglen, "layer %u already has its mean", layer);
-			return -EINVAL;
-		}
-		l->mean = malloc(mean_bytes(p));
-		if (!l->mean)
-			return -ENOMEM;
-		memcpy(l->mean, mean, mean_bytes(p));
-		account(s, q, (ptrdiff_t)mean_bytes(p));
-		q->gen++;
+	s->why[0] = 0;
+	/* Every check before any change, so that a refusal (or a wait for
+	 * room) leaves the sequence as it was and the entry can run again. */
+	if (mean && l->mean) {
+		snprintf(msg, msglen, "layer %u already has its mean", layer);
+		return -EINVAL;
 	}
-	if (!l->mean) {
+	if (!mean && !l->mean) {
 		snprintf(msg, msglen, "layer %u: first rows must carry the mean", layer);
 		return -EINVAL;
 	}
@@ -516,10 +951,28 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 			 is_append ? "APPEND before the prefill's last chunk" : "PREFILL after the last chunk");
 		return -EINVAL;
 	}
+	if ((rc = rows_budget(s, q, l, is_append, last, mean != NULL, n, s->why, sizeof s->why))) {
+		snprintf(msg, msglen, "layer %u: %s", layer, s->why);
+		return rc;
+	}
+	if (mean) {
+		if ((rc = take(s, q, mean_bytes(p), 0))) {
+			snprintf(msg, msglen, "layer %u: %s", layer, s->why);
+			return rc;
+		}
+		l->mean = malloc(mean_bytes(p));
+		if (!l->mean) {
+			give(s, q, mean_bytes(p));
+			snprintf(msg, msglen, "layer %u: out of memory", layer);
+			return -ENOMEM;
+		}
+		memcpy(l->mean, mean, mean_bytes(p));
+		q->gen++;
+	}
 	q->gen++;
 	rc = is_append ? append(s, q, l, k, v, codes, n) : prefill(s, q, l, last, k, v, codes, n);
 	if (rc)
-		snprintf(msg, msglen, "layer %u: %s", layer, kvd_strerror(rc));
+		snprintf(msg, msglen, "layer %u: %s", layer, s->why[0] ? s->why : kvd_strerror(rc));
 	return rc;
 }
 
@@ -536,9 +989,15 @@ void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q)
 		l->tokens = tokens;
 		l->sealed = sealed;
 	}
-	s->bytes -= q->bytes;
-	s->node_bytes[q->node] -= q->bytes;
-	q->bytes = 0;
+	give(s, q, q->bytes);           /* the struct and layer array (q->fixed) stay */
+}
+
+size_t kvd_store_install_bytes(const struct kvd_seqn *q, int mean, uint32_t tn, uint32_t nseg)
+{
+	const struct kvd_profile *p = q->p;
+
+	return (mean ? mean_bytes(p) : 0) + (tn ? rows_bytes(p, p->seal_tokens) : 0) +
+	       (size_t)seg_cap(nseg) * sizeof(struct kvd_seg *);
 }
 
 int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
@@ -552,15 +1011,21 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 	    l->nseg)
 		return -EINVAL;
 	if (mean) {
-		if (!(l->mean = malloc(mean_bytes(p))))
+		if (take(s, q, mean_bytes(p), 1))
 			return -ENOMEM;
+		if (!(l->mean = malloc(mean_bytes(p)))) {
+			give(s, q, mean_bytes(p));
+			return -ENOMEM;
+		}
 		memcpy(l->mean, mean, mean_bytes(p));
-		account(s, q, (ptrdiff_t)mean_bytes(p));
 	}
 	if (tn) {
-		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, p->seal_tokens, s->mem[q->node]))
+		if (take(s, q, rows_bytes(p, p->seal_tokens), 1))
 			return -ENOMEM;
-		account(s, q, (ptrdiff_t)rows_bytes(p, p->seal_tokens));
+		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, p->seal_tokens, s->mem[q->node])) {
+			give(s, q, rows_bytes(p, p->seal_tokens));
+			return -ENOMEM;
+		}
 		put_rows(p, l->tk, l->tv, l->tc, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
 	}
 	l->tn = tn;
@@ -573,11 +1038,11 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 			  struct kvd_seg *seg)
 {
 	struct kvd_layer_state *l = &q->ly[layer];
+	int rc;
 
-	if (seg_room(l))
-		return -ENOMEM;
+	if ((rc = seg_room(s, q, l, 1)) || (rc = take(s, q, seg->bytes, 1)))
+		return rc;
 	l->seg[l->nseg++] = seg;
-	account(s, q, (ptrdiff_t)seg->bytes);
 	return 0;
 }
 
@@ -604,6 +1069,8 @@ void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st)
 	st->sequences = s->nseq;
 	st->profiles = s->nprof;
 	st->bytes = s->bytes;
+	st->profile_bytes = s->prof_bytes;
+	st->fixed_bytes = s->fixed;
 }
 
 void kvd_store_seq_stats(const struct kvd_seqn *q, uint64_t *tokens, uint32_t *segments)

@@ -12,6 +12,25 @@
  * Everything a client sent has been bounds-checked (kvd/wire.c) before it
  * reaches here; these functions still check what depends on the sequence's
  * state (token order, mean present, layer kind) and fail with a message.
+ *
+ * Limits (kvd/uidlimits.h), once kvd_store_set_limits() gave the store a
+ * kvd_limits: every allocation a client can cause -- a sequence's struct
+ * and layer array, prefill staging, tails, means, segments and their
+ * tables, a profile with its dense array, W and logp table -- is charged to
+ * the sequence's (or the profile creator's) uid as KVD_RES_MEMORY before it
+ * is made, and refused when the charge is: -ENOMEM at the memory limit,
+ * -EDQUOT at memory_per_uid, with a message naming the limit.  Sequences
+ * count against KVD_RES_SEQUENCES, profiles against KVD_RES_PROFILES.
+ * Everything is uncharged when freed or dropped.  Without limits nothing
+ * is refused for the budget (the tier's pre-checks still apply), as before.
+ *
+ * Profiles live in namespaces (kvd_limits_namespace: a uid, or a sharing
+ * group): kvd_store_profile_ns/find/get see only their namespace, so a uid
+ * can neither read nor squat another's profile names.  A profile is
+ * reference counted (each sequence using it, each client holding it) and
+ * freed with its last reference; ids are never reused in a daemon's life.
+ * The old kvd_store_profile/_by_id/_by_name work on KVD_STORE_NS_GLOBAL,
+ * whose profiles are never freed, until the server has switched.
  */
 #ifndef KVD_STORE_H
 #define KVD_STORE_H
@@ -21,13 +40,16 @@
 
 #include "attn.h"
 #include "lsh.h"
+#include "uidlimits.h"
 
 struct kvd_pool;
 
 #define KVD_NAME_MAX 64
 
 struct kvd_profile {
-	uint32_t id;
+	uint32_t id;                    /* unique in a daemon's life, never 0 */
+	uint32_t ns;                    /* namespace (KVD_STORE_NS_GLOBAL: old API) */
+	uint32_t uid;                   /* its creator: charged for its bytes */
 	char name[KVD_NAME_MAX + 1];
 	struct kvd_geom g;
 	uint32_t layers, sink, window, seg_tokens, seal_tokens;
@@ -63,10 +85,14 @@ enum kvd_seq_state {
 struct kvd_seqn {
 	uint64_t id;
 	uint64_t owner;                 /* client id */
+	uint32_t uid;                   /* charged for it (the number before ':' in tenant) */
 	char tenant[KVD_NAME_MAX + 1];
 	const struct kvd_profile *p;
 	struct kvd_layer_state *ly;     /* [layers] */
-	size_t bytes;                   /* resident: segments + staging + tail + means */
+	size_t bytes;                   /* resident: segments and their tables, staging,
+					 * tail, means (0 on disk) */
+	size_t fixed;                   /* the struct and its layer array: charged, and
+					 * kept when dropped, but not in bytes */
 	uint64_t gen;                   /* bumped by every change to the data */
 	uint8_t state;                  /* enum kvd_seq_state */
 	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
@@ -77,7 +103,21 @@ struct kvd_seqn {
 
 struct kvd_store;
 
+/* The namespace of the old, global profile API: no uid has it (uids at
+ * and above KVD_NS_GROUP are groups or refused). */
+#define KVD_STORE_NS_GLOBAL 0xfffffffeu
+
 int kvd_store_create(struct kvd_pool *pool, struct kvd_store **out);
+/* Charge everything to l from now on (see above).  Before any sequence or
+ * profile exists (-EBUSY otherwise); destroy the store before l. */
+int kvd_store_set_limits(struct kvd_store *s, struct kvd_limits *l);
+struct kvd_limits *kvd_store_limits(const struct kvd_store *s);
+/* The tier's budget policy (kvd_tier_room), asked by kvd_store_rows, with
+ * limits set, for the least it will charge before it changes anything: 0,
+ * -EINPROGRESS (room is being made: run the request again later, nothing
+ * was changed) or -ENOMEM with msg.  kvd_tier_create sets it. */
+typedef int (*kvd_store_room_fn)(void *arg, uint64_t bytes, char *msg, size_t msglen);
+void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg);
 /* NUMA: sequences are spread over n nodes (the one with the fewest resident
  * bytes takes the next sequence); node i seals on pools[i] and allocates
  * with kvd_mem_alloc_node(mem[i]).  Before any sequence exists.  Without
@@ -94,13 +134,44 @@ void kvd_store_destroy(struct kvd_store *s);
  * different fields, -EEXIST. */
 int kvd_store_profile(struct kvd_store *s, const struct kvd_profile *want,
 		      const struct kvd_profile **out);
+/* Old API: any namespace by id; KVD_STORE_NS_GLOBAL by name. */
 const struct kvd_profile *kvd_store_profile_by_id(struct kvd_store *s, uint32_t id);
 const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const char *name);
 
+/* Create-or-open want->name in namespace ns (want->id, ns, uid ignored):
+ * identical fields return the existing profile, different ones -EEXIST
+ * (only names within ns collide).  A new profile is charged to uid
+ * (KVD_RES_PROFILES 1 and its bytes as KVD_RES_MEMORY) before anything is
+ * allocated.  Either way the caller gets a reference (drop it with
+ * kvd_store_profile_unref).  -EACCES for KVD_NS_NONE, -EOVERFLOW when
+ * 2^32-1 profile ids are used up; msg says why (may be NULL). */
+int kvd_store_profile_ns(struct kvd_store *s, uint32_t ns, uint32_t uid,
+			 const struct kvd_profile *want, const struct kvd_profile **out, char *msg,
+			 size_t msglen);
+/* NULL unless a profile of that name / id is in ns.  No reference taken. */
+const struct kvd_profile *kvd_store_profile_find(struct kvd_store *s, uint32_t ns,
+						 const char *name);
+const struct kvd_profile *kvd_store_profile_get(struct kvd_store *s, uint32_t ns, uint32_t id);
+/* References: the last unref frees the profile and uncharges its creator
+ * (old-API profiles hold a permanent one). */
+void kvd_store_profile_ref(struct kvd_store *s, const struct kvd_profile *p);
+void kvd_store_profile_unref(struct kvd_store *s, const struct kvd_profile *p);
+/* What a profile of this geometry costs: struct, dense, W, logp table. */
+size_t kvd_store_profile_bytes(const struct kvd_profile *p);
+
+/* "1000:chat" -> 1000: the number before ':' in a tenant; 0 without one. */
+uint32_t kvd_store_tenant_uid(const char *tenant);
+/* uid is kvd_store_tenant_uid(tenant). */
 int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
 			 uint64_t owner, struct kvd_seqn **out);
+/* The same, charged to uid (KVD_RES_SEQUENCES 1, its struct and layer
+ * array as memory) before anything is allocated: 0, or -EDQUOT / -ENOSPC /
+ * -ENOMEM with msg (may be NULL).  The sequence takes a reference on p. */
+int kvd_store_seq_create_uid(struct kvd_store *s, const struct kvd_profile *p, uint32_t uid,
+			     const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
+			     size_t msglen);
 /* The same with a given id (sequences found on disk at start-up): -EEXIST
- * when the id is taken. */
+ * when the id is taken; charged as kvd_store_seq_create (uid from tenant). */
 int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
 			uint64_t id, uint64_t owner, struct kvd_seqn **out);
 /* NULL unless the sequence exists and belongs to `tenant`. */
@@ -110,15 +181,20 @@ void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q);
 void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
 
 /* Tiering (kvd/tier.c).  drop frees every resident byte of a sequence but
- * keeps its identity and token counts; the install functions put restored
- * parts back, accounted.  A layer's tail rows are copied; a segment is
- * taken over. */
+ * keeps its identity and token counts (and its fixed bytes); the install
+ * functions put restored parts back, accounted.  A layer's tail rows are
+ * copied; a segment is taken over.  Install charges without checking caps:
+ * the tier reserved the room before the restore (kvd_store_install_bytes)
+ * and gives back, as it installs, what each call added to q->bytes. */
 void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q);
 int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 			    const float *mean, int sealed, uint64_t tokens, const uint16_t *k,
 			    const uint16_t *v, const uint16_t *codes, uint32_t tn);
 int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 			  struct kvd_seg *seg);
+/* What installing a layer adds besides its segments' io buffers: the mean,
+ * the tail buffer (when tn > 0) and a table for nseg segments. */
+size_t kvd_store_install_bytes(const struct kvd_seqn *q, int mean, uint32_t tn, uint32_t nseg);
 /* Whether every sparse layer's prefill staging is empty: only then can the
  * sequence be written out whole (sealed segments, tails, means). */
 int kvd_store_spillable(const struct kvd_seqn *q);
@@ -126,7 +202,9 @@ int kvd_store_spillable(const struct kvd_seqn *q);
 /* Rows entering a layer: PREFILL (append to staging, seal full segments,
  * and everything with `last`) or APPEND (the tail, sealed at seal_tokens).
  * mean is [kv][d] or NULL; k, v [kv][n][d] bf16; codes [kv][L][n].
- * 0, or a negative code with msg filled. */
+ * 0, or a negative code with msg filled.  With limits, the most the call
+ * will hold at once is checked before anything changes: -EINPROGRESS from
+ * the room function, or -ENOMEM / -EDQUOT, leave the sequence untouched. */
 int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int append,
 		   int last, const float *mean, const uint16_t *k, const uint16_t *v,
 		   const uint16_t *codes, uint32_t n, char *msg, size_t msglen);
@@ -137,7 +215,11 @@ struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer);
 struct kvd_store_stats {
 	uint32_t sequences, profiles;
 	uint64_t bytes;                 /* resident, all sequences */
+	uint64_t profile_bytes;         /* all profiles (charged to their creators) */
+	uint64_t fixed_bytes;           /* all sequences' structs and layer arrays */
 };
+/* Per-uid usage is kvd_limits_uid_usage / kvd_limits_each on
+ * kvd_store_limits(s). */
 void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st);
 void kvd_store_seq_stats(const struct kvd_seqn *q, uint64_t *tokens, uint32_t *segments);
 

@@ -25,6 +25,7 @@ struct unl;
 
 struct rec {
 	struct kvd_seqn *q;
+	uint32_t uid;                   /* q's: what this record charged is on it */
 	struct unl *unl;                /* an UNLINK of our file in flight */
 	struct rec *prev, *next;        /* LRU of resident sequences, head = coldest */
 	int in_lru;
@@ -42,7 +43,10 @@ struct rec {
 	uint8_t *mine;                  /* [next]: buf[i] is ours to free at the end:
 					 * MINE_PAGE or MINE_SEG (kvd_seg_io_alloc) */
 	struct ext *wext;               /* WRITE: the extents being written */
-	uint64_t reserved;              /* READ: budget held for what is not installed */
+	uint64_t reserved;              /* READ: budget held for what is not installed
+					 * (charged to uid's memory in kvd_limits) */
+	uint64_t spill_chg;             /* bytes of the file (being) written, charged to
+					 * uid's KVD_RES_SPILL until the file goes */
 	uint64_t pend;                  /* WRITE with evict_after: counted in t->pending */
 	uint64_t backoff_until;
 	char why[96];                   /* LOST: the reason */
@@ -67,7 +71,13 @@ struct kvd_tier {
 	struct unl *unls;
 	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
 	int stopping;
+	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
+
+static struct kvd_limits *lim(const struct kvd_tier *t)
+{
+	return kvd_store_limits(t->st);
+}
 
 static uint64_t now_ns(void)
 {
@@ -77,12 +87,21 @@ static uint64_t now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* With limits, everything charged as memory: sequences, profiles, the
+ * restores' reservations and the records here; the store's charges are the
+ * wall, this is the same number so the watermarks see what the wall sees. */
 static uint64_t used(const struct kvd_tier *t)
 {
 	struct kvd_store_stats ss;
 
+	if (lim(t)) {
+		struct kvd_limits_usage u;
+
+		kvd_limits_total(lim(t), &u);
+		return u.n[KVD_RES_MEMORY];
+	}
 	kvd_store_stats(t->st, &ss);
-	return ss.bytes + t->reserved;
+	return ss.bytes + ss.fixed_bytes + ss.profile_bytes + t->reserved;
 }
 
 static void *page_alloc(uint64_t bytes)
@@ -98,8 +117,18 @@ static struct rec *rec_of(struct kvd_tier *t, struct kvd_seqn *q)
 {
 	struct rec *r = q->tier;
 
-	if (!r && (r = calloc(1, sizeof *r))) {
+	/* Charged without a check: one record a sequence, and sequences are
+	 * capped; refusing it would only turn into "out of memory". */
+	if (!r && lim(t) && kvd_limits_force(lim(t), q->uid, KVD_RES_MEMORY, sizeof *r))
+		return NULL;
+	if (!r && !(r = calloc(1, sizeof *r))) {
+		if (lim(t))
+			kvd_limits_uncharge(lim(t), q->uid, KVD_RES_MEMORY, sizeof *r);
+		return NULL;
+	}
+	if (!r->q) {
 		r->q = q;
+		r->uid = q->uid;
 		q->tier = r;
 	}
 	return r;
@@ -125,8 +154,20 @@ static void lru_use(struct kvd_tier *t, struct rec *r)
 	r->epoch = t->epoch;
 }
 
+/* Gives back the spill bytes r's file was charged (the file is going, or
+ * was never written). */
+static void spill_unchg(struct kvd_tier *t, struct rec *r)
+{
+	if (lim(t))
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_SPILL, r->spill_chg);
+	r->spill_chg = 0;
+}
+
 static void rec_free(struct kvd_tier *t, struct rec *r)
 {
+	spill_unchg(t, r);
+	if (lim(t))
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, sizeof *r);
 	lru_del(t, r);
 	if (r->unl)
 		r->unl->r = NULL;
@@ -178,6 +219,7 @@ static void forget_file(struct kvd_tier *t, struct rec *r)
 		return;
 	if (!(t->stopping && t->cfg.persist))
 		unlink_file(t, r);
+	spill_unchg(t, r);
 	r->has_file = 0;
 	free(r->ext);
 	r->ext = NULL;
@@ -208,6 +250,8 @@ static void job_release(struct kvd_tier *t, struct rec *r)
 	r->mine = NULL;
 	r->wext = NULL;
 	t->reserved -= r->reserved;
+	if (lim(t))
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, r->reserved);
 	r->reserved = 0;
 	r->busy = 0;
 	memset(&r->job, 0, sizeof r->job);
@@ -386,8 +430,25 @@ static int evict(struct kvd_tier *t, struct rec *r)
 	}
 	if ((rc = build_write(t, r)))
 		return rc;
+	/* The file's bytes are charged to the uid's spill before the write
+	 * starts; refused, the sequence stays in RAM (and is not tried again
+	 * before the back-off). */
+	uint64_t fb = 0;
+
+	for (unsigned i = 0; i < r->job.next; i++)
+		fb += r->wext[i].bytes;
+	if (lim(t) && (rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_SPILL, fb, t->why,
+					      sizeof t->why))) {
+		kvd_log(LOG_DEBUG, "sequence %016llx stays in RAM: %s", (unsigned long long)q->id,
+			t->why);
+		r->backoff_until = now_ns() + BACKOFF_NS;
+		job_release(t, r);
+		return rc;
+	}
+	r->spill_chg = lim(t) ? fb : 0;
 	if ((rc = kvd_spill_submit(t->sp, &r->job))) {
 		job_release(t, r);
+		spill_unchg(t, r);
 		return rc;
 	}
 	r->busy = 1;
@@ -421,7 +482,10 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 		r->ext = r->wext;
 		r->next_ext = j->next;
 		r->wext = NULL;
-	} else if (j->res != -ECANCELED) {
+	} else {
+		spill_unchg(t, r);      /* no file */
+	}
+	if (j->res && j->res != -ECANCELED) {
 		t->spill_errors++;
 		r->backoff_until = now_ns() + BACKOFF_NS;
 		kvd_log(LOG_WARNING, "spill of sequence %016llx failed, it stays in RAM: %s",
@@ -458,10 +522,27 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 	uint64_t need = 0;
 	int rc;
 
-	for (unsigned i = 0; i < r->next_ext; i++)
-		need += r->ext[i].bytes;
+	/* The budget for the restore: every extent's buffer, and what
+	 * installing a layer allocates besides (mean, tail, segment table). */
+	for (unsigned i = 0; i < r->next_ext; i++) {
+		const struct ext *e = &r->ext[i];
+		uint32_t nseg = 0;
+
+		need += e->bytes;
+		if (e->kind != KVD_SFMT_LAYER)
+			continue;
+		for (unsigned k = i + 1; k < r->next_ext && r->ext[k].kind == KVD_SFMT_SEG &&
+					 r->ext[k].layer == e->layer; k++)
+			nseg++;
+		need += kvd_store_install_bytes(q, !!(e->flags & KVD_SFMT_LF_MEAN), e->n, nseg);
+	}
 	if ((rc = kvd_tier_room(t, need, msg, msglen)))
 		return rc;
+	/* kvd_tier_room is the policy (evict, wait); the charge is the wall. */
+	if (lim(t) && (rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_MEMORY, need, msg, msglen)))
+		return rc;
+	r->reserved = need;
+	t->reserved += need;
 	if (job_alloc(r, r->next_ext))
 		goto nomem;
 	r->job.next = r->next_ext;
@@ -491,8 +572,6 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 	r->job = (struct kvd_spill_job){ .op = KVD_SPILL_READ, .seq = q->id, .gen = r->file_gen,
 					 .dir = r->dir, .ext = r->buf, .next = r->next_ext,
 					 .user = r };
-	r->reserved = need;
-	t->reserved += need;
 	if ((rc = kvd_spill_submit(t->sp, &r->job))) {
 		snprintf(msg, msglen, "cannot start the restore: %s", kvd_strerror(rc));
 		job_release(t, r);
@@ -567,8 +646,6 @@ static int install(struct kvd_tier *t, struct rec *r, unsigned i)
 			kvd_seg_free(sg);
 			return rc;
 		}
-		t->reserved -= sg->bytes;
-		r->reserved -= sg->bytes;
 		break;
 	}
 	case KVD_SFMT_END:
@@ -583,7 +660,19 @@ static void read_progress(struct kvd_tier *t, struct rec *r, unsigned i)
 
 	if (r->freeing || r->q->state != KVD_SEQ_RESTORING)
 		return;
+	size_t before = r->q->bytes;
+
 	rc = install(t, r, i);
+	/* What the store now holds moves out of the reservation: the store
+	 * charged it (unchecked), the reservation gives it back. */
+	uint64_t moved = r->q->bytes > before ? r->q->bytes - before : 0;
+
+	if (moved > r->reserved)
+		moved = r->reserved;
+	r->reserved -= moved;
+	t->reserved -= moved;
+	if (lim(t))
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, moved);
 	if (rc) {
 		char why[96];
 
@@ -625,6 +714,12 @@ static void read_done(struct kvd_tier *t, struct rec *r)
 
 /* ---- the API ------------------------------------------------------------ */
 
+/* The store asks before rows that need room (see kvd_store_set_room). */
+static int room_cb(void *arg, uint64_t bytes, char *msg, size_t msglen)
+{
+	return kvd_tier_room(arg, bytes, msg, msglen);
+}
+
 int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct kvd_tier **out)
 {
 	struct kvd_tier *t = calloc(1, sizeof *t);
@@ -638,6 +733,7 @@ int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct
 		free(t);
 		return rc;
 	}
+	kvd_store_set_room(st, room_cb, t);
 	*out = t;
 	return 0;
 }
@@ -658,6 +754,9 @@ static void free_all(void *arg, struct kvd_seqn *q)
 		r->q->tier = NULL;
 		r->q = NULL;
 	}
+	spill_unchg(t, r);
+	if (lim(t))
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, sizeof *r);
 	lru_del(t, r);
 	free(r->ext);
 	free(r);
@@ -674,6 +773,7 @@ void kvd_tier_destroy(struct kvd_tier *t)
 	while (t->unls)
 		unl_done(t, t->unls);
 	kvd_store_each(t->st, free_all, t);
+	kvd_store_set_room(t->st, NULL, NULL);
 	if (t->cfg.spill && !t->cfg.persist) {
 		/* Nothing outlives kvd without persist: empty the directories
 		 * now rather than at the next start. */
@@ -799,10 +899,13 @@ int kvd_tier_evict(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msg
 		snprintf(msg, msglen, "sequence is being restored");
 		return -EBUSY;
 	}
+	t->why[0] = 0;
 	rc = evict(t, r);
 	if (rc == -EAGAIN)
 		rc = evict(t, r);       /* only if the unlink already ended: else say so */
-	if (rc == -EAGAIN)
+	if (rc && t->why[0])
+		snprintf(msg, msglen, "%s", t->why);
+	else if (rc == -EAGAIN)
 		snprintf(msg, msglen, "its stale file is being deleted: try again");
 	else if (rc == -EBUSY)
 		snprintf(msg, msglen, "a layer's prefill is in progress: finish it first");
@@ -984,25 +1087,50 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 	if (kvd_sfmt_profile_get(profile, profile_bytes, &want, msg, sizeof msg)) {
 		kvd_log(LOG_WARNING, "spill file of %016llx: bad profile: %s",
 			(unsigned long long)hdr[0].seq, msg);
-		return 1;
+		return -KVD_EFORMAT;    /* quarantined: the file is bad */
 	}
-	rc = kvd_store_profile(t->st, &want, &p);
+	/* With limits, the profile is made in the namespace of the uid in the
+	 * file's tenant and charged to it; the reference taken here is
+	 * dropped once the sequence holds its own. */
+	uint32_t uid = kvd_store_tenant_uid(hdr[0].tenant);
+
+	msg[0] = 0;
+	if (lim(t))
+		rc = kvd_store_profile_ns(t->st, kvd_limits_namespace(lim(t), uid), uid, &want, &p, msg,
+					  sizeof msg);
+	else
+		rc = kvd_store_profile(t->st, &want, &p);
 	free(want.dense);
 	free(want.W);
-	if (rc || kvd_sfmt_profile_fp(p) != hdr[0].profile_fp) {
-		kvd_log(LOG_WARNING, "spill file of %016llx: profile '%s' %s",
-			(unsigned long long)hdr[0].seq, want.name,
-			rc ? "conflicts with another of that name" : "does not match its fingerprint");
-		return 1;
+	if (!rc && kvd_sfmt_profile_fp(p) != hdr[0].profile_fp) {
+		if (lim(t))
+			kvd_store_profile_unref(t->st, p);
+		rc = -KVD_EFORMAT;
+		snprintf(msg, sizeof msg, "does not match its fingerprint");
 	}
-	if (kvd_store_seq_adopt(t->st, p, hdr[0].tenant, hdr[0].seq, 0, &q)) {
-		kvd_log(LOG_WARNING, "spill file of %016llx: that sequence is already loaded",
-			(unsigned long long)hdr[0].seq);
-		return 1;
+	if (rc) {
+		kvd_log(LOG_WARNING, "spill file of %016llx: profile '%s': %s",
+			(unsigned long long)hdr[0].seq, want.name,
+			msg[0] ? msg : rc == -EEXIST ? "conflicts with another of that name"
+						     : kvd_strerror(rc));
+		/* A file that does not fit (a fingerprint, a name taken with other
+		 * fields) is set aside; one refused for memory or a limit stays for
+		 * the next start. */
+		return rc == -KVD_EFORMAT || rc == -EEXIST ? -KVD_EFORMAT : rc;
+	}
+	rc = kvd_store_seq_adopt(t->st, p, hdr[0].tenant, hdr[0].seq, 0, &q);
+	if (lim(t))
+		kvd_store_profile_unref(t->st, p);
+	if (rc) {
+		kvd_log(LOG_WARNING, "spill file of %016llx: %s", (unsigned long long)hdr[0].seq,
+			rc == -EEXIST ? "that sequence is already loaded" : kvd_strerror(rc));
+		return rc == -EEXIST ? -KVD_EFORMAT : rc;
 	}
 	if (!(r = rec_of(t, q)) || !(r->ext = calloc(n, sizeof *r->ext))) {
+		if (r)
+			rec_free(t, r);
 		kvd_store_seq_free(t->st, q);
-		return 1;
+		return -ENOMEM;         /* left in place: next start tries again */
 	}
 	uint32_t last = 0;
 
@@ -1017,7 +1145,7 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 				(unsigned long long)hdr[0].seq, i, h->layer);
 			rec_free(t, r);
 			kvd_store_seq_free(t->st, q);
-			return 1;
+			return -KVD_EFORMAT;
 		}
 		if (data)
 			last = h->layer;
@@ -1031,6 +1159,10 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 	r->dir = dir;
 	r->file_gen = hdr[0].gen;
 	r->disk_bytes = disk_bytes;
+	/* The file exists: accounted to its uid even above spill_per_uid
+	 * (which then holds back that uid's next spills). */
+	if (lim(t) && !kvd_limits_force(lim(t), r->uid, KVD_RES_SPILL, disk_bytes))
+		r->spill_chg = disk_bytes;
 	q->gen = hdr[0].gen;
 	q->state = KVD_SEQ_DISK;
 	return 0;

@@ -482,6 +482,157 @@ static void test_spill_keys(void **state)
 	assert_non_null(strstr(err, "yes or no"));
 }
 
+/* [limits] and [sharing]: defaults, every key with good and bad values,
+ * ranges, per-uid values above the global refused, percentages resolved
+ * against the global limit, and the namespaces of sharing groups. */
+static void test_limits_keys(void **state)
+{
+	struct kvd_config c, before;
+	struct kvd_limits_cfg lc;
+	char err[512] = "";
+
+	kvd_config_defaults(&c);
+	assert_int_equal(c.connections, 1024);
+	assert_int_equal(c.connections_per_uid, 256);
+	assert_int_equal(c.sequences, 65536);
+	assert_int_equal(c.sequences_per_uid, 16384);
+	assert_int_equal(c.profiles, 256);
+	assert_int_equal(c.profiles_per_uid, 16);
+	assert_int_equal(kvd_config_memory_per_uid(&c), c.mem_limit);
+	assert_int_equal(kvd_config_spill_per_uid(&c), 0);     /* 100% of no spill limit */
+	assert_int_equal(c.nshare, 0);
+	assert_int_equal(kvd_config_namespace(&c, 1000), 1000);
+	assert_int_equal(kvd_config_namespace(&c, 0), 0);
+	assert_int_equal(kvd_config_namespace(&c, 0x80000000u), KVD_NS_NONE);
+	kvd_config_limits(&c, &lc);
+	assert_int_equal(lc.cap[KVD_RES_MEMORY], c.mem_limit);
+	assert_int_equal(lc.per_uid[KVD_RES_MEMORY], 0);        /* 100%: no separate cap */
+	assert_int_equal(lc.cap[KVD_RES_SEQUENCES], 65536);
+
+	write_conf("[memory]\nlimit = 8G\n[spill]\nlimit = 100G\n"
+		   "[limits]\nconnections = 64\nconnections_per_uid = 8\nsequences = 1000\n"
+		   "sequences_per_uid = 1000\nprofiles = 16777216\nprofiles_per_uid = 1\n"
+		   "memory_per_uid = 25%\nspill_per_uid = 10G\n"
+		   "[sharing]\ngroups =  1000,1001\t2000,2001,2002   \n");
+	kvd_config_defaults(&c);
+	if (kvd_config_load_file(&c, path, err, sizeof err))
+		print_error("%s\n", err);
+	assert_int_equal(c.connections, 64);
+	assert_int_equal(c.connections_per_uid, 8);
+	assert_int_equal(c.sequences, 1000);
+	assert_int_equal(c.sequences_per_uid, 1000);
+	assert_int_equal(c.profiles, 16777216);
+	assert_int_equal(c.profiles_per_uid, 1);
+	assert_int_equal(kvd_config_memory_per_uid(&c), (8ull << 30) / 100 * 25);
+	assert_int_equal(kvd_config_spill_per_uid(&c), 10ull << 30);
+	assert_int_equal(c.nshare, 5);
+	assert_int_equal(c.ngroups, 2);
+	assert_int_equal(kvd_config_namespace(&c, 1000), KVD_NS_GROUP | 0);
+	assert_int_equal(kvd_config_namespace(&c, 1001), KVD_NS_GROUP | 0);
+	assert_int_equal(kvd_config_namespace(&c, 2002), KVD_NS_GROUP | 1);
+	assert_int_equal(kvd_config_namespace(&c, 1002), 1002);
+	kvd_config_limits(&c, &lc);
+	assert_int_equal(lc.cap[KVD_RES_CONNECTIONS], 64);
+	assert_int_equal(lc.per_uid[KVD_RES_CONNECTIONS], 8);
+	assert_int_equal(lc.cap[KVD_RES_MEMORY], 8ull << 30);
+	assert_int_equal(lc.per_uid[KVD_RES_MEMORY], (8ull << 30) / 100 * 25);
+	assert_int_equal(lc.cap[KVD_RES_SPILL], 100ull << 30);
+	assert_int_equal(lc.per_uid[KVD_RES_SPILL], 10ull << 30);
+	assert_int_equal(lc.nshare, 5);
+	assert_int_equal(kvd_limits_cfg_namespace(&lc, 2000), KVD_NS_GROUP | 1);
+	/* a percentage follows the limit set after it (here by a flag) */
+	{
+		char conf[160];
+		char *a[] = { "kvd", "--config", conf, "--mem-limit", "4G", NULL };
+
+		snprintf(conf, sizeof conf, "%s", path);
+		kvd_config_defaults(&c);
+		assert_int_equal(kvd_config_parse_args(&c, 5, a, err, sizeof err), 0);
+		assert_int_equal(kvd_config_memory_per_uid(&c), (4ull << 30) / 100 * 25);
+	}
+	/* sizes of memory_per_uid: bytes; the group list can be emptied */
+	write_conf("[memory]\nlimit = 1G\n[limits]\nmemory_per_uid = 512M\n[sharing]\ngroups =\n");
+	kvd_config_defaults(&c);
+	assert_int_equal(kvd_config_load_file(&c, path, err, sizeof err), 0);
+	assert_int_equal(kvd_config_memory_per_uid(&c), 512ull << 20);
+	assert_int_equal(c.nshare, 0);
+
+	static const struct {
+		const char *text;
+		const char *want[3];
+	} bad[] = {
+		{ "[limits]\nconnections = 0\n", { "kvd.conf:2:", "connections", "at least 1" } },
+		{ "[limits]\nconnections = -1\n", { ":2:", "connections", "not a whole number" } },
+		{ "[limits]\nconnections = 16777217\n", { "connections", "above 16777216" } },
+		{ "[limits]\nconnections = 1k\n", { "connections", "'1k'" } },
+		{ "[limits]\nconnections_per_uid = 0\n", { "connections_per_uid", "at least 1" } },
+		{ "[limits]\nconnections_per_uid = 2000\n",
+		  { "kvd.conf", "connections_per_uid 2000 is above connections 1024" } },
+		{ "[limits]\nconnections = 10\n", { "connections_per_uid 256 is above connections 10" } },
+		{ "[limits]\nsequences = x\n", { "sequences", "not a whole number" } },
+		{ "[limits]\nsequences = 99999999999\n", { "sequences", "above" } },
+		{ "[limits]\nsequences_per_uid = 70000\n",
+		  { "sequences_per_uid 70000 is above sequences 65536" } },
+		{ "[limits]\nsequences_per_uid = 0\n", { "sequences_per_uid", "at least 1" } },
+		{ "[limits]\nprofiles = 0\n", { "profiles", "at least 1" } },
+		{ "[limits]\nprofiles = 8\n", { "profiles_per_uid 16 is above profiles 8" } },
+		{ "[limits]\nprofiles_per_uid = 257\n", { "profiles_per_uid 257 is above profiles 256" } },
+		{ "[limits]\nprofiles_per_uid = 1.5\n", { "profiles_per_uid", "'1.5'" } },
+		{ "[limits]\nmemory_per_uid = 0\n", { "memory_per_uid", "below 1 MiB" } },
+		{ "[limits]\nmemory_per_uid = 0%\n", { "memory_per_uid", "percentage" } },
+		{ "[limits]\nmemory_per_uid = 101%\n", { "memory_per_uid", "percentage" } },
+		{ "[limits]\nmemory_per_uid = 12Q\n", { "memory_per_uid", "suffix" } },
+		{ "[memory]\nlimit = 1G\n[limits]\nmemory_per_uid = 2G\n",
+		  { "memory_per_uid", "above [memory] limit" } },
+		{ "[limits]\nspill_per_uid = 100\n", { "spill_per_uid", "below 1 MiB" } },
+		{ "[limits]\nspill_per_uid = 50\n%\n", { "kvd.conf" } },
+		{ "[spill]\nlimit = 1G\n[limits]\nspill_per_uid = 2G\n",
+		  { "spill_per_uid", "above [spill] limit" } },
+		{ "[limits]\nsequences = 10\nsequences = 10\n", { "kvd.conf:3:", "given twice" } },
+		{ "[limits]\nthreads = 4\n", { "threads", "unknown key" } },
+		{ "[sharing]\ngroups = 1000\n", { "kvd.conf:2:", "groups", "one uid" } },
+		{ "[sharing]\ngroups = 1000, 1001\n", { "groups", "empty uid" } },
+		{ "[sharing]\ngroups = 1000,,1001\n", { "groups", "empty uid" } },
+		{ "[sharing]\ngroups = 1000,abc\n", { "groups", "'abc' is not a number" } },
+		{ "[sharing]\ngroups = 1000,2147483648\n", { "groups", "below 2147483648" } },
+		{ "[sharing]\ngroups = 1000,1001 1001,1002\n", { "uid 1001 is in two groups" } },
+		{ "[sharing]\ngroups = 1000,1000\n", { "uid 1000 is in its group twice" } },
+		{ "[sharing]\ngroups = 1,2\ngroups = 3,4\n", { "kvd.conf:3:", "given twice" } },
+		{ "[sharing]\nuids = 1,2\n", { "uids", "unknown key" } },
+	};
+	kvd_config_defaults(&before);
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		int rc;
+
+		c = before;
+		err[0] = 0;
+		write_conf(bad[i].text);
+		rc = kvd_config_load_file(&c, path, err, sizeof err);
+		for (int k = 0; k < 3 && bad[i].want[k]; k++) {
+			if (!strstr(err, bad[i].want[k]))
+				print_error("case %zu: want '%s' in '%s' (rc %d)\n", i, bad[i].want[k], err, rc);
+			assert_non_null(strstr(err, bad[i].want[k]));
+		}
+		assert_int_equal(rc, -EINVAL);
+		assert_memory_equal(&c, &before, sizeof c);
+	}
+	/* many small groups (a line holds at most libinih's ~200 bytes) */
+	{
+		char text[4096] = "[sharing]\ngroups =";
+
+		for (int g = 0; g < 30; g++)
+			snprintf(text + strlen(text), sizeof text - strlen(text), " %d,%d", 2 * g, 2 * g + 1);
+		strcat(text, "\n");
+		write_conf(text);
+		c = before;
+		if (kvd_config_load_file(&c, path, err, sizeof err))
+			fail_msg("%s", err);
+		assert_int_equal(c.ngroups, 30);
+		assert_int_equal(kvd_config_namespace(&c, 59), KVD_NS_GROUP | 29);
+		assert_int_equal(kvd_config_namespace(&c, 0), KVD_NS_GROUP | 0);
+	}
+}
+
 static void test_usage(void **state)
 {
 	char *buf = NULL;
@@ -508,6 +659,7 @@ int main(void)
 		cmocka_unit_test(test_example_file),
 		cmocka_unit_test(test_log_file),
 		cmocka_unit_test(test_spill_keys),
+		cmocka_unit_test(test_limits_keys),
 		cmocka_unit_test(test_usage),
 	};
 

@@ -1,0 +1,427 @@
+/* kvd_store with kvd_limits: the memory limit is a wall (sequence structs,
+ * staging, means, segments are charged before they are allocated), profile
+ * namespaces (no cross-uid lookups or name collisions, sharing groups),
+ * profile references and ids that are never reused, the per-uid caps, and
+ * the old API without limits. */
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "pool.h"
+#include "rng.h"
+#include "store.h"
+#include "testutil.h"
+#include "uidlimits.h"
+
+#define KV 2
+#define D 64
+#define KB 8
+#define LT 16
+#define LAYERS 2
+
+static struct kvd_pool *pool;
+static uint8_t dense[LAYERS];
+
+static struct kvd_profile profile(const char *name, uint64_t seed)
+{
+	struct kvd_profile p;
+
+	memset(&p, 0, sizeof p);
+	snprintf(p.name, sizeof p.name, "%s", name);
+	p.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2 };
+	p.layers = LAYERS;
+	p.sink = 4;
+	p.window = 64;
+	p.seg_tokens = 256;
+	p.seal_tokens = 64;
+	p.seed = seed;
+	p.dense = dense;
+	return p;
+}
+
+static struct kvd_limits *limits(uint64_t mem, uint64_t mem_uid, uint32_t seqs_uid,
+				 uint32_t profs_uid)
+{
+	struct kvd_limits_cfg c;
+	struct kvd_limits *l;
+
+	memset(&c, 0, sizeof c);
+	c.cap[KVD_RES_MEMORY] = mem;
+	c.per_uid[KVD_RES_MEMORY] = mem_uid;
+	c.per_uid[KVD_RES_SEQUENCES] = seqs_uid;
+	c.per_uid[KVD_RES_PROFILES] = profs_uid;
+	c.cap[KVD_RES_SEQUENCES] = 1u << 24;
+	c.cap[KVD_RES_PROFILES] = 1024;
+	c.share_uid[0] = 3000;
+	c.share_uid[1] = 3001;
+	c.nshare = 2;
+	assert_int_equal(kvd_limits_create(&c, &l), 0);
+	return l;
+}
+
+static struct kvd_store *store(struct kvd_limits *l)
+{
+	struct kvd_store *s;
+
+	assert_int_equal(kvd_store_create(pool, &s), 0);
+	if (l)
+		assert_int_equal(kvd_store_set_limits(s, l), 0);
+	return s;
+}
+
+static uint64_t mem_total(const struct kvd_limits *l)
+{
+	struct kvd_limits_usage u;
+
+	kvd_limits_total(l, &u);
+	return u.n[KVD_RES_MEMORY];
+}
+
+/* What the store itself says it holds. */
+static uint64_t store_total(const struct kvd_store *s)
+{
+	struct kvd_store_stats st;
+
+	kvd_store_stats(s, &st);
+	return st.bytes + st.fixed_bytes + st.profile_bytes;
+}
+
+static void test_seq_creates_hit_the_wall(void **state)
+{
+	const uint64_t limit = 2u << 20;
+	struct kvd_limits *l = limits(limit, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 1);
+	const struct kvd_profile *p;
+	static struct kvd_seqn *q[100000];
+	unsigned made = 0, refused = 0;
+	char msg[200];
+
+	assert_int_equal(kvd_store_profile_ns(s, 1000, 1000, &want, &p, msg, sizeof msg), 0);
+	for (unsigned i = 0; i < 100000; i++) {
+		int rc = kvd_store_seq_create_uid(s, p, 1000, "1000:t", 1, &q[made], msg, sizeof msg);
+
+		if (rc == 0) {
+			assert_int_equal(refused, 0);   /* once full, it stays full */
+			made++;
+		} else {
+			assert_int_equal(rc, -ENOMEM);
+			if (!refused++)
+				assert_non_null(strstr(msg, "memory.limit"));
+		}
+		assert_true(mem_total(l) <= limit);
+		assert_true(store_total(s) <= limit);
+	}
+	print_message("  %u sequences made under %llu bytes, %u refused\n", made,
+		      (unsigned long long)limit, refused);
+	assert_true(made > 1000);
+	assert_true(refused > 0);
+	assert_int_equal(store_total(s), mem_total(l));
+	/* the old entry point charges the uid in the tenant the same way */
+	assert_int_equal(kvd_store_seq_create(s, p, "1000:t", 1, &q[made]), -ENOMEM);
+	for (unsigned i = 0; i < made; i++)
+		kvd_store_seq_free(s, q[i]);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	assert_int_equal(kvd_limits_uids(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+/* One PREFILL of one token: mean, staging, and with `last` its segment. */
+static int prefill1(struct kvd_store *s, struct kvd_seqn *q, int last, char *msg, size_t n)
+{
+	static float mean[KV * D];
+	static uint16_t k[KV * D], v[KV * D], c[KV * LT];
+	struct kvd_rng r = kvd_rng_make(7);
+
+	fill_bf16(k, KV * D, &r, 0, 1);
+	fill_bf16(v, KV * D, &r, 0, 1);
+	for (size_t i = 0; i < KV * LT; i++)
+		c[i] = (uint16_t)kvd_rng_below(&r, 1u << KB);
+	return kvd_store_rows(s, q, 0, 0, last, mean, k, v, c, 1, msg, n);
+}
+
+static void test_prefill_one_token(void **state)
+{
+	struct kvd_profile want = profile("p", 1);
+	uint64_t base = 0;
+	unsigned fit = 0, refused = 0;
+	char msg[256];
+
+	for (uint64_t room = 0; room <= 24 << 10; room += 512) {
+		for (int last = 0; last < 2; last++) {
+			struct kvd_limits *l = limits(UINT64_MAX, 0, 0, 0);
+			struct kvd_store *s = store(l);
+			const struct kvd_profile *p;
+			struct kvd_seqn *q;
+			int rc;
+
+			assert_int_equal(kvd_store_profile_ns(s, 1, 1, &want, &p, msg, sizeof msg), 0);
+			assert_int_equal(kvd_store_seq_create_uid(s, p, 1, "1:t", 1, &q, msg, sizeof msg), 0);
+			base = mem_total(l);
+			kvd_store_seq_free(s, q);
+			kvd_store_profile_unref(s, p);
+			kvd_store_destroy(s);
+			kvd_limits_destroy(l);
+
+			/* The same again with the limit `room` above that. */
+			l = limits(base + room, 0, 0, 0);
+			s = store(l);
+			assert_int_equal(kvd_store_profile_ns(s, 1, 1, &want, &p, msg, sizeof msg), 0);
+			assert_int_equal(kvd_store_seq_create_uid(s, p, 1, "1:t", 1, &q, msg, sizeof msg), 0);
+			msg[0] = 0;
+			rc = prefill1(s, q, last, msg, sizeof msg);
+			if (rc) {
+				assert_int_equal(rc, -ENOMEM);
+				assert_non_null(strstr(msg, "memory.limit"));
+				refused++;
+			} else {
+				fit++;
+			}
+			assert_true(mem_total(l) <= base + room);
+			assert_true(store_total(s) <= base + room);
+			assert_int_equal(store_total(s), mem_total(l));
+			/* 4 KiB are plenty for a token's mean and staging: the
+			 * staging is not 1024 rows any more */
+			if (room >= 4096 && !last)
+				assert_int_equal(rc, 0);
+			kvd_store_seq_free(s, q);
+			kvd_store_profile_unref(s, p);
+			assert_int_equal(mem_total(l), 0);
+			kvd_store_destroy(s);
+			kvd_limits_destroy(l);
+		}
+	}
+	print_message("  1-token prefills: %u fit, %u refused with ENOMEM\n", fit, refused);
+	assert_true(fit > 0 && refused > 0);
+}
+
+/* A prefill of many tokens across segments, then append into the tail,
+ * under a per-uid cap: everything charged, nothing above the cap, and
+ * freeing gives it all back. */
+static void test_rows_charged(void **state)
+{
+	struct kvd_limits *l = limits(0, 1u << 20, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 2);
+	const struct kvd_profile *p;
+	struct kvd_seqn *q;
+	char msg[256];
+	int rc = 0, last = 0;
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	for (int i = 0; i < 4000 && !rc; i++) {
+		static uint16_t k[KV * 16 * D], v[KV * 16 * D], c[KV * LT * 16];
+		static float mean[KV * D];
+
+		rc = kvd_store_rows(s, q, 1, 0, 0, i ? NULL : mean, k, v, c, 16, msg, sizeof msg);
+		assert_true(mem_total(l) <= 1u << 20);
+		last = i;
+	}
+	assert_int_equal(rc, -EDQUOT);
+	assert_non_null(strstr(msg, "limits.memory_per_uid: uid 9"));
+	/* refused whole: nothing changed, and again the same */
+	{
+		static uint16_t k[KV * 16 * D], v[KV * 16 * D], c[KV * LT * 16];
+		uint64_t tokens, mem = mem_total(l);
+		uint32_t segs;
+
+		kvd_store_seq_stats(q, &tokens, &segs);
+		assert_int_equal(kvd_store_rows(s, q, 1, 0, 0, NULL, k, v, c, 16, msg, sizeof msg),
+				 -EDQUOT);
+		assert_int_equal(mem_total(l), mem);
+		kvd_store_seq_stats(q, &tokens, &segs);
+		assert_int_equal(tokens, (uint64_t)last * 16);
+	}
+	print_message("  per-uid cap reached after %d chunks: %s\n", last, msg);
+	assert_int_equal(store_total(s), mem_total(l));
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+static void test_profile_namespaces(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile a = profile("llama", 1), b = profile("llama", 2);
+	const struct kvd_profile *pa, *pb, *pc, *pd;
+	char msg[200];
+
+	assert_int_equal(kvd_store_profile_ns(s, 1000, 1000, &a, &pa, msg, sizeof msg), 0);
+	assert_int_equal(pa->ns, 1000);
+	assert_int_equal(pa->uid, 1000);
+	/* uid 2000 finds nothing of uid 1000's, by name or id */
+	assert_null(kvd_store_profile_find(s, 2000, "llama"));
+	assert_null(kvd_store_profile_get(s, 2000, pa->id));
+	assert_ptr_equal(kvd_store_profile_get(s, 1000, pa->id), pa);
+	assert_ptr_equal(kvd_store_profile_find(s, 1000, "llama"), pa);
+	/* and cannot squat or collide: other fields under the same name are
+	 * its own profile */
+	assert_int_equal(kvd_store_profile_ns(s, 2000, 2000, &b, &pb, msg, sizeof msg), 0);
+	assert_true(pb != pa && pb->id != pa->id);
+	assert_ptr_equal(kvd_store_profile_find(s, 2000, "llama"), pb);
+	/* within a namespace, other fields are EEXIST, identical ones open */
+	assert_int_equal(kvd_store_profile_ns(s, 1000, 1000, &b, &pc, msg, sizeof msg), -EEXIST);
+	assert_non_null(strstr(msg, "exists with other fields"));
+	assert_int_equal(kvd_store_profile_ns(s, 1000, 1000, &a, &pc, msg, sizeof msg), 0);
+	assert_ptr_equal(pc, pa);
+	kvd_store_profile_unref(s, pc);
+	/* a sharing group is one namespace */
+	assert_int_equal(kvd_limits_namespace(l, 3000), kvd_limits_namespace(l, 3001));
+	assert_int_equal(kvd_store_profile_ns(s, kvd_limits_namespace(l, 3000), 3000, &a, &pc, msg,
+					      sizeof msg), 0);
+	assert_true(pc != pa);
+	assert_ptr_equal(kvd_store_profile_find(s, kvd_limits_namespace(l, 3001), "llama"), pc);
+	assert_null(kvd_store_profile_find(s, 3001, "llama"));
+	assert_int_equal(kvd_store_profile_ns(s, kvd_limits_namespace(l, 3001), 3001, &a, &pd, msg,
+					      sizeof msg), 0);
+	assert_ptr_equal(pd, pc);
+	/* the old API lives in its own namespace */
+	assert_null(kvd_store_profile_by_name(s, "llama"));
+	assert_int_equal(kvd_store_profile(s, &a, &pd), 0);
+	assert_int_equal(pd->ns, KVD_STORE_NS_GLOBAL);
+	assert_ptr_equal(kvd_store_profile_by_name(s, "llama"), pd);
+	/* uids at or above 0x80000000 outside a group get no profiles */
+	assert_int_equal(kvd_store_profile_ns(s, kvd_limits_namespace(l, 0x90000000u), 0x90000000u,
+					      &a, &pd, msg, sizeof msg), -EACCES);
+	kvd_store_destroy(s);           /* frees what is left, references or not */
+	assert_int_equal(mem_total(l), 0);
+	kvd_limits_destroy(l);
+}
+
+static void test_profile_refs(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile a = profile("m", 1);
+	const struct kvd_profile *p, *p2;
+	struct kvd_store_stats st;
+	struct kvd_limits_usage u;
+	struct kvd_seqn *q;
+	uint32_t id;
+	char msg[200];
+
+	assert_int_equal(kvd_store_profile_ns(s, 5, 5, &a, &p, msg, sizeof msg), 0);
+	id = p->id;
+	kvd_limits_uid_usage(l, 5, &u);
+	assert_int_equal(u.n[KVD_RES_PROFILES], 1);
+	assert_int_equal(u.n[KVD_RES_MEMORY], kvd_store_profile_bytes(p));
+	assert_true(kvd_store_profile_bytes(p) > D * KB * LT * sizeof(float));
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 5, "5:t", 1, &q, msg, sizeof msg), 0);
+	kvd_store_profile_unref(s, p);          /* the client lets go; the sequence holds it */
+	assert_ptr_equal(kvd_store_profile_get(s, 5, id), p);
+	kvd_store_seq_free(s, q);               /* the last reference */
+	assert_null(kvd_store_profile_get(s, 5, id));
+	assert_null(kvd_store_profile_find(s, 5, "m"));
+	assert_null(kvd_store_profile_by_id(s, id));
+	kvd_store_stats(s, &st);
+	assert_int_equal(st.profiles, 0);
+	assert_int_equal(st.profile_bytes, 0);
+	assert_int_equal(kvd_limits_uids(l), 0);
+	/* made again: a new id, never the old one */
+	for (int i = 0; i < 100; i++) {
+		assert_int_equal(kvd_store_profile_ns(s, 5, 5, &a, &p2, msg, sizeof msg), 0);
+		assert_true(p2->id > id);
+		id = p2->id;
+		kvd_store_profile_unref(s, p2);
+	}
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+static void test_per_uid_caps(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 3, 2);
+	struct kvd_store *s = store(l);
+	struct kvd_profile a = profile("a", 1), b = profile("b", 1), c = profile("c", 1);
+	const struct kvd_profile *pa, *pb, *pc;
+	struct kvd_seqn *q[4];
+	char msg[200];
+
+	assert_int_equal(kvd_store_profile_ns(s, 7, 7, &a, &pa, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_profile_ns(s, 7, 7, &b, &pb, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_profile_ns(s, 7, 7, &c, &pc, msg, sizeof msg), -EDQUOT);
+	assert_string_equal(msg, "limits.profiles_per_uid: uid 7 has 2 of 2");
+	/* opening one it has costs nothing; another uid has its own count */
+	assert_int_equal(kvd_store_profile_ns(s, 7, 7, &a, &pc, msg, sizeof msg), 0);
+	kvd_store_profile_unref(s, pc);
+	assert_int_equal(kvd_store_profile_ns(s, 8, 8, &c, &pc, msg, sizeof msg), 0);
+	/* sequences */
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(kvd_store_seq_create_uid(s, pa, 7, "7:x", 1, &q[i], msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, pa, 7, "7:x", 1, &q[3], msg, sizeof msg), -EDQUOT);
+	assert_string_equal(msg, "limits.sequences_per_uid: uid 7 has 3 of 3");
+	kvd_store_seq_free(s, q[0]);
+	assert_int_equal(kvd_store_seq_create_uid(s, pa, 7, "7:x", 1, &q[0], msg, sizeof msg), 0);
+	kvd_store_destroy(s);
+	assert_int_equal(kvd_limits_uids(l), 0);
+	kvd_limits_destroy(l);
+}
+
+/* Without limits everything works as before (old API included). */
+static void test_no_limits(void **state)
+{
+	struct kvd_store *s = store(NULL);
+	struct kvd_profile a = profile("old", 3);
+	const struct kvd_profile *p;
+	struct kvd_store_stats st;
+	struct kvd_seqn *q;
+	char msg[200];
+
+	assert_int_equal(kvd_store_profile(s, &a, &p), 0);
+	assert_ptr_equal(kvd_store_profile_by_id(s, p->id), p);
+	assert_ptr_equal(kvd_store_profile_by_name(s, "old"), p);
+	assert_int_equal(kvd_store_seq_create(s, p, "42:t", 7, &q), 0);
+	assert_int_equal(q->uid, 42);
+	assert_int_equal(kvd_store_tenant_uid("x:y"), 0);
+	assert_int_equal(kvd_store_tenant_uid("12"), 0);
+	assert_int_equal(prefill1(s, q, 1, msg, sizeof msg), 0);
+	kvd_store_stats(s, &st);
+	assert_true(st.bytes > 0);
+	assert_true(st.fixed_bytes > 0);
+	kvd_store_seq_drop(s, q);
+	assert_int_equal(q->bytes, 0);
+	kvd_store_seq_free(s, q);
+	kvd_store_stats(s, &st);
+	assert_int_equal(st.bytes, 0);
+	assert_int_equal(st.fixed_bytes, 0);
+	assert_int_equal(st.profiles, 1);       /* old-API profiles stay */
+	kvd_store_destroy(s);
+}
+
+static int setup(void **state)
+{
+	return kvd_pool_create(2, 0, &pool);
+}
+
+static int teardown(void **state)
+{
+	kvd_pool_destroy(pool);
+	return 0;
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_seq_creates_hit_the_wall),
+		cmocka_unit_test(test_prefill_one_token),
+		cmocka_unit_test(test_rows_charged),
+		cmocka_unit_test(test_profile_namespaces),
+		cmocka_unit_test(test_profile_refs),
+		cmocka_unit_test(test_per_uid_caps),
+		cmocka_unit_test(test_no_limits),
+	};
+
+	return cmocka_run_group_tests(tests, setup, teardown);
+}
