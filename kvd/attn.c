@@ -181,13 +181,52 @@ static void seg_build_tables(void *arg, uint32_t h, unsigned worker)
 		atomic_store(&b->err, rc);
 }
 
-static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *arg)
+static _Thread_local struct {
+	void (*fn)(void *arg);
+	void *arg;
+} seg_yield;
+
+void kvd_seg_set_yield(void (*fn)(void *arg), void *arg)
 {
-	if (pool)
-		kvd_pool_run(pool, H, fn, arg);
-	else
+	seg_yield.fn = fn;
+	seg_yield.arg = arg;
+}
+
+struct head_slice {
+	kvd_pool_fn fn;
+	void *arg;
+	uint32_t h0;
+};
+
+static void slice_task(void *arg, uint32_t t, unsigned worker)
+{
+	const struct head_slice *sl = arg;
+
+	sl->fn(sl->arg, sl->h0 + t, worker);
+}
+
+/* All heads in one job, or with a yield hook, one head per worker at a
+ * time and the hook between (and before every slice but a build's first). */
+static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *arg, int first)
+{
+	if (!pool) {
 		for (uint32_t h = 0; h < H; h++)
 			fn(arg, h, 0);
+		return;
+	}
+	if (!seg_yield.fn) {
+		kvd_pool_run(pool, H, fn, arg);
+		return;
+	}
+	uint32_t step = kvd_pool_size(pool);
+
+	for (uint32_t h0 = 0; h0 < H; h0 += step) {
+		struct head_slice sl = { fn, arg, h0 };
+
+		if (h0 || !first)
+			seg_yield.fn(seg_yield.arg);
+		kvd_pool_run(pool, H - h0 < step ? H - h0 : step, slice_task, &sl);
+	}
 }
 
 static double now_ms(void)
@@ -228,10 +267,10 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 
 	struct seg_build b = { g, s, k, v, codes, 0 };
 
-	run_heads(pool, g->kv_heads, seg_build_rows, &b);
+	run_heads(pool, g->kv_heads, seg_build_rows, &b, 1);
 	double t = now_ms();
 
-	run_heads(pool, g->kv_heads, seg_build_tables, &b);
+	run_heads(pool, g->kv_heads, seg_build_tables, &b, 0);
 	s->tables_ms = now_ms() - t;
 	rc = atomic_load(&b.err);
 	if (rc) {
@@ -533,36 +572,49 @@ void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, in
 
 /* ---- one layer ---------------------------------------------------------- */
 
-/* Tasks are (part, kv head) with part < nseg a segment and part == nseg the
- * tail; each writes its own slot of `part_o`/`part_lse`, merged afterwards in
- * part order so the result does not depend on scheduling. */
+/* Tasks are (request, part, kv head) with part < nseg a segment and part ==
+ * nseg the tail; each writes its own slot of `part_o`/`part_lse`, merged
+ * afterwards in part order, so a request's result depends neither on
+ * scheduling nor on which other requests share the job. */
 struct layer_job {
 	struct kvd_attn_scratch *scr;
 	const struct kvd_kern *kk;
-	const struct kvd_geom *g;
-	const struct kvd_logp_tab *tab;     /* NULL: dense baseline */
-	const struct kvd_layer_view *lv;
-	const float *q;
-	const uint16_t *qc;
-	uint32_t nparts;
+	struct kvd_attn_req *r;
+	uint32_t n;
+	const uint32_t *first;              /* [n + 1]: request i owns tasks [first[i], first[i+1]) */
+	const size_t *po;                   /* [n]: request i's first float in part_o */
+	const size_t *pl;                   /* [n]: and in part_lse */
 	float *part_o, *part_lse;
 	struct kvd_attn_stats *st;          /* [workers] */
 };
 
+static uint32_t nparts_of(const struct kvd_layer_view *lv)
+{
+	return lv->nseg + (lv->tail_n ? 1 : 0);
+}
+
 static void layer_task(void *arg, uint32_t task, unsigned worker)
 {
 	struct layer_job *j = arg;
-	const struct kvd_geom *g = j->g;
-	const struct kvd_layer_view *lv = j->lv;
-	uint32_t G = kvd_geom_group(g), d = g->d;
-	uint32_t h = task / j->nparts, part = task % j->nparts;
-	const float *q = j->q + (size_t)h * G * d;
-	float *o = j->part_o + (size_t)task * G * d, *lse = j->part_lse + (size_t)task * G;
+	uint32_t ri = 0;
+
+	while (task >= j->first[ri + 1])
+		ri++;
+	task -= j->first[ri];
+
+	const struct kvd_attn_req *r = &j->r[ri];
+	const struct kvd_geom *g = r->g;
+	const struct kvd_layer_view *lv = r->lv;
+	uint32_t G = kvd_geom_group(g), d = g->d, nparts = nparts_of(lv);
+	uint32_t h = task / nparts, part = task % nparts;
+	const float *q = r->q + (size_t)h * G * d;
+	float *o = j->part_o + j->po[ri] + (size_t)task * G * d;
+	float *lse = j->part_lse + j->pl[ri] + (size_t)task * G;
 	struct kvd_attn_scratch *s = &j->scr[worker];
 
-	if (part < lv->nseg && j->tab) {
-		kvd_attn_sampled(j->kk, g, j->tab, lv->seg[part], h, q,
-				 j->qc + (size_t)h * G * g->L, s, o, lse,
+	if (part < lv->nseg && r->tab) {
+		kvd_attn_sampled(j->kk, g, r->tab, lv->seg[part], h, q,
+				 r->qc + (size_t)h * G * g->L, s, o, lse,
 				 j->st ? &j->st[worker] : NULL);
 	} else if (part < lv->nseg) {
 		const struct kvd_seg_head *sh = &lv->seg[part]->h[h];
@@ -577,47 +629,89 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 	}
 }
 
-static int run_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
-		     const struct kvd_kern *kk, const struct kvd_geom *g,
-		     const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
-		     const float *q, const uint16_t *qc, float *o, float *lse,
-		     struct kvd_attn_stats *st)
+static int req_check(const struct kvd_attn_req *r, const struct kvd_attn_scratch *scr)
 {
-	uint32_t G = kvd_geom_group(g), d = g->d;
-	uint32_t nparts = lv->nseg + (lv->tail_n ? 1 : 0), ntasks = nparts * g->kv_heads;
-	unsigned nw = kvd_pool_size(pool);
-	struct kvd_attn_stats wst[nw];
+	const struct kvd_geom *g = r->g;
+	const struct kvd_layer_view *lv = r->lv;
 	int rc = kvd_geom_check(g);
 
 	if (rc)
 		return rc;
+	if (r->tab && ((int)r->tab->K != (int)g->K || (int)r->tab->L != (int)g->L ||
+		       (int)r->tab->c != (int)g->c))
+		return -KVD_ESHAPE;
 	for (uint32_t i = 0; i < lv->nseg; i++)
-		if (lv->seg[i]->kv_heads != g->kv_heads || lv->seg[i]->d != d ||
+		if (lv->seg[i]->kv_heads != g->kv_heads || lv->seg[i]->d != g->d ||
 		    lv->seg[i]->K != g->K || lv->seg[i]->L != g->L || lv->seg[i]->n > scr[0].cap)
 			return -KVD_ESHAPE;
+	return 0;
+}
 
-	float *part_o = malloc(((size_t)ntasks * G * d + (size_t)ntasks * G) * sizeof(float));
+int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+		    const struct kvd_kern *kk, struct kvd_attn_req *r, uint32_t n,
+		    struct kvd_attn_stats *st)
+{
+	unsigned nw = kvd_pool_size(pool);
+	struct kvd_attn_stats wst[nw];
+	uint32_t first[KVD_ATTN_BATCH_MAX + 1];
+	size_t po[KVD_ATTN_BATCH_MAX], pl[KVD_ATTN_BATCH_MAX], no = 0, nl = 0;
+	int ok = 0;
 
-	if (!part_o)
+	if (n > KVD_ATTN_BATCH_MAX)
+		return -EINVAL;
+	first[0] = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t G = 0, tasks = 0;
+
+		r[i].rc = req_check(&r[i], scr);
+		if (!r[i].rc) {
+			G = kvd_geom_group(r[i].g);
+			tasks = nparts_of(r[i].lv) * r[i].g->kv_heads;
+			ok++;
+		}
+		first[i + 1] = first[i] + tasks;
+		po[i] = no;
+		pl[i] = nl;
+		no += (size_t)tasks * G * (r[i].rc ? 0 : r[i].g->d);
+		nl += (size_t)tasks * G;
+	}
+	if (!ok)
+		return 0;
+
+	float *part_o = malloc((no + nl) * sizeof(float));
+
+	if (!part_o) {
+		for (uint32_t i = 0; i < n; i++)
+			r[i].rc = r[i].rc ? r[i].rc : -ENOMEM;
 		return -ENOMEM;
+	}
 	memset(wst, 0, sizeof wst);
 	struct layer_job j = {
-		.scr = scr, .kk = kk, .g = g, .tab = tab, .lv = lv, .q = q, .qc = qc,
-		.nparts = nparts, .part_o = part_o,
-		.part_lse = part_o + (size_t)ntasks * G * d, .st = st ? wst : NULL,
+		.scr = scr, .kk = kk, .r = r, .n = n, .first = first, .po = po, .pl = pl,
+		.part_o = part_o, .part_lse = part_o + no, .st = st ? wst : NULL,
 	};
 
-	kvd_pool_run(pool, ntasks, layer_task, &j);
+	kvd_pool_run(pool, first[n], layer_task, &j);
 
-	for (uint32_t h = 0; h < g->kv_heads; h++) {
-		float *oh = o + (size_t)h * G * d, *lh = lse + (size_t)h * G;
+	for (uint32_t i = 0; i < n; i++) {
+		const struct kvd_geom *g = r[i].g;
+		uint32_t G, d, nparts;
 
-		empty_result((int)G, (int)d, oh, lh);
-		for (uint32_t p = 0; p < nparts; p++) {
-			uint32_t t = h * nparts + p;
+		if (r[i].rc)
+			continue;
+		G = kvd_geom_group(g);
+		d = g->d;
+		nparts = nparts_of(r[i].lv);
+		for (uint32_t h = 0; h < g->kv_heads; h++) {
+			float *oh = r[i].o + (size_t)h * G * d, *lh = r[i].lse + (size_t)h * G;
 
-			kvd_attn_merge(oh, lh, j.part_o + (size_t)t * G * d, j.part_lse + (size_t)t * G,
-				       (int)G, (int)d);
+			empty_result((int)G, (int)d, oh, lh);
+			for (uint32_t p = 0; p < nparts; p++) {
+				uint32_t t = h * nparts + p;
+
+				kvd_attn_merge(oh, lh, part_o + po[i] + (size_t)t * G * d,
+					       part_o + no + pl[i] + (size_t)t * G, (int)G, (int)d);
+			}
 		}
 	}
 	if (st) {
@@ -632,14 +726,25 @@ static int run_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	return 0;
 }
 
+static int run_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+		     const struct kvd_kern *kk, const struct kvd_geom *g,
+		     const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
+		     const float *q, const uint16_t *qc, float *o, float *lse,
+		     struct kvd_attn_stats *st)
+{
+	struct kvd_attn_req r = { .g = g, .tab = tab, .lv = lv, .q = q, .qc = qc, .o = o,
+				  .lse = lse };
+	int rc = kvd_attn_layers(pool, scr, kk, &r, 1, st);
+
+	return rc ? rc : r.rc;
+}
+
 int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		   const struct kvd_kern *kk, const struct kvd_geom *g,
 		   const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
 		   const float *q, const uint16_t *qc, float *o, float *lse,
 		   struct kvd_attn_stats *st)
 {
-	if ((int)tab->K != (int)g->K || (int)tab->L != (int)g->L || (int)tab->c != (int)g->c)
-		return -KVD_ESHAPE;
 	return run_layer(pool, scr, kk, g, tab, lv, q, qc, o, lse, st);
 }
 

@@ -71,6 +71,13 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
 		       struct kvd_seg **out);
 void kvd_seg_free(struct kvd_seg *s);
+/* For the calling thread's later builds: split the work into one head per
+ * pool worker at a time and call fn(arg) between the slices, so a thread
+ * that owns a queue of short requests (the daemon's executor) can answer
+ * some while a long segment is built.  fn must not build segments itself
+ * and must leave the rows being sealed alone.  NULL: one job per phase (the
+ * default). */
+void kvd_seg_set_yield(void (*fn)(void *arg), void *arg);
 
 /* Bytes of a segment's payload (rows, 1/|k|, tables of every kv head), as
  * kvd_seg_build lays it out; a SEG extent's payload_bytes. */
@@ -165,6 +172,28 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		   const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv,
 		   const float *q, const uint16_t *qc, float *o, float *lse,
 		   struct kvd_attn_stats *st);
+
+/* Several layers' requests (of any sequences and profiles) in one pool job,
+ * so requests from different clients share one pass over the workers.
+ * Each result is bit-identical to kvd_attn_layer() on the same request: its
+ * tasks and merge order do not depend on the others.  r[i].rc is set per
+ * request (0, -KVD_EGEOM, -KVD_ESHAPE, -ENOMEM); a bad request does not stop
+ * the rest.  tab NULL in a request means exact (dense) attention.  st, when
+ * not NULL, sums over all requests.  n <= KVD_ATTN_BATCH_MAX; returns 0,
+ * or -EINVAL / -ENOMEM when nothing ran. */
+#define KVD_ATTN_BATCH_MAX 64
+struct kvd_attn_req {
+	const struct kvd_geom *g;
+	const struct kvd_logp_tab *tab;
+	const struct kvd_layer_view *lv;
+	const float *q;
+	const uint16_t *qc;
+	float *o, *lse;
+	int rc;
+};
+int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
+		    const struct kvd_kern *kk, struct kvd_attn_req *r, uint32_t n,
+		    struct kvd_attn_stats *st);
 
 /* Exact dense attention of the whole layer (the baseline to beat): the same
  * rows as `lv`, every one of them, no sampling, spread over the pool. */

@@ -1,18 +1,25 @@
-/* kvd_server: the daemon's event loop.
+/* kvd_server: the daemon.
  *
- * One thread owns all state (clients, profiles, sequences) and runs an epoll
- * loop over the listening socket, the clients' control sockets, their SQ
- * eventfds, a signal eventfd and the watchdog timer; between events it polls every
- * attached client's submission ring, round-robin, a bounded number of
- * entries per client per round, so one busy client cannot starve the rest.
- * Attention and segment sealing run on the worker pool while the loop waits.
+ * Two threads own its state in turn under one lock (kvd/server_int.h):
+ * the event loop (listening socket, control sockets, kick eventfds, signals,
+ * the watchdog timer, spill I/O results), which answers control requests,
+ * and the executor (kvd/exec.c), which consumes every client's submission
+ * ring in small units — one ATTEND record, one PREFILL or APPEND entry —
+ * picked by fair share of executor time, with the ready ATTEND records of
+ * several clients run as one pool job.  Attention and sealing run on the
+ * worker pools; a long seal lets other clients' records run between its
+ * slices.  So one client's big batch or prefill delays another's decode by
+ * about one unit, and neither a batch nor a flood of control messages keeps
+ * the loop, the watchdog or the other clients waiting.
  *
  * Untrusted input — control messages and everything in shared memory — is
- * checked before use (kvd/ctl.c, kvd/wire.c).  A bad request gets an error
- * reply or an error completion and the client stays; a client that corrupts
- * its ring indices or breaks the control protocol's framing is disconnected,
- * and its sequences, shared memory and fds are released.  Other clients do
- * not notice either.
+ * copied once and checked before use (kvd/ctl.c, kvd/wire.c).  What a client
+ * may make kvd hold is counted per uid before it is allocated
+ * (kvd/uidlimits.h): connections, sequences, profiles, bytes.  A bad request
+ * gets an error reply or an error completion and the client stays; a client
+ * that corrupts its ring indices or breaks the control protocol's framing is
+ * disconnected, and its sequences, profiles, shared memory and fds are
+ * released.  Other clients do not notice either.
  */
 #ifndef KVD_SERVER_H
 #define KVD_SERVER_H

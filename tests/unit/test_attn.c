@@ -483,6 +483,59 @@ static int setup(void **state)
 	return 0;
 }
 
+/* kvd_attn_layers: requests of different layers, geometries and estimators
+ * in one pool job give exactly what each gives alone (the daemon batches
+ * clients' ATTENDs this way and promises bit-identical answers), and a bad
+ * request fails alone. */
+static void test_batched_layers_equal_alone(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f[3];
+	struct kvd_logp_tab *tab[3];
+	struct kvd_layer_view lv[3];
+	struct kvd_attn_req r[4];
+	float o1[3][8 * 128], l1[3][8], o2[4][8 * 128], l2[4][8];
+	unsigned nw;
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	nw = kvd_pool_size(pool);
+	struct kvd_attn_scratch scr[nw];
+
+	for (unsigned w = 0; w < nw; w++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[w], KVD_SEG_MAX), 0);
+	fix_make(&f[0], KVD_WL_DENSE, 5000, 2048, 10, 150, 2, 11);
+	fix_make(&f[1], KVD_WL_MIXED, 3000, 1024, 8, 40, 1, 12);
+	fix_make(&f[2], KVD_WL_NEEDLE, 7000, 4096, 10, 100, 2, 13);
+	for (int i = 0; i < 3; i++) {
+		tab[i] = xmalloc(sizeof *tab[i]);
+		kvd_logp_tab_init(tab[i], (int)f[i].g.K, (int)f[i].g.L, (int)f[i].g.c);
+		lv[i] = kvd_prep_view(&f[i].p);
+		assert_int_equal(kvd_attn_layer(pool, scr, kvd_kern_get(), &f[i].g, tab[i], &lv[i],
+						f[i].w.q, f[i].qc, o1[i], l1[i], NULL), 0);
+		r[i] = (struct kvd_attn_req){ .g = &f[i].g, .tab = tab[i], .lv = &lv[i],
+					      .q = f[i].w.q, .qc = f[i].qc, .o = o2[i], .lse = l2[i] };
+	}
+	/* A request whose table does not match its geometry: refused alone. */
+	r[3] = r[0];
+	r[3].tab = tab[1];
+	r[3].o = o2[3];
+	r[3].lse = l2[3];
+	assert_int_equal(kvd_attn_layers(pool, scr, kvd_kern_get(), r, 4, NULL), 0);
+	for (int i = 0; i < 3; i++) {
+		assert_int_equal(r[i].rc, 0);
+		assert_memory_equal(o1[i], o2[i], sizeof o1[i]);
+		assert_memory_equal(l1[i], l2[i], sizeof l1[i]);
+	}
+	assert_int_equal(r[3].rc, -KVD_ESHAPE);
+	for (int i = 0; i < 3; i++) {
+		free(tab[i]);
+		fix_free(&f[i]);
+	}
+	for (unsigned w = 0; w < nw; w++)
+		kvd_attn_scratch_free(&scr[w]);
+	kvd_pool_destroy(pool);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -494,6 +547,7 @@ int main(void)
 		cmocka_unit_test(test_layer_parts_and_tail),
 		cmocka_unit_test(test_layer_dense_matches_double),
 		cmocka_unit_test(test_bad_geometry),
+		cmocka_unit_test(test_batched_layers_equal_alone),
 	};
 
 	return cmocka_run_group_tests(tests, setup, NULL);

@@ -1,0 +1,489 @@
+/* Control-plane requests: the protobuf messages of a client's Unix socket
+ * (docs/PROTOCOL.md), decoded by kvd/ctl.c and answered here, on the loop
+ * thread under the state lock.  Each is cheap (a lookup, a create, a
+ * counter read), so it waits for at most one executor unit and delays the
+ * executor by as little.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "ctl.h"
+#include "err.h"
+#include "log.h"
+#include "server.h"
+#include "server_int.h"
+#include "tier.h"
+
+static int reply(struct client *c, Kvd__Response *r, const int *fds, int nfds)
+{
+	return kvd_ctl_send(c->fd, &r->base, fds, nfds);
+}
+
+static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__Hello *h)
+{
+	const struct kvd_config *cfg = s->cfg;
+	struct shm_params p = {
+		.entry_size = KVD_RING_ENTRY,
+		.sq_entries = cfg->sq_entries,
+		.cq_entries = cfg->sq_entries,
+		.nslots = h->slots ? h->slots : cfg->slots,
+		.slot_size = h->slot_size ? h->slot_size : cfg->slot_size,
+		.flags = h->poll ? SHM_F_POLL : 0,
+	};
+	size_t size = shm_region_size(&p);
+	int rc;
+
+	if (c->hello)
+		return kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "hello already done");
+	struct kvd_ctl_err err;
+
+	if (kvd_ctl_check_arena(p.nslots, p.slot_size, &err))
+		return kvd_ctl_send_error(c->fd, id, err.code, "%s", err.msg);
+	if (!size)
+		return kvd_ctl_send_error(c->fd, id, -EINVAL, "slots %u x %llu bytes not possible",
+					  p.nslots, (unsigned long long)p.slot_size);
+	rc = shm_memfd_create("kvd-client", size, &c->map);
+	if (rc < 0)
+		return kvd_ctl_send_error(c->fd, id, rc, "shared memory: %s", kvd_strerror(rc));
+	c->memfd = rc;
+	c->map_size = size;
+	rc = shm_region_create(&c->r, c->map, &p);
+	if (!rc) {
+		c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+		rc = c->efd < 0 ? -errno : kvd_ep_add(s, c->efd, &c->ev_kick);
+	}
+	if (rc)
+		return kvd_ctl_send_error(c->fd, id, rc, "attach: %s", kvd_strerror(rc));
+	snprintf(c->tenant, sizeof c->tenant, "%u:%s", (unsigned)c->uid, h->tenant);
+	snprintf(c->name, sizeof c->name, "%s", h->client_name);
+	c->poll = h->poll;
+	c->hello = 1;
+
+	Kvd__HelloReply hr = KVD__HELLO_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	int fds[2] = { c->memfd, c->efd };
+
+	hr.version = KVD__VERSION__VERSION_CURRENT;
+	hr.client_id = c->id;
+	hr.region_size = size;
+	hr.pid = (uint32_t)getpid();
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_HELLO;
+	r.hello = &hr;
+	kvd_log(LOG_INFO, "client %llu attached: %s, tenant %s, pid %d, %u slots x %llu bytes%s",
+		(unsigned long long)c->id, c->name, c->tenant, (int)c->pid, p.nslots,
+		(unsigned long long)p.slot_size, c->poll ? ", polling" : "");
+	return reply(c, &r, fds, 2);
+}
+
+static void profile_to_msg(const struct kvd_profile *p, Kvd__Profile *m, uint32_t *dense)
+{
+	uint32_t nd = 0;
+
+	m->name = (char *)p->name;
+	m->layers = p->layers;
+	m->q_heads = p->g.q_heads;
+	m->kv_heads = p->g.kv_heads;
+	m->head_dim = p->g.d;
+	m->k_bits = p->g.K;
+	m->tables = p->g.L;
+	m->min_collisions = p->g.c;
+	m->sink_tokens = p->sink;
+	m->window_tokens = p->window;
+	for (uint32_t l = 0; l < p->layers; l++)
+		if (p->dense[l])
+			dense[nd++] = l;
+	m->n_dense_layers = nd;
+	m->dense_layers = dense;
+	m->seed = p->seed;
+	m->segment_tokens = p->seg_tokens;
+	m->seal_tokens = p->seal_tokens;
+}
+
+static int send_profile(struct client *c, uint64_t id, const struct kvd_profile *p)
+{
+	Kvd__ProfileReply pr = KVD__PROFILE_REPLY__INIT;
+	Kvd__Profile pm = KVD__PROFILE__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	uint32_t *dense = malloc((p->layers + 1) * sizeof *dense);
+	int rc;
+
+	if (!dense)
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	profile_to_msg(p, &pm, dense);
+	pr.profile_id = p->id;
+	pr.profile = &pm;
+	/* W is float32 little-endian on the wire; x86-64 and arm64 are LE.
+	 * Too big for one datagram, it stays home: the client makes the same
+	 * numbers from the seed (kvd_ctl_profile_w). */
+	size_t wlen = (size_t)p->g.d * p->g.K * p->g.L * sizeof(float);
+
+	if (wlen <= KVD_CTL_W_INLINE_MAX) {
+		pr.w.data = (uint8_t *)p->W;
+		pr.w.len = wlen;
+	}
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_PROFILE;
+	r.profile = &pr;
+	rc = reply(c, &r, NULL, 0);
+	free(dense);
+	return rc;
+}
+
+/* The connection takes one reference on each profile it created or opened,
+ * dropped when it goes (kvd_control_release): a profile lives while a
+ * client or a sequence uses it. */
+static int hold_profile(struct kvd_server *s, struct client *c, const struct kvd_profile *p)
+{
+	for (uint32_t i = 0; i < c->nprof; i++)
+		if (c->prof[i] == p->id)
+			return 0;
+	if (c->nprof == CLIENT_PROFILES)
+		return -EDQUOT;
+	kvd_store_profile_ref(s->store, p);
+	c->prof[c->nprof++] = p->id;
+	return 0;
+}
+
+void kvd_control_release(struct kvd_server *s, struct client *c)
+{
+	for (uint32_t i = 0; i < c->nprof; i++) {
+		const struct kvd_profile *p = kvd_store_profile_get(s->store, c->ns, c->prof[i]);
+
+		if (p)
+			kvd_store_profile_unref(s->store, p);
+	}
+	c->nprof = 0;
+}
+
+static int do_profile_open(struct kvd_server *s, struct client *c, uint64_t id, const char *name)
+{
+	const struct kvd_profile *p = kvd_store_profile_find(s->store, c->ns, name);
+
+	if (!p)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no profile '%s'", name);
+	if (hold_profile(s, c, p))
+		return kvd_ctl_send_error(c->fd, id, -EDQUOT, "a connection holds at most %d profiles",
+					  CLIENT_PROFILES);
+	return send_profile(c, id, p);
+}
+
+static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id,
+			     const Kvd__Profile *m)
+{
+	struct kvd_profile want = { 0 };
+	const struct kvd_profile *p;
+	uint8_t *dense = calloc(m->layers, 1);
+	char msg[160] = "";
+	int rc;
+
+	if (!dense)
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	rc = kvd_ctl_profile_to_geom(m, &want.g);
+	snprintf(want.name, sizeof want.name, "%s", m->name);
+	want.layers = m->layers;
+	want.sink = m->sink_tokens;
+	want.window = m->window_tokens;
+	want.seed = m->seed;
+	want.seg_tokens = m->segment_tokens ? m->segment_tokens : KVD_CTL_SEG_DEFAULT;
+	want.seal_tokens = m->seal_tokens ? m->seal_tokens :
+			   (KVD_CTL_SEAL_DEFAULT < want.seg_tokens ? KVD_CTL_SEAL_DEFAULT : want.seg_tokens);
+	for (size_t i = 0; i < m->n_dense_layers; i++)
+		dense[m->dense_layers[i]] = 1;
+	want.dense = dense;
+	if (!rc)
+		rc = kvd_store_profile_ns(s->store, c->ns, c->uid, &want, &p, msg, sizeof msg);
+	free(dense);
+	if (rc == -EEXIST)
+		return kvd_ctl_send_error(c->fd, id, rc, "profile '%s' exists with other fields", m->name);
+	if (rc)
+		return kvd_ctl_send_error(c->fd, id, rc, "profile: %s", msg[0] ? msg : kvd_strerror(rc));
+	rc = hold_profile(s, c, p);
+	kvd_store_profile_unref(s->store, p);   /* the connection's own, if any, stays */
+	if (rc)
+		return kvd_ctl_send_error(c->fd, id, rc, "a connection holds at most %d profiles",
+					  CLIENT_PROFILES);
+	return send_profile(c, id, p);
+}
+
+static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__SeqCreate *m)
+{
+	const struct kvd_profile *p = kvd_store_profile_get(s->store, c->ns, m->profile_id);
+	struct kvd_seqn *q;
+	char msg[160] = "";
+	int rc;
+
+	if (!p)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no profile %u", m->profile_id);
+	if (m->content_key.len || m->parent)
+		return kvd_ctl_send_error(c->fd, id, -EOPNOTSUPP,
+					  "content keys and forks are not supported yet");
+	rc = kvd_store_seq_create_uid(s->store, p, c->uid, c->tenant, c->id, &q, msg, sizeof msg);
+	if (rc)
+		return kvd_ctl_send_error(c->fd, id, rc, "sequence: %s", msg[0] ? msg : kvd_strerror(rc));
+
+	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+
+	sr.seq = q->id;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SEQ;
+	r.seq = &sr;
+	return reply(c, &r, NULL, 0);
+}
+
+static int do_seq_stats(struct kvd_server *s, struct client *c, uint64_t id, uint64_t seq)
+{
+	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
+	Kvd__SeqStats st = KVD__SEQ_STATS__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	uint64_t tokens;
+	uint32_t segs;
+
+	if (!q)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu", (unsigned long long)seq);
+	kvd_store_seq_stats(q, &tokens, &segs);
+	st.seq = q->id;
+	st.profile_id = q->p->id;
+	st.tokens = tokens;
+	st.segments = segs;
+	st.bytes = q->bytes;
+	st.state = q->state;
+	st.ready_layers = q->state == KVD_SEQ_RESTORING ? q->ready :
+			  q->state == KVD_SEQ_RAM || q->state == KVD_SEQ_SPILLING ? q->p->layers : 0;
+	{
+		int durable;
+
+		kvd_tier_seq_info(s->tier, q, &durable, &st.disk_bytes);
+		st.durable = durable;
+	}
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SEQ_STATS;
+	r.seq_stats = &st;
+	return reply(c, &r, NULL, 0);
+}
+
+static int do_seq_open(struct kvd_server *s, struct client *c, uint64_t id, uint64_t seq)
+{
+	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
+	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	uint32_t segs;
+
+	if (!q)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu",
+					  (unsigned long long)seq);
+	if (q->owner && q->owner != c->id)
+		return kvd_ctl_send_error(c->fd, id, -EBUSY, "sequence %llu belongs to another client",
+					  (unsigned long long)seq);
+	q->owner = c->id;
+	sr.seq = q->id;
+	sr.profile_id = q->p->id;
+	kvd_store_seq_stats(q, &sr.tokens, &segs);
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SEQ;
+	r.seq = &sr;
+	return reply(c, &r, NULL, 0);
+}
+
+static int do_seq_evict(struct kvd_server *s, struct client *c, uint64_t id, uint64_t seq)
+{
+	struct kvd_seqn *q = kvd_client_seq(s, c, seq);
+	char msg[160] = "";
+	int rc;
+
+	if (!q)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu of yours",
+					  (unsigned long long)seq);
+	rc = kvd_tier_evict(s->tier, q, msg, sizeof msg);
+	return rc ? kvd_ctl_send_error(c->fd, id, rc, "%s", msg[0] ? msg : kvd_strerror(rc))
+		  : kvd_ctl_send_ok(c->fd, id);
+}
+
+struct uid_rows {
+	Kvd__UidUsage *row;
+	Kvd__UidUsage **ptr;
+	size_t n, cap;
+	uint32_t only;                  /* UINT32_MAX: every uid */
+};
+
+static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
+{
+	struct uid_rows *ur = arg;
+	Kvd__UidUsage *m;
+
+	if ((ur->only != UINT32_MAX && uid != ur->only) || ur->n == ur->cap)
+		return;
+	m = &ur->row[ur->n];
+	kvd__uid_usage__init(m);
+	m->uid = uid;
+	m->connections = (uint32_t)u->n[KVD_RES_CONNECTIONS];
+	m->sequences = (uint32_t)u->n[KVD_RES_SEQUENCES];
+	m->profiles = (uint32_t)u->n[KVD_RES_PROFILES];
+	m->bytes = u->n[KVD_RES_MEMORY];
+	m->spill_bytes = u->n[KVD_RES_SPILL];
+	ur->ptr[ur->n++] = m;
+}
+
+static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
+{
+	Kvd__ServerStats m = KVD__SERVER_STATS__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	struct kvd_server_stats st;
+	/* Tenants never see each other: root and kvd's own uid see every uid,
+	 * anyone else only their own. */
+	struct uid_rows ur = {
+		.cap = kvd_limits_uids(s->limits),
+		.only = c->uid == 0 || c->uid == geteuid() ? UINT32_MAX : c->uid,
+	};
+	int rc;
+
+	ur.row = calloc(ur.cap ? ur.cap : 1, sizeof *ur.row);
+	ur.ptr = calloc(ur.cap ? ur.cap : 1, sizeof *ur.ptr);
+	if (!ur.row || !ur.ptr) {
+		free(ur.row);
+		free(ur.ptr);
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	}
+	kvd_limits_each(s->limits, uid_row, &ur);
+	m.n_uids = ur.n;
+	m.uids = ur.ptr;
+	m.refused = s->refused;
+
+	kvd_server_stats(s, &st);
+	m.clients = st.clients;
+	m.sequences = st.sequences;
+	m.profiles = st.profiles;
+	m.bytes = st.bytes;
+	m.requests = st.requests;
+	m.errors = st.errors;
+	m.disconnects = st.disconnects;
+	m.slots_in_use = st.slots_in_use;
+	m.mapped_bytes = st.mapped_bytes;
+	{
+		struct kvd_tier_stats ts;
+
+		kvd_tier_stats(s->tier, &ts);
+		m.mem_limit = ts.limit;
+		m.mem_high = ts.high;
+		m.mem_low = ts.low;
+		m.reserved_bytes = ts.reserved;
+		m.on_disk = ts.on_disk;
+		m.disk_bytes = ts.disk_bytes;
+		m.spills = ts.spills;
+		m.restores = ts.restores;
+		m.drops = ts.drops;
+		m.spill_errors = ts.spill_errors;
+		m.lost = ts.lost;
+		m.spill_bytes = ts.spill_bytes;
+		m.restore_bytes = ts.restore_bytes;
+	}
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SERVER_STATS;
+	r.server_stats = &m;
+	rc = reply(c, &r, NULL, 0);
+	free(ur.row);
+	free(ur.ptr);
+	return rc;
+}
+
+static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Request *rq)
+{
+	uint64_t id = rq->id;
+	int rc;
+
+	if (!c->hello && rq->body_case != KVD__REQUEST__BODY_HELLO) {
+		rc = kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "say hello first");
+	} else {
+		switch (rq->body_case) {
+		case KVD__REQUEST__BODY_HELLO:
+			rc = do_hello(s, c, id, rq->hello);
+			break;
+		case KVD__REQUEST__BODY_PROFILE_CREATE:
+			rc = do_profile_create(s, c, id, rq->profile_create->profile);
+			break;
+		case KVD__REQUEST__BODY_PROFILE_OPEN:
+			rc = do_profile_open(s, c, id, rq->profile_open->name);
+			break;
+		case KVD__REQUEST__BODY_SEQ_CREATE:
+			rc = do_seq_create(s, c, id, rq->seq_create);
+			break;
+		case KVD__REQUEST__BODY_SEQ_FREE: {
+			struct kvd_seqn *q = kvd_client_seq(s, c, rq->seq_free->seq);
+
+			if (q)
+				kvd_tier_free(s->tier, q);
+			rc = q ? kvd_ctl_send_ok(c->fd, id)
+			       : kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu of yours",
+						    (unsigned long long)rq->seq_free->seq);
+			break;
+		}
+		case KVD__REQUEST__BODY_SEQ_STATS:
+			rc = do_seq_stats(s, c, id, rq->seq_stats->seq);
+			break;
+		case KVD__REQUEST__BODY_SERVER_STATS:
+			rc = do_server_stats(s, c, id);
+			break;
+		case KVD__REQUEST__BODY_SEQ_OPEN:
+			rc = do_seq_open(s, c, id, rq->seq_open->seq);
+			break;
+		case KVD__REQUEST__BODY_SEQ_EVICT:
+			rc = do_seq_evict(s, c, id, rq->seq_evict->seq);
+			break;
+		default:
+			rc = kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "unknown request");
+			break;
+		}
+	}
+	if (rc)
+		kvd_client_kick(s, c, "cannot reply on the control socket");
+}
+
+/* A few messages per wake-up: the socket is level-triggered, so the rest
+ * comes next turn, after the other clients and the executor had theirs. */
+#define CTL_BURST 8
+
+void kvd_control_event(struct kvd_server *s, struct client *c)
+{
+	for (int burst = 0; burst < CTL_BURST; burst++) {
+		int fds[4], nfds = 4;
+		int n = kvd_ctl_recv(c->fd, s->rxbuf, KVD_CTL_REQ_MAX, fds, &nfds);
+		struct kvd_ctl_err err;
+		Kvd__Request *rq;
+
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);          /* clients have no business sending fds */
+		if (n == -EAGAIN || n == -EINTR)
+			return;
+		if (n == 0) {
+			c->dead = 1;            /* orderly close */
+			return;
+		}
+		if (n < 0) {
+			kvd_client_kick(s, c, n == -EMSGSIZE ? "oversized control message" : "control socket error");
+			return;
+		}
+		rq = kvd_ctl_decode_request(s->rxbuf, (size_t)n, &err);
+		if (!rq) {
+			/* A malformed request is answered, not fatal (id 0 when it
+			 * did not even unpack). */
+			s->errors++;
+			if (kvd_ctl_send_error(c->fd, err.id, err.code, "%s", err.msg))
+				kvd_client_kick(s, c, "cannot reply on the control socket");
+			if (c->dead)
+				return;
+			continue;
+		}
+		handle_request(s, c, rq);
+		kvd_ctl_free_request(rq);
+		if (c->dead)
+			return;
+	}
+}
+

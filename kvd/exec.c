@@ -1,0 +1,651 @@
+/* The executor: one thread that runs every client's ring entries in small
+ * units, fairly, on the worker pools (see server_int.h for the locking).
+ *
+ * Units.  An ATTEND entry of n records is n units (one (sequence, layer)
+ * each) after a cheap check pass over its copied sequence ids; every other
+ * entry is one unit.  A pass picks the ready client with the least executor
+ * time charged (start-time fair queueing: a client that was idle rejoins at
+ * the current clock, so sleeping earns no credit) and runs its next unit; when
+ * that is an ATTEND record, the next records of up to PASS_UNITS other ready
+ * ATTEND clients join it in the same pool job (continuous batching), each
+ * answer bit-identical to running it alone.  The pass's time is charged to
+ * its clients in proportion to their tasks.  So a client's big batch delays
+ * another client's single ATTEND by about one unit, not by the batch.
+ *
+ * Shared memory.  An entry is copied out and checked once (kvd_wire_sqe) and
+ * its SQ slot given back at once; an ATTEND's sequence ids are copied out
+ * once, before any is looked up; a record's query and codes are copied out
+ * once, right before its unit runs.  Nothing is read twice, so a client
+ * rewriting its slot mid-batch garbles only its own answers.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "err.h"
+#include "kern.h"
+#include "log.h"
+#include "pool.h"
+#include "server_int.h"
+#include "config.h"
+#include "tier.h"
+
+#define PASS_UNITS 16           /* ATTEND records in one pool job */
+
+struct unit {
+	struct client *c;
+	uint32_t rec;
+	uint32_t tasks;
+	struct kvd_layer_view lv;
+};
+
+struct kvd_exec_buf {
+	size_t qb, cb, ob, lb;          /* bytes per unit of each buffer */
+	float *q, *o, *lse;
+	uint16_t *qc;
+	struct unit u[PASS_UNITS];
+	struct kvd_attn_req req[PASS_UNITS];
+	struct client *top[PASS_UNITS];
+};
+
+uint64_t kvd_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#endif
+}
+
+/* ---- completions -------------------------------------------------------- */
+
+/* Fills c's reserved completion, publishes it and ends the job. */
+static void finish(struct kvd_server *s, struct client *c, int res, const char *msg)
+{
+	struct job *j = &c->job;
+	struct kvd_cqe *e = j->cqe;
+
+	memset(e, 0, sizeof *e);
+	e->user_data = j->e.user_data;
+	e->res = res;
+	if (res < 0) {
+		const char *m = msg && *msg ? msg : kvd_strerror(res);
+		size_t n = strnlen(m, sizeof e->msg - 1);
+
+		/* The CQE's reason is cut to fit; the full one is in our log. */
+		memcpy(e->msg, m, n);
+		e->msg[n] = 0;
+		if (strlen(m) >= sizeof e->msg)
+			kvd_log(LOG_DEBUG, "client %llu: %s", (unsigned long long)c->id, m);
+		s->errors++;
+	}
+	shm_ring_commit(&c->r.cq, 1);
+	if (!c->poll)
+		shm_ring_wake(&c->r.cq);
+	s->requests++;
+	j->active = 0;
+	j->cqe = NULL;
+}
+
+/* ---- readiness ---------------------------------------------------------- */
+
+/* Whether c has a unit to run now: a job that is not parked, or an entry in
+ * its SQ and room in its CQ for the answer. */
+static int client_ready(struct kvd_server *s, struct client *c)
+{
+	int n;
+
+	if (!c->hello || c->dead)
+		return 0;
+	if (c->job.active)
+		return !c->parked;
+	n = shm_ring_ready(&c->r.sq);
+	if (n < 0) {
+		kvd_client_kick(s, c, "submission ring indices corrupted");
+		return 0;
+	}
+	if (n == 0)
+		return 0;
+	if (!shm_ring_reserve(&c->r.cq)) {
+		if (shm_ring_broken(&c->r.cq))
+			kvd_client_kick(s, c, "completion ring indices corrupted");
+		return 0;       /* back-pressure: no room for the answer, no new work */
+	}
+	shm_ring_unreserve(&c->r.cq);
+	return 1;
+}
+
+/* Takes c's next entry: reserve its completion, copy and check the entry,
+ * give the SQ slot back.  Entries that need no unit complete here. */
+static void job_start(struct kvd_server *s, struct client *c)
+{
+	struct job *j = &c->job;
+	char msg[160] = "";
+	int rc;
+
+	j->cqe = shm_ring_reserve(&c->r.cq);
+	if (!j->cqe)
+		return;         /* client_ready() said there was room: only a broken ring */
+	rc = kvd_wire_sqe(shm_ring_entry(&c->r.sq, 0), c->r.geo.nslots, c->r.geo.slot_size, &j->e,
+			  msg, sizeof msg);
+	/* The copy is what counts from here on: the entry goes back now. */
+	shm_ring_release(&c->r.sq, 1);
+	j->active = 1;
+	j->next = 0;
+	j->checked = 0;
+	j->pid = 0;
+	if (rc)
+		finish(s, c, rc, msg);
+	else if (j->e.op == KVD_OP_NOP)
+		finish(s, c, 0, NULL);
+}
+
+/* ---- whole-entry units -------------------------------------------------- */
+
+static struct kvd_seqn *own_seq(struct kvd_server *s, struct client *c, uint64_t seq)
+{
+	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
+
+	return q && q->owner == c->id ? q : NULL;
+}
+
+static const char *slot_base(const struct client *c, const struct kvd_sqe *e)
+{
+	return (const char *)shm_slot(&c->r, e->slot) + e->off;
+}
+
+static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
+		   size_t msglen)
+{
+	struct kvd_seqn *q = own_seq(s, c, e->seq);
+	const struct kvd_profile *p;
+	const char *base;
+	uint64_t H, d, off = 0;
+	int rc;
+
+	if (!q) {
+		snprintf(msg, msglen, "no sequence %llu of yours", (unsigned long long)e->seq);
+		return -ENOENT;
+	}
+	p = q->p;
+	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
+		return rc;
+	/* The layer must be resident, and the rows need room: staging plus
+	 * the segment they seal into, about twice the payload. */
+	if ((rc = kvd_tier_want(s->tier, q, e->layer, msg, msglen)) ||
+	    (rc = kvd_tier_room(s->tier, (uint64_t)e->len * 2, msg, msglen)))
+		return rc;
+	H = p->g.kv_heads;
+	d = p->g.d;
+	/* The store copies the rows into its staging exactly once; their sizes
+	 * come from the checked copy of the entry, so a client rewriting them
+	 * garbles only its own rows. */
+	base = slot_base(c, e);
+	const float *mean = NULL;
+
+	if (e->flags & KVD_RF_MEAN) {
+		mean = (const float *)base;
+		off = KVD_ALIGN64(H * d * 4);
+	}
+	const uint16_t *k = (const uint16_t *)(base + off);
+	const uint16_t *v = (const uint16_t *)(base + off + KVD_ALIGN64(H * e->ntok * d * 2));
+	const uint16_t *codes = (const uint16_t *)(base + off + 2 * KVD_ALIGN64(H * e->ntok * d * 2));
+
+	rc = kvd_store_rows(s->store, q, e->layer, e->op == KVD_OP_APPEND, e->flags & KVD_RF_LAST,
+			    mean, k, v, codes, e->ntok, msg, msglen);
+	kvd_tier_changed(s->tier, q);
+	return rc;
+}
+
+/* ATTEND pass 1: copy every record's sequence id out once, then check that
+ * each exists for this tenant, all share one profile, and every one has the
+ * layer resident.  Restores of all of them start before any waiting, so a
+ * batch waits for the slowest once.  Runs again (on the copied ids) after a
+ * park. */
+static int attend_check(struct kvd_server *s, struct client *c, char *msg, size_t msglen)
+{
+	struct job *j = &c->job;
+	const struct kvd_sqe *e = &j->e;
+	int rc, wait = 0;
+
+	if (!j->pid) {
+		const char *in = slot_base(c, e);
+		const struct kvd_profile *p;
+		struct kvd_seqn *q0;
+		uint64_t stride;
+
+		memcpy(&j->ids[0], in, sizeof j->ids[0]);
+		q0 = kvd_store_seq_get(s->store, j->ids[0], c->tenant);
+		if (!q0) {
+			snprintf(msg, msglen, "batch[0]: no sequence %llu",
+				 (unsigned long long)j->ids[0]);
+			return -ENOENT;
+		}
+		p = q0->p;
+		/* The payload's length is checked against this profile, so every
+		 * record header below lies inside the slot. */
+		if ((rc = kvd_wire_payload(e, p, msg, msglen)))
+			return rc;
+		stride = kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L);
+		for (uint32_t i = 1; i < e->nseq; i++)
+			memcpy(&j->ids[i], in + i * stride, sizeof j->ids[i]);
+		j->pid = p->id;
+	}
+	for (uint32_t i = 0; i < e->nseq; i++) {
+		struct kvd_seqn *q = kvd_store_seq_get(s->store, j->ids[i], c->tenant);
+		char m[128];
+
+		if (!q) {
+			snprintf(msg, msglen, "batch[%u]: no sequence %llu", i,
+				 (unsigned long long)j->ids[i]);
+			return -ENOENT;
+		}
+		if (q->p->id != j->pid) {
+			snprintf(msg, msglen, "batch[%u]: sequences of different profiles", i);
+			return -EINVAL;
+		}
+		rc = kvd_tier_want(s->tier, q, e->layer, m, sizeof m);
+		if (rc == -EINPROGRESS) {
+			wait = 1;
+		} else if (rc) {
+			snprintf(msg, msglen, "batch[%u]: %s", i, m);
+			return rc;
+		}
+	}
+	if (wait)
+		return -EINPROGRESS;
+	j->checked = 1;
+	return 0;
+}
+
+/* Runs c's job as one unit (everything but ATTEND records).  A job that must
+ * wait (a restore, room being made) parks with its completion still
+ * reserved and runs again after the tier reports progress. */
+static void run_whole(struct kvd_server *s, struct client *c)
+{
+	struct job *j = &c->job;
+	const struct kvd_sqe *e = &j->e;
+	char msg[160] = "";
+	int rc = 0;
+
+	kvd_tier_begin(s->tier);
+	switch (e->op) {
+	case KVD_OP_FREE:
+	case KVD_OP_PREFETCH: {
+		struct kvd_seqn *q = own_seq(s, c, e->seq);
+
+		if (!q)
+			rc = -ENOENT, snprintf(msg, sizeof msg, "no sequence %llu of yours",
+					       (unsigned long long)e->seq);
+		else if (e->op == KVD_OP_FREE)
+			kvd_tier_free(s->tier, q);
+		else
+			rc = kvd_tier_prefetch(s->tier, q, msg, sizeof msg);
+		break;
+	}
+	case KVD_OP_PREFILL:
+	case KVD_OP_APPEND:
+		rc = do_rows(s, c, e, msg, sizeof msg);
+		break;
+	case KVD_OP_ATTEND:
+		rc = attend_check(s, c, msg, sizeof msg);
+		if (!rc)
+			return;         /* records next */
+		break;
+	}
+	if (rc == -EINPROGRESS) {
+		kvd_log(LOG_DEBUG, "client %llu: entry waits for the spill tier",
+			(unsigned long long)c->id);
+		c->parked = 1;
+		return;
+	}
+	finish(s, c, rc, msg);
+}
+
+/* ---- ATTEND records ----------------------------------------------------- */
+
+/* Looks up and checks record j->next of c and copies its query out into unit
+ * slot k.  0 and the unit filled; 1 when c must wait (parked); or the job
+ * was finished with an error. */
+static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
+			struct kvd_pool **pool, unsigned *node)
+{
+	struct kvd_exec_buf *xb = s->xb;
+	struct job *j = &c->job;
+	const struct kvd_sqe *e = &j->e;
+	uint32_t i = j->next;
+	struct kvd_seqn *q = kvd_store_seq_get(s->store, j->ids[i], c->tenant);
+	char msg[160], m[128];
+	int rc;
+
+	if (!q || q->p->id != j->pid) {
+		snprintf(msg, sizeof msg, "batch[%u]: sequence %llu is gone", i,
+			 (unsigned long long)j->ids[i]);
+		finish(s, c, -ENOENT, msg);
+		return -1;
+	}
+	if (*pool && kvd_store_pool(s->store, q) != *pool)
+		return 1;       /* another node's pool: a later pass */
+	rc = kvd_tier_want(s->tier, q, e->layer, m, sizeof m);
+	if (rc == -EINPROGRESS) {
+		c->parked = 1;
+		return 1;
+	}
+	if (rc) {
+		snprintf(msg, sizeof msg, "batch[%u]: %s", i, m);
+		finish(s, c, rc, msg);
+		return -1;
+	}
+	const struct kvd_layer_state *l = &q->ly[e->layer];
+
+	if (l->mean && !l->sealed) {
+		snprintf(msg, sizeof msg, "batch[%u]: layer %u is still being prefilled", i, e->layer);
+		finish(s, c, -EBUSY, msg);
+		return -1;
+	}
+
+	const struct kvd_profile *p = q->p;
+	size_t qb = (size_t)p->g.q_heads * p->g.d * sizeof(float);
+	size_t cb = (size_t)p->g.q_heads * p->g.L * sizeof(uint16_t);
+	const char *rec = slot_base(c, e) + i * kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L);
+	struct unit *u = &xb->u[k];
+	struct kvd_attn_req *r = &xb->req[k];
+
+	/* The one read of this record's query and codes. */
+	memcpy((char *)xb->q + k * xb->qb, rec + 64, qb);
+	memcpy((char *)xb->qc + k * xb->cb, rec + 64 + KVD_ALIGN64(qb), cb);
+	u->c = c;
+	u->rec = i;
+	u->lv = kvd_store_view(q, e->layer);
+	u->tasks = (u->lv.nseg + (u->lv.tail_n ? 1 : 0)) * p->g.kv_heads;
+	*r = (struct kvd_attn_req){
+		.g = &p->g, .tab = p->tab, .lv = &u->lv,
+		.q = (const float *)((char *)xb->q + k * xb->qb),
+		.qc = (const uint16_t *)((char *)xb->qc + k * xb->cb),
+		.o = (float *)((char *)xb->o + k * xb->ob),
+		.lse = (float *)((char *)xb->lse + k * xb->lb),
+	};
+	*pool = kvd_store_pool(s->store, q);
+	*node = q->node;
+	return 0;
+}
+
+/* One pool job over the next record of each of the n clients in top[]
+ * (first the one whose turn it is).  Charges each its share of the time. */
+static void run_records(struct kvd_server *s, struct client **top, unsigned n)
+{
+	struct kvd_exec_buf *xb = s->xb;
+	struct kvd_pool *pool = NULL;
+	unsigned node = 0, k = 0;
+	uint64_t t0 = kvd_now_ns(), total = 0;
+
+	kvd_tier_begin(s->tier);
+	for (unsigned i = 0; i < n; i++)
+		if (unit_prepare(s, top[i], k, &pool, &node) == 0)
+			k++;
+	if (k) {
+		kvd_attn_layers(pool, s->scrs[node], kvd_kern_get(), xb->req, k, NULL);
+		for (unsigned i = 0; i < k; i++)
+			total += xb->u[i].tasks;
+	}
+	uint64_t dt = kvd_now_ns() - t0;
+
+	for (unsigned i = 0; i < k; i++) {
+		struct unit *u = &xb->u[i];
+		struct client *c = u->c;
+		struct job *j = &c->job;
+		const struct kvd_attn_req *r = &xb->req[i];
+
+		c->vtime += total ? dt * u->tasks / total : dt / k;
+		if (r->rc) {
+			char msg[160];
+
+			snprintf(msg, sizeof msg, "batch[%u]: %s", u->rec, kvd_strerror(r->rc));
+			finish(s, c, r->rc, msg);
+			continue;
+		}
+		const struct kvd_geom *g = r->g;
+		size_t ob = (size_t)g->q_heads * g->d * sizeof(float);
+		char *out = (char *)shm_slot(&c->r, j->e.slot) + j->e.out_off +
+			    u->rec * kvd_attend_out_bytes(g->q_heads, g->d);
+
+		memcpy(out, r->o, ob);
+		memcpy(out + KVD_ALIGN64(ob), r->lse, (size_t)g->q_heads * sizeof(float));
+		if (++j->next == j->e.nseq)
+			finish(s, c, 0, NULL);
+	}
+}
+
+static int in_records(const struct client *c)
+{
+	return c->job.active && c->job.e.op == KVD_OP_ATTEND && c->job.checked && !c->parked;
+}
+
+/* ---- the pass ----------------------------------------------------------- */
+
+/* Up to PASS_UNITS ready clients with the smallest vtime, ascending. */
+static unsigned pick(struct kvd_server *s, struct client **top)
+{
+	unsigned n = 0;
+
+	for (struct client *c = s->clients; c; c = c->next) {
+		int ready = client_ready(s, c);
+
+		if (ready && !c->was_ready && c->vtime < s->vclock)
+			c->vtime = s->vclock;   /* rejoining: no credit for idle time */
+		c->was_ready = ready;
+		if (!ready)
+			continue;
+		if (n == PASS_UNITS && c->vtime >= top[n - 1]->vtime)
+			continue;
+		unsigned i = n < PASS_UNITS ? n++ : n - 1;
+
+		while (i > 0 && top[i - 1]->vtime > c->vtime) {
+			top[i] = top[i - 1];
+			i--;
+		}
+		top[i] = c;
+	}
+	return n;
+}
+
+/* Called by a segment build between its slices (kvd_seg_set_yield), deep
+ * inside a PREFILL or APPEND unit: runs one batch of other clients' ATTEND
+ * records, so a long seal delays them by a slice, not by the segment.  Only
+ * records: they read sequences and never change one, and the sequence being
+ * sealed is still prefilling that layer (its records fail EBUSY) or is
+ * changed only by its own, running, entry. */
+static void seal_yield(void *arg)
+{
+	struct kvd_server *s = arg;
+	struct client *top[PASS_UNITS];
+	unsigned n, m = 0;
+	uint64_t t0;
+
+	if (s->nested)
+		return;
+	s->nested = 1;
+	t0 = kvd_now_ns();
+	n = pick(s, top);
+	for (unsigned i = 0; i < n; i++)
+		if (in_records(top[i]))
+			top[m++] = top[i];
+	if (m)
+		run_records(s, top, m);
+	s->nested_ns += kvd_now_ns() - t0;
+	s->nested = 0;
+}
+
+/* One pass: returns 0 when no client had anything to run. */
+static int exec_pass(struct kvd_server *s)
+{
+	struct client **top = s->xb->top;
+	unsigned n = pick(s, top), m = 0;
+
+	if (!n)
+		return 0;
+	if (top[0]->vtime > s->vclock)
+		s->vclock = top[0]->vtime;
+	/* Cheap steps first, for every picked client: take the next entry,
+	 * check an ATTEND's ids.  They cost little and let more clients join
+	 * this pass's batch. */
+	for (unsigned i = 0; i < n; i++) {
+		struct client *c = top[i];
+		uint64_t t0 = kvd_now_ns();
+
+		if (!c->job.active)
+			job_start(s, c);
+		if (c->job.active && c->job.e.op == KVD_OP_ATTEND && !c->job.checked && !c->parked)
+			run_whole(s, c);
+		c->vtime += kvd_now_ns() - t0;
+	}
+	if (in_records(top[0])) {
+		for (unsigned i = 0; i < n; i++)
+			if (in_records(top[i]))
+				top[m++] = top[i];
+		run_records(s, top, m);
+	} else if (top[0]->job.active && !top[0]->parked) {
+		struct client *c = top[0];
+		uint64_t t0 = kvd_now_ns();
+
+		s->nested_ns = 0;
+		run_whole(s, c);
+		/* What ran for others inside the unit is theirs, not c's. */
+		c->vtime += kvd_now_ns() - t0 - s->nested_ns;
+	}
+	kvd_tier_balance(s->tier);
+	return 1;
+}
+
+/* ---- the thread --------------------------------------------------------- */
+
+/* Between units: when the loop is waiting for the lock, it gets one turn.
+ * One, not as many as it wants: a client flooding the control socket must
+ * not starve the data plane either, so the two alternate. */
+static void yield_to_loop(struct kvd_server *s)
+{
+	uint64_t turn = s->loop_turns;
+
+	while (atomic_load_explicit(&s->loop_wants, memory_order_acquire) &&
+	       s->loop_turns == turn)
+		pthread_cond_wait(&s->handoff, &s->mu);
+}
+
+static void set_sleeping(struct kvd_server *s, int on)
+{
+	for (struct client *c = s->clients; c; c = c->next)
+		if (c->hello && !c->dead)
+			shm_ring_set_sleeping(&c->r.sq, on);
+}
+
+static void *exec_main(void *arg)
+{
+	struct kvd_server *s = arg;
+	uint64_t idle_since = kvd_now_ns();
+
+	kvd_seg_set_yield(seal_yield, s);
+	pthread_mutex_lock(&s->mu);
+	for (;;) {
+		atomic_store_explicit(&s->exec_beat_ns, kvd_now_ns(), memory_order_relaxed);
+		if (exec_pass(s)) {
+			idle_since = kvd_now_ns();
+			yield_to_loop(s);
+			continue;
+		}
+		if (s->exec_stop)
+			break;          /* drained: nothing left that can run */
+		if (kvd_now_ns() - idle_since < s->cfg->spin_ns) {
+			/* Spin without the lock, so the loop is never kept out. */
+			pthread_mutex_unlock(&s->mu);
+			for (int i = 0; i < 64; i++)
+				cpu_relax();
+			pthread_mutex_lock(&s->mu);
+			continue;
+		}
+		/* Idle: announce sleep on every SQ, then look once more before
+		 * blocking — a client that committed before seeing the flag is
+		 * caught by this second look (see shm_ring_set_sleeping); one
+		 * that commits after it kicks its eventfd and the loop wakes us. */
+		set_sleeping(s, 1);
+		if (!exec_pass(s) && !s->exec_stop) {
+			struct timespec ts;
+
+			/* Bounded: no lost wake-up can hold a client longer. */
+			clock_gettime(CLOCK_REALTIME, &ts);
+			ts.tv_sec += 1;
+			atomic_store_explicit(&s->exec_idle, 1, memory_order_relaxed);
+			pthread_cond_timedwait(&s->work, &s->mu, &ts);
+			atomic_store_explicit(&s->exec_idle, 0, memory_order_relaxed);
+		}
+		set_sleeping(s, 0);
+		idle_since = kvd_now_ns();
+	}
+	pthread_mutex_unlock(&s->mu);
+	return NULL;
+}
+
+void kvd_exec_notify(struct kvd_server *s)
+{
+	pthread_cond_signal(&s->work);
+}
+
+int kvd_exec_start(struct kvd_server *s)
+{
+	struct kvd_exec_buf *xb = calloc(1, sizeof *xb);
+	int rc;
+
+	if (!xb)
+		return -ENOMEM;
+	s->xb = xb;
+	xb->qb = KVD_ALIGN64((size_t)KVD_QHEADS_MAX * KVD_DMAX * sizeof(float));
+	xb->ob = xb->qb;
+	xb->cb = KVD_ALIGN64((size_t)KVD_QHEADS_MAX * KVD_LSH_LMAX * sizeof(uint16_t));
+	xb->lb = KVD_ALIGN64((size_t)KVD_QHEADS_MAX * sizeof(float));
+	/* Untouched pages cost nothing: these are sized for the largest
+	 * profile and only what a pass uses is ever faulted in. */
+	xb->q = malloc(PASS_UNITS * xb->qb);
+	xb->o = malloc(PASS_UNITS * xb->ob);
+	xb->qc = malloc(PASS_UNITS * xb->cb);
+	xb->lse = malloc(PASS_UNITS * xb->lb);
+	if (!xb->q || !xb->o || !xb->qc || !xb->lse)
+		return -ENOMEM;
+	atomic_store(&s->exec_beat_ns, kvd_now_ns());
+	s->exec_running = 1;
+	rc = pthread_create(&s->exec_th, NULL, exec_main, s);
+	if (rc) {
+		s->exec_running = 0;
+		return -rc;
+	}
+	return 0;
+}
+
+void kvd_exec_stop(struct kvd_server *s)
+{
+	if (!s->exec_running)
+		return;
+	kvd_state_lock(s);
+	s->exec_stop = 1;
+	pthread_cond_signal(&s->work);
+	kvd_state_unlock(s);
+	pthread_join(s->exec_th, NULL);
+}
+
+void kvd_exec_free(struct kvd_server *s)
+{
+	if (!s->xb)
+		return;
+	free(s->xb->q);
+	free(s->xb->o);
+	free(s->xb->qc);
+	free(s->xb->lse);
+	free(s->xb);
+	s->xb = NULL;
+}

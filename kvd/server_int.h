@@ -1,0 +1,150 @@
+/* The daemon's insides, shared by its three parts (not an API):
+ *
+ *   server.c   the event loop: listening socket, clients' control sockets,
+ *              kick eventfds, signals, the watchdog timer, the tier's fd.
+ *   control.c  control-plane requests (protobuf over the socket), run by the
+ *              loop thread.
+ *   exec.c     the executor thread: every ring entry, in small units
+ *              (one ATTEND record, one PREFILL/APPEND entry), fair across
+ *              clients, on the worker pools.
+ *
+ * Threads and the state lock.  Everything below — clients, store, tier,
+ * counters — is guarded by s->mu.  The executor holds it while it runs a
+ * unit and gives it to the loop between units whenever the loop asks
+ * (loop_wants), so a control request waits for at most one unit.  The loop
+ * never holds it across epoll_wait, and takes signals and the watchdog
+ * timer without it, so neither waits for a unit.  A client's SQ is consumed
+ * and its CQ produced only by the executor (or by the loop while the
+ * executor is stopped, during drain), so each ring keeps a single consumer
+ * and a single producer.
+ */
+#ifndef KVD_SERVER_INT_H
+#define KVD_SERVER_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "attn.h"
+#include "kvd.pb-c.h"
+#include "kvd_ring.h"
+#include "numa_nodes.h"
+#include "uidlimits.h"
+#include "shm.h"
+#include "store.h"
+#include "wire.h"
+
+/* What an epoll event's data points at. */
+enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_KICK, EV_TIER };
+struct ev_tag {
+	int kind;
+	struct client *c;
+};
+
+/* The ring entry a client's executor turn is working through: copied out of
+ * shared memory and checked once, then only this copy is used. */
+struct job {
+	int active;
+	struct kvd_sqe e;
+	struct kvd_cqe *cqe;            /* reserved in the client's CQ */
+	/* ATTEND: the records' sequence ids, copied out once (pass 1), the
+	 * profile they agreed on, and the next record to run. */
+	uint32_t next;
+	int checked;
+	uint32_t pid;
+	uint64_t *ids;                  /* [KVD_WIRE_MAX_NSEQ], allocated at Hello */
+};
+
+#define CLIENT_PROFILES 64              /* profile references one connection may hold */
+
+struct client {
+	uint64_t id;
+	int fd, efd, memfd;
+	pid_t pid;
+	uid_t uid;
+	uint32_t ns;                    /* profile namespace (kvd_config_namespace) */
+	char tenant[KVD_NAME_MAX + 16]; /* "<uid>:<tenant>" */
+	char name[KVD_NAME_MAX + 1];
+	int hello, poll, dead;
+	int parked;                     /* its job waits for a restore or for room */
+	int was_ready;
+	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
+	struct job job;
+	uint32_t prof[CLIENT_PROFILES]; /* profile ids this connection holds a reference on */
+	uint32_t nprof;
+	struct shm_region r;
+	void *map;
+	size_t map_size;
+	struct client *next;
+	struct ev_tag ev_ctl, ev_kick;
+};
+
+struct kvd_server {
+	const struct kvd_config *cfg;
+	int lfd, epfd, sfd, tfd;
+	int listen_paused;              /* accept() hit EMFILE: listener out of the set */
+	uint64_t emfile_logged_ns;
+	/* One pool per NUMA node whose CPUs we may use (one in all on a
+	 * one-node machine); a sequence is sealed and attended on its node's. */
+	struct kvd_numa numa;
+	unsigned npools;
+	struct kvd_pool *pools[KVD_STORE_NODES];
+	struct kvd_attn_scratch *scrs[KVD_STORE_NODES];
+	struct kvd_store *store;
+	struct kvd_tier *tier;
+	struct kvd_limits *limits;
+	struct client *clients;
+	uint32_t nclients;
+	uint64_t next_client;
+	uint64_t requests, errors, disconnects, refused;
+	int stopping;
+	uint64_t watchdog_usec;
+	void *rxbuf;
+	struct ev_tag ev_listen, ev_signal, ev_timer, ev_tier;
+
+	/* The state lock and the executor (exec.c). */
+	int sync_init;
+	pthread_mutex_t mu;
+	pthread_cond_t work;            /* executor: new work may be ready */
+	pthread_cond_t handoff;         /* executor: the loop is done with the lock */
+	_Atomic int loop_wants;
+	uint64_t loop_turns;            /* under mu: the loop's critical sections so far */
+	_Atomic uint64_t exec_beat_ns;  /* executor's last sign of life */
+	_Atomic int exec_idle;          /* executor asleep waiting for work */
+	int exec_stop;                  /* under mu: drain, then exit */
+	int exec_running;               /* the thread was started (loop thread only) */
+	pthread_t exec_th;
+	int nested;                     /* inside seal_yield */
+	uint64_t nested_ns;             /* time seal_yield spent in the current unit */
+	uint64_t vclock;                /* fair-share clock of the last unit started */
+	struct kvd_exec_buf *xb;        /* the executor's unit buffers */
+};
+
+uint64_t kvd_now_ns(void);
+
+/* server.c */
+void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why);
+int kvd_ep_add(struct kvd_server *s, int fd, void *tag);
+/* c's own sequence seq (NULL when it is not, or not c's). */
+struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t seq);
+/* The loop's side of the state lock. */
+void kvd_state_lock(struct kvd_server *s);
+void kvd_state_unlock(struct kvd_server *s);
+
+/* control.c: reads and answers what c's control socket holds (under the
+ * lock). */
+void kvd_control_event(struct kvd_server *s, struct client *c);
+/* Drops every profile reference c holds (under the lock). */
+void kvd_control_release(struct kvd_server *s, struct client *c);
+
+/* exec.c */
+int kvd_exec_start(struct kvd_server *s);
+/* Asks the executor to answer what is queued and exit; joins it.  Called by
+ * the loop without the lock. */
+void kvd_exec_stop(struct kvd_server *s);
+/* New work may be ready (a kick, an unparked client).  Under the lock. */
+void kvd_exec_notify(struct kvd_server *s);
+void kvd_exec_free(struct kvd_server *s);
+
+#endif
