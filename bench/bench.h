@@ -4,6 +4,10 @@
 #define KVD_BENCH_H
 
 #include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "kvc.h"
 
 struct kvd_pool;
 
@@ -34,5 +38,30 @@ int bench_gpu_main(int argc, char **argv);
 /* kvbench demo / serve (bench/serve.c). */
 int bench_demo_main(int argc, char **argv);
 int bench_serve_main(int argc, char **argv);
+
+/* Helpers of bench/serve.c that kvbench load shares. */
+struct srv {
+	pid_t pid;
+	char dir[64], sock[108];
+};
+/* Starts build/.../kvd (next to kvbench) in a temporary run directory with a
+ * written configuration (memory, extra: more INI text, or NULL) and waits
+ * for its socket; with WATCHDOG_USEC in the environment the child also gets
+ * WATCHDOG_PID = its pid.  srv_stop: SIGTERM, wait, clean up; kvd's exit
+ * status. */
+int srv_start_conf(struct srv *s, const char *memory, const char *extra);
+int srv_stop(struct srv *s);
+/* Llama-3.1-8B geometry (32 q / 8 kv heads, d = 128, K = 10, L = 150, c = 2,
+ * 4 sinks, 64-token window); `layers` != 32: that many layers, all sparse. */
+struct kvc_model llama(uint32_t layers);
+/* MAP_SHARED anonymous memory that forked children write and the parent reads. */
+void *shared_mem(size_t bytes);
+/* Forks n children, child i running kid(i, arg) (0: success); waits for all.
+ * 1 if any failed. */
+int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg);
+
+/* `kvbench load` (bench/load.c): many decoding clients with and without
+ * noisy neighbours, against the in-process engine. */
+int bench_load_main(int argc, char **argv);
 
 #endif

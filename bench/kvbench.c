@@ -5,6 +5,7 @@
  *                [--seed S] [--seg TOKENS] [--trace DIR]
  *   kvbench trace-dump --workload W --ctx N DIR   (writes a synthetic layer as .npy)
  *   kvbench demo                                  (attn at a small size, as a table)
+ *   kvbench load [--json] ...                     (many clients, noisy neighbours: bench/load.c)
  *
  * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
  * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and
@@ -415,7 +416,8 @@ static void usage(void)
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
 		"                    [--seed S] [--seg TOKENS] [--trace DIR]\n"
 		"       kvbench trace-dump --workload W --ctx N DIR\n"
-		"       kvbench demo\n");
+		"       kvbench demo\n"
+		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n");
 	exit(2);
 }
 
@@ -609,6 +611,8 @@ int main(int argc, char **argv)
 		return bench_demo_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "serve"))
 		return bench_serve_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "load"))
+		return bench_load_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "gpu"))
 		return bench_gpu_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "ipc"))

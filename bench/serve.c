@@ -32,13 +32,8 @@
 #include "ref.h"
 #include "synth.h"
 
-struct srv {
-	pid_t pid;
-	char dir[64], sock[108];
-};
-
 /* extra: more INI text for the configuration (a [memory]/[spill] part), or NULL. */
-static int srv_start_conf(struct srv *s, const char *memory, const char *extra)
+int srv_start_conf(struct srv *s, const char *memory, const char *extra)
 {
 	char exe[PATH_MAX], bin[PATH_MAX + 8], conf[128];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -65,6 +60,14 @@ static int srv_start_conf(struct srv *s, const char *memory, const char *extra)
 	fclose(f);
 	s->pid = fork();
 	if (s->pid == 0) {
+		char pid[16];
+
+		/* A watchdog interval in the environment is for kvd: name its
+		 * pid, as systemd does (kvbench load). */
+		if (getenv("WATCHDOG_USEC")) {
+			snprintf(pid, sizeof pid, "%d", (int)getpid());
+			setenv("WATCHDOG_PID", pid, 1);
+		}
 		execl(bin, "kvd", "--foreground", "--config", conf, (char *)NULL);
 		perror("kvbench: exec kvd");
 		_exit(127);
@@ -90,7 +93,7 @@ static int srv_start(struct srv *s)
 	return srv_start_conf(s, NULL, NULL);
 }
 
-static int srv_stop(struct srv *s)
+int srv_stop(struct srv *s)
 {
 	char conf[128];
 	int st = 0;
@@ -105,7 +108,7 @@ static int srv_stop(struct srv *s)
 
 static const uint32_t llama_dense[] = { 0, 16 };
 
-static struct kvc_model llama(uint32_t layers)
+struct kvc_model llama(uint32_t layers)
 {
 	return (struct kvc_model){
 		.name = layers == 32 ? "llama-3.1-8b" : "llama-3.1-8b-slice", .layers = layers,
@@ -217,7 +220,7 @@ out:
 }
 
 /* Results that child processes write and the parent reads. */
-static void *shared_mem(size_t bytes)
+void *shared_mem(size_t bytes)
 {
 	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 
@@ -399,7 +402,7 @@ static int srv_up(struct srv *srv, const char *memory, const char *extra)
 
 /* Forks n client processes, child i running kid(i, arg) (0: success), and
  * waits for all of them.  1 if any failed. */
-static int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg)
+int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg)
 {
 	pid_t *pids = calloc(n, sizeof *pids);
 	int failed = !pids;

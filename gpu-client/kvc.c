@@ -917,6 +917,7 @@ int kvc_server_stats(struct kvc *c, struct kvc_stats *st)
 		.on_disk = m->on_disk, .spills = m->spills, .restores = m->restores,
 		.drops = m->drops, .spill_errors = m->spill_errors, .lost = m->lost,
 		.spill_bytes = m->spill_bytes, .restore_bytes = m->restore_bytes,
+		.used_bytes = m->used_bytes, .refused = m->refused,
 	};
 	kvd_ctl_free_response(r);
 	return 0;

@@ -114,6 +114,9 @@ struct kvc_stats {
 	uint64_t mem_limit, mem_high, mem_low, reserved_bytes, disk_bytes;
 	uint32_t on_disk;
 	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
+	/* what the budget counts against mem_limit (bytes + bookkeeping,
+	 * profiles, reservations); connections kvd refused */
+	uint64_t used_bytes, refused;
 };
 int kvc_server_stats(struct kvc *c, struct kvc_stats *st);
 

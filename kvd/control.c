@@ -371,6 +371,7 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 
 		kvd_tier_stats(s->tier, &ts);
 		m.mem_limit = ts.limit;
+		m.used_bytes = ts.used;
 		m.mem_high = ts.high;
 		m.mem_low = ts.low;
 		m.reserved_bytes = ts.reserved;
