@@ -5,6 +5,7 @@
  * a wrong answer — data stays in RAM, or the request fails "sequence lost";
  * --persist finds sequences again after a clean stop and after kill -9. */
 #include <dirent.h>
+#include <fcntl.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -204,22 +205,28 @@ static int up(const char *a1, const char *a2)
 	return daemon_start4(&D, "--spill-dir", spill, a1, a2);
 }
 
-static void clean_spill(void)
+static void clean_dir(const char *dir)
 {
-	DIR *d = opendir(spill);
+	DIR *d = opendir(dir);
 	struct dirent *e;
 	char p[400];
 
 	if (!d)
 		return;
 	while ((e = readdir(d))) {
-		if (e->d_name[0] == '.')
+		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
 			continue;
-		snprintf(p, sizeof p, "%s/%s", spill, e->d_name);
-		unlink(p);
+		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+		if (unlink(p) && errno == EISDIR)
+			clean_dir(p);
 	}
 	closedir(d);
-	rmdir(spill);
+	rmdir(dir);
+}
+
+static void clean_spill(void)
+{
+	clean_dir(spill);
 	spill[0] = 0;
 }
 
@@ -527,6 +534,64 @@ static void test_crash_during_spill_burst(void **state)
 	free(x);
 }
 
+/* A persisted file that fails its checks at start-up is moved aside into
+ * quarantine/ (for the operator to look at), never deleted, and the good
+ * files next to it load and answer as before. */
+static void test_persist_bad_file_quarantined(void **state)
+{
+	struct kvc *c, *c2;
+	struct session x[2];
+	char path[400], qdir[300];
+	struct kvc_seq *s2;
+	int fd;
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c = client("quar");
+	for (int i = 0; i < 2; i++) {
+		assert_int_equal(build(c, &x[i], 40 + (uint64_t)i), 0);
+		assert_int_equal(record(c, &x[i]), 0);
+		assert_int_equal(kvc_seq_evict(c, x[i].s), 0);
+	}
+	for (int i = 0; i < 2; i++)
+		assert_true(wait_spilled(c, x[i].s).durable);
+	assert_int_equal(daemon_stop(&D), 0);
+	for (int i = 0; i < 2; i++)
+		kvc_seq_free(c, x[i].s);
+	kvc_close(c);
+	assert_int_equal(count_files(spill, ".kvs"), 2);
+
+	/* One byte of the first file's header flipped: its CRC32C fails. */
+	snprintf(path, sizeof path, "%s/%016llx.kvs", spill, (unsigned long long)x[0].id);
+	fd = open(path, O_RDWR);
+	assert_true(fd >= 0);
+	{
+		uint8_t b;
+
+		assert_int_equal(pread(fd, &b, 1, 40), 1);
+		b ^= 0x5a;
+		assert_int_equal(pwrite(fd, &b, 1, 40), 1);
+	}
+	close(fd);
+
+	assert_int_equal(up("--persist", NULL), 0);
+	snprintf(qdir, sizeof qdir, "%s/quarantine", spill);
+	assert_int_equal(count_files(spill, ".kvs"), 1);
+	assert_int_equal(count_files(qdir, ".kvs"), 1);
+	c2 = client("quar2");
+	assert_int_equal(kvc_seq_open(c2, x[0].id, &s2, NULL), -ENOENT);
+	assert_int_equal(kvc_seq_open(c2, x[1].id, &s2, NULL), 0);
+	x[1].s = s2;
+	assert_int_equal(same(c2, &x[1]), 0);
+	drop_session(c2, &x[1]);
+	for (uint32_t l = 0; l < LAYERS; l++)
+		kvd_synth_free(&x[0].w[l]);
+	kvc_close(c2);
+	/* A restart keeps the quarantined file where it is. */
+	assert_int_equal(daemon_stop(&D), 0);
+	assert_int_equal(up("--persist", NULL), 0);
+	assert_int_equal(count_files(qdir, ".kvs"), 1);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -542,6 +607,7 @@ int main(void)
 		cmocka_unit_test_teardown(test_fault_eio_read, down),
 		cmocka_unit_test_teardown(test_persist_clean_restart, down),
 		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),
+		cmocka_unit_test_teardown(test_persist_bad_file_quarantined, down),
 	};
 
 	if (getenv("KVD_TEST_FILTER"))
