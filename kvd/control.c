@@ -202,8 +202,12 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 	free(dense);
 	if (rc == -EEXIST)
 		return kvd_ctl_send_error(c->fd, id, rc, "profile '%s' exists with other fields", m->name);
-	if (rc)
+	if (rc) {
+		if (rc == -EDQUOT || rc == -ENOSPC || rc == -ENOMEM)
+			kvd_log_refusal("client %llu (uid %u): profile refused: %s", (unsigned long long)c->id,
+					(unsigned)c->uid, msg[0] ? msg : kvd_strerror(rc));
 		return kvd_ctl_send_error(c->fd, id, rc, "profile: %s", msg[0] ? msg : kvd_strerror(rc));
+	}
 	rc = hold_profile(s, c, p);
 	kvd_store_profile_unref(s->store, p);   /* the connection's own, if any, stays */
 	if (rc)
@@ -225,8 +229,12 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 		return kvd_ctl_send_error(c->fd, id, -EOPNOTSUPP,
 					  "content keys and forks are not supported yet");
 	rc = kvd_store_seq_create_uid(s->store, p, c->uid, c->tenant, c->id, &q, msg, sizeof msg);
-	if (rc)
+	if (rc) {
+		if (rc == -EDQUOT || rc == -ENOSPC || rc == -ENOMEM)
+			kvd_log_refusal("client %llu (uid %u): sequence refused: %s", (unsigned long long)c->id,
+					(unsigned)c->uid, msg[0] ? msg : kvd_strerror(rc));
 		return kvd_ctl_send_error(c->fd, id, rc, "sequence: %s", msg[0] ? msg : kvd_strerror(rc));
+	}
 
 	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;

@@ -33,6 +33,7 @@
 #include "tier.h"
 
 #define PASS_UNITS 16           /* ATTEND records in one pool job */
+#define DRAIN_SECONDS 30        /* at stop: answer what is queued for at most this long */
 
 struct unit {
 	struct client *c;
@@ -555,6 +556,13 @@ static void *exec_main(void *arg)
 	pthread_mutex_lock(&s->mu);
 	for (;;) {
 		atomic_store_explicit(&s->exec_beat_ns, kvd_now_ns(), memory_order_relaxed);
+		/* Draining is bounded: a client that keeps submitting must not
+		 * keep kvd from stopping. */
+		if (s->exec_stop && kvd_now_ns() > s->stop_deadline_ns) {
+			kvd_log(LOG_WARNING, "drain: still busy after %d s, stopping anyway",
+				DRAIN_SECONDS);
+			break;
+		}
 		if (exec_pass(s)) {
 			idle_since = kvd_now_ns();
 			yield_to_loop(s);
@@ -633,6 +641,7 @@ void kvd_exec_stop(struct kvd_server *s)
 		return;
 	kvd_state_lock(s);
 	s->exec_stop = 1;
+	s->stop_deadline_ns = kvd_now_ns() + DRAIN_SECONDS * 1000000000ull;
 	pthread_cond_signal(&s->work);
 	kvd_state_unlock(s);
 	pthread_join(s->exec_th, NULL);

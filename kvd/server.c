@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,6 +167,28 @@ static void listen_pause(struct kvd_server *s, int err)
 	}
 }
 
+void kvd_log_refusal(const char *fmt, ...)
+{
+	static uint64_t last_ns, quiet;
+	uint64_t now = kvd_now_ns();
+	char line[512];
+	va_list ap;
+
+	if (last_ns && now - last_ns < 1000000000u) {
+		quiet++;
+		return;
+	}
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof line, fmt, ap);
+	va_end(ap);
+	if (quiet)
+		kvd_log(LOG_NOTICE, "%s (and %llu refusals not logged)", line, (unsigned long long)quiet);
+	else
+		kvd_log(LOG_NOTICE, "%s", line);
+	last_ns = now;
+	quiet = 0;
+}
+
 /* A connection we will not serve: say why when we can, then close. */
 static void refuse(struct kvd_server *s, int fd, int code, const char *why)
 {
@@ -203,7 +226,8 @@ static void accept_clients(struct kvd_server *s)
 		 * opens connections and never says Hello runs into its own cap. */
 		rc = kvd_limits_charge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1, msg, sizeof msg);
 		if (rc) {
-			kvd_log(LOG_NOTICE, "refusing a connection of pid %d: %s", (int)cred.pid, msg);
+			kvd_log_refusal("refusing a connection of pid %d (uid %u): %s", (int)cred.pid,
+					(unsigned)cred.uid, msg);
 			refuse(s, fd, rc, msg);
 			continue;
 		}

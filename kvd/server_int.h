@@ -113,6 +113,7 @@ struct kvd_server {
 	_Atomic uint64_t exec_beat_ns;  /* executor's last sign of life */
 	_Atomic int exec_idle;          /* executor asleep waiting for work */
 	int exec_stop;                  /* under mu: drain, then exit */
+	uint64_t stop_deadline_ns;      /* under mu: end of the drain */
 	int exec_running;               /* the thread was started (loop thread only) */
 	pthread_t exec_th;
 	int nested;                     /* inside seal_yield */
@@ -126,6 +127,10 @@ uint64_t kvd_now_ns(void);
 /* server.c */
 void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why);
 int kvd_ep_add(struct kvd_server *s, int fd, void *tag);
+/* A refusal at a limit, logged at most once a second (a client retrying in
+ * a loop must not flood the log), with a count of those not logged.  Loop
+ * thread only. */
+void kvd_log_refusal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* c's own sequence seq (NULL when it is not, or not c's). */
 struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t seq);
 /* The loop's side of the state lock. */
