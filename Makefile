@@ -192,14 +192,32 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 	$(Q)$(CC) $(CFLAGS) -Itests/unit -Itests/integration -c $< -o $@
 
 # Fuzz targets always use clang's libFuzzer with ASan+UBSan, whatever SAN says.
+# The engine is compiled once into build/fuzz/obj with the fuzzer's
+# instrumentation (not its main); only the per-ISA kernel files get their ISA
+# flags, as in every other build, so a fuzz target runs on any x86-64 and
+# dispatch picks the kernels the CPU has.
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ishm -Iproto -Igpu-client -Ibuild/proto \
-	-fsanitize=fuzzer,address,undefined
-build/fuzz/%: tests/fuzz/%.c $(CORE_SRC) build/proto/kvd.pb-c.c
+	-fsanitize=fuzzer-no-link,address,undefined
+FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
+FUZZ_LIBS := -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lm -pthread
+
+build/fuzz/obj/kvd/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
+build/fuzz/obj/kvd/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
+
+build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
+	$(call msg,FUZZCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) $(FUZZ_ISA) -MMD -MP -c $< -o $@
+
+build/fuzz/obj/kvd.pb-c.o: build/proto/kvd.pb-c.c
+	$(call msg,FUZZCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) -c $< -o $@
+
+build/fuzz/%: tests/fuzz/%.c $(FUZZ_OBJ)
 	$(call msg,FUZZ,$@)
 	$(Q)mkdir -p $(dir $@)
-	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) -Wno-unused-command-line-argument \
-		$(ISA_avx512) $< $(CORE_SRC) build/proto/kvd.pb-c.c \
-		-lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lm -pthread -o $@
+	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer $< $(FUZZ_OBJ) $(FUZZ_LIBS) -o $@
 
 # `check` builds and runs the unit tests of the current variant.
 check: all
@@ -251,4 +269,5 @@ clean:
 	rm -rf build
 
 -include $(CORE_OBJ:.o=.d) $(CLIENT_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(TEST_COMMON_OBJ:.o=.d) \
-	$(TEST_OBJ:.o=.d) $(B)/obj/kvd/main.d $(DECODE_OBJ:.o=.d) $(B)/obj/gpu-client/decode/main.d
+	$(TEST_OBJ:.o=.d) $(B)/obj/kvd/main.d $(DECODE_OBJ:.o=.d) $(B)/obj/gpu-client/decode/main.d \
+	$(FUZZ_OBJ:.o=.d)
