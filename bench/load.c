@@ -861,12 +861,10 @@ int bench_load_main(int argc, char **argv)
 	for (cf->chunk = KVD_WIRE_MAX_NTOK;
 	     kvd_rows_bytes(H, d, L, cf->chunk, 1) > cf->slot_size; cf->chunk--)
 		;
-	uint64_t rec = kvd_attend_in_bytes(Hq, d, L) + kvd_attend_out_bytes(Hq, d);
-
-	if (!cf->batch) {
-		cf->batch = (uint32_t)(cf->slot_size / rec);
-		cf->batch = cf->batch < KVD_WIRE_MAX_NSEQ ? cf->batch : KVD_WIRE_MAX_NSEQ;
-	}
+	/* The noisy neighbour's batch: by default the largest the protocol
+	 * allows (its client asks for slots big enough). */
+	if (!cf->batch)
+		cf->batch = KVD_WIRE_MAX_NSEQ;
 
 	if (!cf->json)
 		printf("kvbench load: %u-token sequences, %u sparse layers (Llama-3.1-8B heads, K=10, "

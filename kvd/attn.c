@@ -144,89 +144,72 @@ struct seg_build {
 	const struct kvd_geom *g;
 	struct kvd_seg *seg;
 	const uint16_t *k, *v, *codes;
-	_Atomic int err;
 };
 
-/* Phase 1 of head h: lay out its memory, copy the rows, 1/|k|. */
-static void seg_build_rows(void *arg, uint32_t h, unsigned worker)
+/* Phase 1, per (head, chunk of ROWS_PER_TASK rows): copy the rows, 1/|k|,
+ * and fault in the same share of the head's table memory on this worker
+ * (the tables phase then does only the counting sort).  Chunks rather than
+ * whole heads: copying into fresh pages is most of a seal, and a task of a
+ * few milliseconds is what a sliced build makes others wait for. */
+#define ROWS_PER_TASK 4096u
+
+static uint32_t row_tasks(const struct kvd_seg *s)
+{
+	return (s->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+}
+
+static void seg_build_rows(void *arg, uint32_t task, unsigned worker)
 {
 	struct seg_build *b = arg;
 	struct kvd_seg *s = b->seg;
+	uint32_t per = row_tasks(s), h = task / per, chunk = task % per;
 	struct kvd_seg_head *sh = &s->h[h];
-	size_t n = s->n, d = s->d;
+	size_t n = s->n, d = s->d, r0 = (size_t)chunk * ROWS_PER_TASK;
+	size_t r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
 
-	head_layout(b->g, s, h);
-	memcpy(sh->k, b->k + h * n * d, n * d * sizeof(uint16_t));
-	memcpy(sh->v, b->v + h * n * d, n * d * sizeof(uint16_t));
-	kvd_kern_get()->kinv(sh->k, n, (int)d, sh->kinv);
-	/* Fault in this head's table memory here, on this worker: the tables
-	 * phase then does only the counting sort. */
+	memcpy(sh->k + r0 * d, b->k + (h * n + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
+	memcpy(sh->v + r0 * d, b->v + (h * n + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
+	kvd_kern_get()->kinv(sh->k + r0 * d, r1 - r0, (int)d, sh->kinv + r0);
+
 	char *tab = head_parts(b->g, s->n, s->mem, h).tab;
 	size_t tb = kvd_lsh_tables_bytes(s->n, (int)s->K, (int)s->L);
+	size_t t0 = tb * chunk / per / 4096 * 4096, t1 = chunk + 1 == per ? tb : tb * (chunk + 1) / per / 4096 * 4096;
 
-	for (size_t off = 0; off < tb; off += 4096)
+	for (size_t off = t0; off < t1; off += 4096)
 		tab[off] = 0;
 }
 
-/* Phase 2 of head h: its L tables from the codes. */
-static void seg_build_tables(void *arg, uint32_t h, unsigned worker)
+/* Phase 2: tables [l0, l0 + TABLES_PER_TASK) of one head from the codes.
+ * Tasks of a few dozen tables rather than whole heads keep a pool task (and
+ * so what a sliced build makes others wait for) to a few milliseconds even
+ * for a full 65536-token segment. */
+#define TABLES_PER_TASK 32
+
+static uint32_t table_tasks(const struct kvd_seg *s)
+{
+	return (s->L + TABLES_PER_TASK - 1) / TABLES_PER_TASK;
+}
+
+static void seg_build_tables(void *arg, uint32_t task, unsigned worker)
 {
 	struct seg_build *b = arg;
 	struct kvd_seg *s = b->seg;
-	size_t n = s->n;
-	int rc = kvd_lsh_build(&s->h[h].tab, head_parts(b->g, s->n, s->mem, h).tab, s->n,
-			       (int)s->K, (int)s->L, b->codes + h * s->L * n, n);
+	uint32_t per = table_tasks(s), h = task / per, l0 = task % per * TABLES_PER_TASK;
+	uint32_t l1 = l0 + TABLES_PER_TASK < s->L ? l0 + TABLES_PER_TASK : s->L;
 
-	if (rc)
-		atomic_store(&b->err, rc);
+	kvd_lsh_build_range(&s->h[h].tab, b->codes + (size_t)h * s->L * s->n, s->n, l0, l1);
 }
 
-static _Thread_local struct {
-	void (*fn)(void *arg);
-	void *arg;
-} seg_yield;
-
-void kvd_seg_set_yield(void (*fn)(void *arg), void *arg)
+/* With the executor's yield hook set (kvd_pool_set_yield), one head per
+ * worker at a time, other clients' requests between the slices. */
+static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *arg)
 {
-	seg_yield.fn = fn;
-	seg_yield.arg = arg;
-}
-
-struct head_slice {
-	kvd_pool_fn fn;
-	void *arg;
-	uint32_t h0;
-};
-
-static void slice_task(void *arg, uint32_t t, unsigned worker)
-{
-	const struct head_slice *sl = arg;
-
-	sl->fn(sl->arg, sl->h0 + t, worker);
-}
-
-/* All heads in one job, or with a yield hook, one head per worker at a
- * time and the hook between (and before every slice but a build's first). */
-static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *arg, int first)
-{
-	if (!pool) {
-		for (uint32_t h = 0; h < H; h++)
-			fn(arg, h, 0);
+	if (pool) {
+		kvd_pool_run_sliced(pool, H, fn, arg);
 		return;
 	}
-	if (!seg_yield.fn) {
-		kvd_pool_run(pool, H, fn, arg);
-		return;
-	}
-	uint32_t step = kvd_pool_size(pool);
-
-	for (uint32_t h0 = 0; h0 < H; h0 += step) {
-		struct head_slice sl = { fn, arg, h0 };
-
-		if (h0 || !first)
-			seg_yield.fn(seg_yield.arg);
-		kvd_pool_run(pool, H - h0 < step ? H - h0 : step, slice_task, &sl);
-	}
+	for (uint32_t h = 0; h < H; h++)
+		fn(arg, h, 0);
 }
 
 static double now_ms(void)
@@ -265,18 +248,16 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 	}
 	s->mem = (char *)s->io + IO_PAGE;
 
-	struct seg_build b = { g, s, k, v, codes, 0 };
+	struct seg_build b = { g, s, k, v, codes };
 
-	run_heads(pool, g->kv_heads, seg_build_rows, &b, 1);
+	for (uint32_t h = 0; h < g->kv_heads; h++)
+		head_layout(g, s, h);
+	run_heads(pool, g->kv_heads * row_tasks(s), seg_build_rows, &b);
+	kvd_pool_yield();
 	double t = now_ms();
 
-	run_heads(pool, g->kv_heads, seg_build_tables, &b, 0);
+	run_heads(pool, g->kv_heads * table_tasks(s), seg_build_tables, &b);
 	s->tables_ms = now_ms() - t;
-	rc = atomic_load(&b.err);
-	if (rc) {
-		kvd_seg_free(s);
-		return rc;
-	}
 	*out = s;
 	return 0;
 }

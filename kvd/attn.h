@@ -71,13 +71,9 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
 		       struct kvd_seg **out);
 void kvd_seg_free(struct kvd_seg *s);
-/* For the calling thread's later builds: split the work into one head per
- * pool worker at a time and call fn(arg) between the slices, so a thread
- * that owns a queue of short requests (the daemon's executor) can answer
- * some while a long segment is built.  fn must not build segments itself
- * and must leave the rows being sealed alone.  NULL: one job per phase (the
- * default). */
-void kvd_seg_set_yield(void (*fn)(void *arg), void *arg);
+/* A build is split into per-head pool tasks run with kvd_pool_run_sliced():
+ * a thread with a yield hook (kvd_pool_set_yield) answers other requests
+ * between its slices. */
 
 /* Bytes of a segment's payload (rows, 1/|k|, tables of every kv head), as
  * kvd_seg_build lays it out; a SEG extent's payload_bytes. */

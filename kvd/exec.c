@@ -33,6 +33,7 @@
 #include "tier.h"
 
 #define PASS_UNITS 16           /* ATTEND records in one pool job */
+#define YIELD_ROUNDS 4          /* batches of others' records between two slices, at most */
 #define DRAIN_SECONDS 30        /* at stop: answer what is queued for at most this long */
 
 struct unit {
@@ -458,30 +459,52 @@ static unsigned pick(struct kvd_server *s, struct client **top)
 	return n;
 }
 
-/* Called by a segment build between its slices (kvd_seg_set_yield), deep
- * inside a PREFILL or APPEND unit: runs one batch of other clients' ATTEND
- * records, so a long seal delays them by a slice, not by the segment.  Only
+/* Called between the slices of a sliced pool job (kvd_pool_set_yield): a
+ * segment being sealed, rows being copied into staging, deep inside a
+ * PREFILL or APPEND unit.  Runs one batch of other clients' ATTEND records,
+ * so a long seal or copy delays them by a slice, not by the whole.  Only
  * records: they read sequences and never change one, and the sequence being
- * sealed is still prefilling that layer (its records fail EBUSY) or is
+ * worked on is still prefilling that layer (its records fail EBUSY) or is
  * changed only by its own, running, entry. */
 static void seal_yield(void *arg)
 {
 	struct kvd_server *s = arg;
-	struct client *top[PASS_UNITS];
-	unsigned n, m = 0;
-	uint64_t t0;
+	struct client *top[PASS_UNITS], *owner = s->unit_client;
 
 	if (s->nested)
 		return;
 	s->nested = 1;
-	t0 = kvd_now_ns();
-	n = pick(s, top);
-	for (unsigned i = 0; i < n; i++)
-		if (in_records(top[i]))
-			top[m++] = top[i];
-	if (m)
-		run_records(s, top, m);
-	s->nested_ns += kvd_now_ns() - t0;
+	/* Fair share inside the unit too: batches of others' records run
+	 * while their clients have had less time than the unit's owner has
+	 * had so far (counting this unit), at least one batch, at most a few,
+	 * so the owner still moves. */
+	for (int round = 0; round < YIELD_ROUNDS; round++) {
+		uint64_t t0 = kvd_now_ns(), owner_vtime;
+		unsigned n = pick(s, top), m = 0;
+
+		for (unsigned i = 0; i < n; i++) {
+			struct client *c = top[i];
+
+			/* A decode that just arrived has no job yet: take it and
+			 * check its ids (cheap), as a pass would.  Only ATTEND gets
+			 * checked here; any other entry waits for its own pass. */
+			if (!c->job.active)
+				job_start(s, c);
+			if (c->job.active && c->job.e.op == KVD_OP_ATTEND && !c->job.checked &&
+			    !c->parked)
+				run_whole(s, c);
+			if (in_records(c))
+				top[m++] = c;
+		}
+		if (m)
+			run_records(s, top, m);
+		s->nested_ns += kvd_now_ns() - t0;
+		if (!m || !owner)
+			break;
+		owner_vtime = owner->vtime + (kvd_now_ns() - s->unit_t0 - s->nested_ns);
+		if (top[0]->vtime >= owner_vtime)
+			break;
+	}
 	s->nested = 0;
 }
 
@@ -518,7 +541,10 @@ static int exec_pass(struct kvd_server *s)
 		uint64_t t0 = kvd_now_ns();
 
 		s->nested_ns = 0;
+		s->unit_client = c;
+		s->unit_t0 = t0;
 		run_whole(s, c);
+		s->unit_client = NULL;
 		/* What ran for others inside the unit is theirs, not c's. */
 		c->vtime += kvd_now_ns() - t0 - s->nested_ns;
 	}
@@ -552,7 +578,7 @@ static void *exec_main(void *arg)
 	struct kvd_server *s = arg;
 	uint64_t idle_since = kvd_now_ns();
 
-	kvd_seg_set_yield(seal_yield, s);
+	kvd_pool_set_yield(seal_yield, s);
 	pthread_mutex_lock(&s->mu);
 	for (;;) {
 		atomic_store_explicit(&s->exec_beat_ns, kvd_now_ns(), memory_order_relaxed);

@@ -202,29 +202,36 @@ int kvd_lsh_build(struct kvd_lsh_tables *t, void *mem, uint32_t n, int K, int L,
 {
 	if (kvd_lsh_tables_layout(t, mem, n, K, L))
 		return -KVD_EGEOM;
+	kvd_lsh_build_range(t, codes, ldc, 0, (uint32_t)L);
+	return 0;
+}
 
-	uint32_t nb = 1u << K, mask = nb - 1;
+void kvd_lsh_build_range(const struct kvd_lsh_tables *t, const uint16_t *codes, size_t ldc,
+			 uint32_t l0, uint32_t l1)
+{
+	uint32_t n = t->n, K = t->K, nb = 1u << K, mask = nb - 1;
 	size_t stride = (size_t)nb + 1;
 
+	if (l0 >= l1)
+		return;
 	/* Codes are masked to K bits everywhere: they may come from a client. */
-	memset(t->off, 0, stride * sizeof(uint16_t));
-	count(t->off + 1, codes, n, mask);
-	for (int l = 0; l < L; l++) {
+	memset(t->off + (size_t)l0 * stride, 0, stride * sizeof(uint16_t));
+	count(t->off + (size_t)l0 * stride + 1, codes + (size_t)l0 * ldc, n, mask);
+	for (uint32_t l = l0; l < l1; l++) {
 		uint16_t *off = t->off + (size_t)l * stride;
 		uint16_t *ids = t->ids + (size_t)l * n;
 		const uint16_t *c = codes + (size_t)l * ldc;
 
 		t->full[l] = full_bucket(off, c, n, mask);
 		starts(off, nb);
-		if (l + 1 < L) {
+		if (l + 1 < l1) {
 			memset(off + stride, 0, stride * sizeof(uint16_t));
 			place_count(off + 1, ids, c, off + stride + 1, c + ldc, ids + n, n, mask,
-				    K >= PLACE_AHEAD_K);
+				    (int)K >= PLACE_AHEAD_K);
 		} else {
 			place(off + 1, ids, c, n, mask);
 		}
 	}
-	return 0;
 }
 
 /* Descents of a[k] against its predecessor b[k] = a[k-1], and the largest

@@ -50,6 +50,11 @@ size_t kvd_lsh_tables_bytes(uint32_t n, int K, int L);
  * Returns 0, or -KVD_EGEOM when n, K or L are out of range. */
 int kvd_lsh_build(struct kvd_lsh_tables *t, void *mem, uint32_t n, int K, int L,
 		  const uint16_t *codes, size_t ldc);
+/* Builds tables [l0, l1) of tables already laid out (kvd_lsh_tables_layout):
+ * disjoint ranges may be built by different threads at once, and building
+ * every range is kvd_lsh_build(). */
+void kvd_lsh_build_range(const struct kvd_lsh_tables *t, const uint16_t *codes, size_t ldc,
+			 uint32_t l0, uint32_t l1);
 
 /* Points t at tables of (n, K, L) already laid out in mem the way
  * kvd_lsh_build() lays them out; reads and writes nothing in mem.  For tables

@@ -144,6 +144,51 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 	pthread_mutex_unlock(&p->mu);
 }
 
+static _Thread_local struct {
+	void (*fn)(void *arg);
+	void *arg;
+} yield_hook;
+
+void kvd_pool_set_yield(void (*fn)(void *arg), void *arg)
+{
+	yield_hook.fn = fn;
+	yield_hook.arg = arg;
+}
+
+void kvd_pool_yield(void)
+{
+	if (yield_hook.fn)
+		yield_hook.fn(yield_hook.arg);
+}
+
+struct slice {
+	kvd_pool_fn fn;
+	void *arg;
+	uint32_t t0;
+};
+
+static void slice_task(void *arg, uint32_t t, unsigned worker)
+{
+	const struct slice *sl = arg;
+
+	sl->fn(sl->arg, sl->t0 + t, worker);
+}
+
+void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg)
+{
+	if (!yield_hook.fn) {
+		kvd_pool_run(p, ntasks, fn, arg);
+		return;
+	}
+	for (uint32_t t0 = 0; t0 < ntasks; t0 += p->n) {
+		struct slice sl = { fn, arg, t0 };
+
+		if (t0)
+			yield_hook.fn(yield_hook.arg);
+		kvd_pool_run(p, ntasks - t0 < p->n ? ntasks - t0 : p->n, slice_task, &sl);
+	}
+}
+
 /* The affinity goes in the thread's attributes, not a call in worker_main:
  * glibc applies it before the thread runs and fails pthread_create when the
  * kernel refuses it, so a worker never runs a task off its CPU and a bad CPU

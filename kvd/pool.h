@@ -38,4 +38,16 @@ unsigned kvd_pool_size(const struct kvd_pool *p);
 int kvd_pool_worker_cpu(const struct kvd_pool *p, unsigned worker);
 void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 
+/* Long jobs that may let other work in.  A thread that owns a queue of short
+ * requests (the daemon's executor) sets a yield hook for itself; then
+ * kvd_pool_run_sliced() runs a job one task per worker at a time and calls
+ * the hook between the slices, and kvd_pool_yield() calls it between a
+ * caller's phases.  Without a hook (any other thread, the default) both are
+ * kvd_pool_run() and nothing.  The hook runs on the calling thread and must
+ * not start sliced jobs itself; what the job is working on must stay
+ * untouched by it. */
+void kvd_pool_set_yield(void (*fn)(void *arg), void *arg);
+void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
+void kvd_pool_yield(void);
+
 #endif

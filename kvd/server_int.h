@@ -118,6 +118,8 @@ struct kvd_server {
 	pthread_t exec_th;
 	int nested;                     /* inside seal_yield */
 	uint64_t nested_ns;             /* time seal_yield spent in the current unit */
+	struct client *unit_client;     /* whose whole-entry unit is running */
+	uint64_t unit_t0;
 	uint64_t vclock;                /* fair-share clock of the last unit started */
 	struct kvd_exec_buf *xb;        /* the executor's unit buffers */
 };

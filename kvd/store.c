@@ -8,6 +8,7 @@
 
 #include "err.h"
 #include "mem.h"
+#include "pool.h"
 #include "rng.h"
 #include "store.h"
 
@@ -620,19 +621,66 @@ static size_t rows_bytes(const struct kvd_profile *p, uint32_t cap)
 
 /* Copies n rows (of a [H][n][d] / [H][L][n] batch, starting at row `from`)
  * into a [H][cap][d] / [H][L][cap] buffer at row `at`. */
+struct put_job {
+	const struct kvd_profile *p;
+	uint16_t *dk, *dv, *dc;
+	const uint16_t *k, *v, *c;
+	size_t cap, at, n, from, cnt;
+};
+
+/* A task copies rows [r0, r1) of one head: chunks, not whole heads, so a
+ * task stays a few milliseconds even when staging moves to a bigger buffer
+ * (a segment's worth of rows into fresh pages). */
+#define PUT_ROWS_PER_TASK 4096u
+
+static uint32_t put_chunks(size_t cnt)
+{
+	return (uint32_t)((cnt + PUT_ROWS_PER_TASK - 1) / PUT_ROWS_PER_TASK);
+}
+
+static void put_head(void *arg, uint32_t task, unsigned worker)
+{
+	const struct put_job *j = arg;
+	size_t d = j->p->g.d, L = j->p->g.L, per = put_chunks(j->cnt);
+	size_t h = task / per, r0 = task % per * PUT_ROWS_PER_TASK;
+	size_t m = j->cnt - r0 < PUT_ROWS_PER_TASK ? j->cnt - r0 : PUT_ROWS_PER_TASK;
+	size_t at = j->at + r0, from = j->from + r0;
+
+	memcpy(j->dk + (h * j->cap + at) * d, j->k + (h * j->n + from) * d, m * d * sizeof *j->k);
+	memcpy(j->dv + (h * j->cap + at) * d, j->v + (h * j->n + from) * d, m * d * sizeof *j->v);
+	for (size_t t = 0; t < L; t++)
+		memcpy(j->dc + (h * L + t) * j->cap + at, j->c + (h * L + t) * j->n + from,
+		       m * sizeof *j->c);
+}
+
+/* Big copies (a prefill chunk, staging moving to a bigger buffer: up to a
+ * segment, hundreds of MB of fresh pages) go over the pool, sliced so the
+ * daemon's executor answers other clients in between; small ones (a decoded
+ * token) are not worth a pool job. */
+#define PUT_POOL_BYTES (1u << 20)
+
+static void put_rows_on(struct kvd_pool *pool, const struct kvd_profile *p, uint16_t *dk,
+			uint16_t *dv, uint16_t *dc, uint32_t cap, uint32_t at, const uint16_t *k,
+			const uint16_t *v, const uint16_t *c, uint32_t n, uint32_t from, uint32_t cnt)
+{
+	struct put_job j = { p, dk, dv, dc, k, v, c, cap, at, n, from, cnt };
+	uint32_t tasks = p->g.kv_heads * put_chunks(cnt);
+
+	if (!cnt)
+		return;
+	if (pool && rows_bytes(p, cnt) >= PUT_POOL_BYTES) {
+		kvd_pool_run_sliced(pool, tasks, put_head, &j);
+		return;
+	}
+	for (uint32_t t = 0; t < tasks; t++)
+		put_head(&j, t, 0);
+}
+
 static void put_rows(const struct kvd_profile *p, uint16_t *dk, uint16_t *dv, uint16_t *dc,
 		     uint32_t cap, uint32_t at, const uint16_t *k, const uint16_t *v,
 		     const uint16_t *c, uint32_t n, uint32_t from, uint32_t cnt)
 {
-	size_t H = p->g.kv_heads, d = p->g.d, L = p->g.L;
-
-	for (size_t h = 0; h < H; h++) {
-		memcpy(dk + (h * cap + at) * d, k + (h * n + from) * d, cnt * d * sizeof *k);
-		memcpy(dv + (h * cap + at) * d, v + (h * n + from) * d, cnt * d * sizeof *v);
-		for (size_t t = 0; t < L; t++)
-			memcpy(dc + (h * L + t) * cap + at, c + (h * L + t) * n + from,
-			       cnt * sizeof *c);
-	}
+	put_rows_on(NULL, p, dk, dv, dc, cap, at, k, v, c, n, from, cnt);
 }
 
 /* The table of a layer with room for n segments (the growth of seg_room). */
@@ -741,7 +789,8 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 		return -ENOMEM;
 	}
 	if (l->sn)
-		put_rows(p, nk, nv, nc, cap, 0, l->sk, l->sv, l->sc, l->scap, 0, l->sn);
+		put_rows_on(s->pool[q->node], p, nk, nv, nc, cap, 0, l->sk, l->sv, l->sc, l->scap,
+			    0, l->sn);
 	rows_free(p, l->sk, l->sv, l->sc, l->scap);
 	give(s, q, rows_bytes(p, l->scap));
 	l->sk = nk;
@@ -773,7 +822,8 @@ static int prefill(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_sta
 			cnt = p->seg_tokens - l->sn;
 		if ((rc = grow_staging(s, q, l, l->sn + cnt)))
 			return rc;
-		put_rows(p, l->sk, l->sv, l->sc, l->scap, l->sn, k, v, c, n, done, cnt);
+		put_rows_on(s->pool[q->node], p, l->sk, l->sv, l->sc, l->scap, l->sn, k, v, c, n,
+			    done, cnt);
 		l->sn += cnt;
 		done += cnt;
 		l->tokens += cnt;

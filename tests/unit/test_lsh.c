@@ -835,10 +835,44 @@ static void test_bad_arguments(void **state)
 	       "65537 -> -KVD_EGEOM\n");
 }
 
+/* Tables built in disjoint ranges (as segment sealing does, a few dozen
+ * tables per pool task) are byte for byte the tables built in one go. */
+static void test_build_in_ranges(void **state)
+{
+	const uint32_t n = 3000;
+	const int K = 9, L = 70;
+	uint16_t *codes = malloc((size_t)L * n * sizeof *codes);
+	struct built whole;
+	struct kvd_lsh_tables t;
+	size_t bytes = kvd_lsh_tables_bytes(n, K, L);
+	unsigned char *mem = aligned_alloc(64, bytes);
+	uint64_t r = 99;
+	const uint32_t cut[] = { 0, 1, 2, 31, 32, 40, 69, 70 };
+
+	assert_non_null(codes);
+	assert_non_null(mem);
+	for (size_t i = 0; i < (size_t)L * n; i++) {
+		r = r * 6364136223846793005ull + 1442695040888963407ull;
+		/* skewed, with bits above K set: the build masks them */
+		codes[i] = (uint16_t)((r >> 33) % 7 == 0 ? 5 : (r >> 40));
+	}
+	build(&whole, n, K, L, codes, n);
+	memset(mem, 0xa5, bytes);       /* as build() fills it: padding compares equal */
+	assert_int_equal(kvd_lsh_tables_layout(&t, mem, n, K, L), 0);
+	/* Ranges out of order, as workers would finish them. */
+	for (int i = (int)(sizeof cut / sizeof cut[0]) - 2; i >= 0; i--)
+		kvd_lsh_build_range(&t, codes, n, cut[i], cut[i + 1]);
+	assert_memory_equal(mem, whole.mem, bytes);
+	free(whole.mem);
+	free(mem);
+	free(codes);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_tables_match_scan),
+		cmocka_unit_test(test_build_in_ranges),
 		cmocka_unit_test(test_retrieval_matches_brute_force),
 		cmocka_unit_test(test_make_w),
 		cmocka_unit_test(test_hash_kernels_and_retrieval),

@@ -3,6 +3,7 @@
  * submitting threads at once (this test runs under TSan in `make test`). */
 #include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -118,6 +119,66 @@ static void test_idle_pool_sleeps_and_wakes(void **state)
 	kvd_pool_destroy(p);
 }
 
+/* kvd_pool_run_sliced: without a hook one job; with one, every task runs
+ * once, at most a worker's worth between two calls of the hook, the hook
+ * runs on the caller between slices (never before the first), and
+ * kvd_pool_yield calls it. */
+struct sliced {
+	_Atomic uint32_t *hits;
+	_Atomic uint32_t since_hook;
+	_Atomic uint32_t worst;
+	unsigned hooks;
+	pthread_t caller;
+	int off_thread;
+};
+
+static void sliced_task(void *arg, uint32_t t, unsigned w)
+{
+	struct sliced *x = arg;
+	uint32_t n = atomic_fetch_add(&x->since_hook, 1) + 1;
+
+	atomic_fetch_add(&x->hits[t], 1);
+	if (n > atomic_load(&x->worst))
+		atomic_store(&x->worst, n);
+}
+
+static void sliced_hook(void *arg)
+{
+	struct sliced *x = arg;
+
+	x->hooks++;
+	x->off_thread |= !pthread_equal(pthread_self(), x->caller);
+	atomic_store(&x->since_hook, 0);
+}
+
+static void test_sliced_with_yield_hook(void **state)
+{
+	struct kvd_pool *p;
+	struct sliced x = { 0 };
+	enum { N = 37 };
+
+	assert_int_equal(kvd_pool_create(3, 0, &p), 0);
+	x.hits = calloc(N, sizeof *x.hits);
+	x.caller = pthread_self();
+	kvd_pool_run_sliced(p, N, sliced_task, &x);     /* no hook: one job */
+	assert_int_equal(x.hooks, 0);
+	kvd_pool_set_yield(sliced_hook, &x);
+	kvd_pool_yield();
+	assert_int_equal(x.hooks, 1);
+	x.hooks = 0;
+	atomic_store(&x.worst, 0);
+	atomic_store(&x.since_hook, 0);
+	kvd_pool_run_sliced(p, N, sliced_task, &x);
+	kvd_pool_set_yield(NULL, NULL);
+	for (int t = 0; t < N; t++)
+		assert_int_equal(atomic_load(&x.hits[t]), 2);
+	assert_int_equal(x.hooks, (N + 2) / 3 - 1);
+	assert_true(atomic_load(&x.worst) <= 3);
+	assert_int_equal(x.off_thread, 0);
+	free((void *)x.hits);
+	kvd_pool_destroy(p);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -125,6 +186,7 @@ int main(void)
 		cmocka_unit_test(test_default_size_and_pinning),
 		cmocka_unit_test(test_concurrent_submitters),
 		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
+		cmocka_unit_test(test_sliced_with_yield_hook),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
