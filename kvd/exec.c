@@ -9,8 +9,11 @@
  * that is an ATTEND record, the next records of up to PASS_UNITS other ready
  * ATTEND clients join it in the same pool job (continuous batching), each
  * answer bit-identical to running it alone.  The pass's time is charged to
- * its clients in proportion to their tasks.  So a client's big batch delays
- * another client's single ATTEND by about one unit, not by the batch.
+ * its clients in proportion to their tasks.  Long work inside a unit
+ * (copying a prefill chunk into staging, sealing a segment) runs as sliced
+ * pool jobs, and between slices other clients' records run (slice_yield).
+ * So a client's big batch or prefill delays another client's single ATTEND
+ * by about one unit or slice, not by the batch or the seal.
  *
  * Shared memory.  An entry is copied out and checked once (kvd_wire_sqe) and
  * its SQ slot given back at once; an ATTEND's sequence ids are copied out
@@ -459,14 +462,25 @@ static unsigned pick(struct kvd_server *s, struct client **top)
 	return n;
 }
 
+/* The cheap steps of a turn: take c's next entry, check an ATTEND's ids.
+ * They cost little and let c's records join the batch being formed. */
+static void prepare(struct kvd_server *s, struct client *c)
+{
+	if (!c->job.active)
+		job_start(s, c);
+	if (c->job.active && c->job.e.op == KVD_OP_ATTEND && !c->job.checked && !c->parked)
+		run_whole(s, c);
+}
+
 /* Called between the slices of a sliced pool job (kvd_pool_set_yield): a
  * segment being sealed, rows being copied into staging, deep inside a
- * PREFILL or APPEND unit.  Runs one batch of other clients' ATTEND records,
+ * PREFILL or APPEND unit.  Runs batches of other clients' ATTEND records,
  * so a long seal or copy delays them by a slice, not by the whole.  Only
- * records: they read sequences and never change one, and the sequence being
- * worked on is still prefilling that layer (its records fail EBUSY) or is
- * changed only by its own, running, entry. */
-static void seal_yield(void *arg)
+ * records (and the cheap steps; any other entry taken waits for its own
+ * pass): records read sequences and never change one, and the sequence
+ * being worked on is still prefilling that layer (its records fail EBUSY)
+ * or is changed only by its own, running, entry. */
+static void slice_yield(void *arg)
 {
 	struct kvd_server *s = arg;
 	struct client *top[PASS_UNITS], *owner = s->unit_client;
@@ -483,18 +497,9 @@ static void seal_yield(void *arg)
 		unsigned n = pick(s, top), m = 0;
 
 		for (unsigned i = 0; i < n; i++) {
-			struct client *c = top[i];
-
-			/* A decode that just arrived has no job yet: take it and
-			 * check its ids (cheap), as a pass would.  Only ATTEND gets
-			 * checked here; any other entry waits for its own pass. */
-			if (!c->job.active)
-				job_start(s, c);
-			if (c->job.active && c->job.e.op == KVD_OP_ATTEND && !c->job.checked &&
-			    !c->parked)
-				run_whole(s, c);
-			if (in_records(c))
-				top[m++] = c;
+			prepare(s, top[i]);
+			if (in_records(top[i]))
+				top[m++] = top[i];
 		}
 		if (m)
 			run_records(s, top, m);
@@ -518,18 +523,11 @@ static int exec_pass(struct kvd_server *s)
 		return 0;
 	if (top[0]->vtime > s->vclock)
 		s->vclock = top[0]->vtime;
-	/* Cheap steps first, for every picked client: take the next entry,
-	 * check an ATTEND's ids.  They cost little and let more clients join
-	 * this pass's batch. */
 	for (unsigned i = 0; i < n; i++) {
-		struct client *c = top[i];
 		uint64_t t0 = kvd_now_ns();
 
-		if (!c->job.active)
-			job_start(s, c);
-		if (c->job.active && c->job.e.op == KVD_OP_ATTEND && !c->job.checked && !c->parked)
-			run_whole(s, c);
-		c->vtime += kvd_now_ns() - t0;
+		prepare(s, top[i]);
+		top[i]->vtime += kvd_now_ns() - t0;
 	}
 	if (in_records(top[0])) {
 		for (unsigned i = 0; i < n; i++)
@@ -578,7 +576,7 @@ static void *exec_main(void *arg)
 	struct kvd_server *s = arg;
 	uint64_t idle_since = kvd_now_ns();
 
-	kvd_pool_set_yield(seal_yield, s);
+	kvd_pool_set_yield(slice_yield, s);
 	pthread_mutex_lock(&s->mu);
 	for (;;) {
 		atomic_store_explicit(&s->exec_beat_ns, kvd_now_ns(), memory_order_relaxed);

@@ -116,8 +116,8 @@ struct kvd_server {
 	uint64_t stop_deadline_ns;      /* under mu: end of the drain */
 	int exec_running;               /* the thread was started (loop thread only) */
 	pthread_t exec_th;
-	int nested;                     /* inside seal_yield */
-	uint64_t nested_ns;             /* time seal_yield spent in the current unit */
+	int nested;                     /* inside slice_yield */
+	uint64_t nested_ns;             /* time slice_yield spent in the current unit */
 	struct client *unit_client;     /* whose whole-entry unit is running */
 	uint64_t unit_t0;
 	uint64_t vclock;                /* fair-share clock of the last unit started */
