@@ -74,6 +74,10 @@ void kvd_config_defaults(struct kvd_config *c)
 	c->profiles_per_uid = 16;
 	c->memory_per_uid_pct = 100;
 	c->spill_per_uid_pct = 100;
+	/* A default region (16 slots of 4 MiB) is 64 MiB: 16 GiB is 256 such
+	 * connections of one uid, or one of the largest arena Hello allows. */
+	c->shm = 64ull << 30;
+	c->shm_per_uid = 16ull << 30;
 }
 
 /* ---- values ------------------------------------------------------------- */
@@ -470,6 +474,28 @@ static int set_spill_per_uid(struct kvd_config *c, const char *v, char *why, siz
 	return parse_share(v, &c->spill_per_uid, &c->spill_per_uid_pct, why, n);
 }
 
+static int set_shm_bytes(uint64_t *out, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_size(v, &x, why, n))
+		return -EINVAL;
+	if (x < KVD_CONFIG_MEM_MIN)
+		return fail(why, n, "%llu bytes is below 1 MiB", (unsigned long long)x);
+	*out = x;
+	return 0;
+}
+
+static int set_shm(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_shm_bytes(&c->shm, v, why, n);
+}
+
+static int set_shm_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_shm_bytes(&c->shm_per_uid, v, why, n);
+}
+
 /* "1000,1001 2000,2001": groups separated by spaces (or tabs), uids in a
  * group by commas; at least two uids a group, none in two groups, none at
  * or above KVD_NS_GROUP (those values name the groups' namespaces). */
@@ -553,6 +579,8 @@ void kvd_config_limits(const struct kvd_config *c, struct kvd_limits_cfg *out)
 	out->per_uid[KVD_RES_PROFILES] = c->profiles_per_uid;
 	out->cap[KVD_RES_MEMORY] = c->mem_limit;
 	out->per_uid[KVD_RES_MEMORY] = kvd_config_memory_per_uid(c);
+	out->cap[KVD_RES_SHM] = c->shm;
+	out->per_uid[KVD_RES_SHM] = c->shm_per_uid;
 	out->cap[KVD_RES_SPILL] = c->spill_limit;
 	out->per_uid[KVD_RES_SPILL] = kvd_config_spill_per_uid(c);
 	/* 100% of the whole is no per-uid cap at all: one check fewer. */
@@ -606,6 +634,8 @@ static const struct key {
 	{ "limits", "profiles_per_uid", NULL, set_profiles_per_uid, NULL, 0 },
 	{ "limits", "memory_per_uid", NULL, set_memory_per_uid, NULL, 0 },
 	{ "limits", "spill_per_uid", NULL, set_spill_per_uid, NULL, 0 },
+	{ "limits", "shm", NULL, set_shm, NULL, 0 },
+	{ "limits", "shm_per_uid", NULL, set_shm_per_uid, NULL, 0 },
 	{ "sharing", "groups", NULL, set_groups, NULL, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0 },
 	{ "log", "file", "log-file", set_log_file, NULL, 0 },
@@ -644,6 +674,10 @@ static int check_limits(const struct kvd_config *c, char *err, size_t errlen)
 				    "[limits] %s_per_uid %u is above %s %u (lower it, or raise %s)",
 				    cnt[i].name, cnt[i].per_uid, cnt[i].name, cnt[i].global, cnt[i].name);
 	}
+	if (c->shm_per_uid > c->shm)
+		return fail(err, errlen, "[limits] shm_per_uid %llu bytes is above shm %llu "
+			    "(lower it, or raise shm)", (unsigned long long)c->shm_per_uid,
+			    (unsigned long long)c->shm);
 	if (c->memory_per_uid_pct > 100 || c->spill_per_uid_pct > 100 ||
 	    (!c->memory_per_uid_pct && c->memory_per_uid < KVD_CONFIG_MEM_MIN) ||
 	    (!c->spill_per_uid_pct && c->spill_per_uid < KVD_CONFIG_MEM_MIN))

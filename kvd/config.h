@@ -32,6 +32,8 @@
  *                profiles_per_uid = N                    (created by one uid; 16)
  *                memory_per_uid = SIZE | N%              (N% of [memory] limit; 100%)
  *                spill_per_uid = SIZE | N%               (N% of [spill] limit; 100%)
+ *                shm = SIZE                              (all clients' shared memory; 64G)
+ *                shm_per_uid = SIZE                      (of one uid's connections; 16G)
  *   [sharing]    groups = UID,UID[,...] [UID,UID ...]    (uids sharing profiles; none)
  *   [log]        level = error|warning|notice|info|debug   --log-level LEVEL
  *                file = PATH           --log-file PATH   (absolute; "" = stderr;
@@ -88,6 +90,7 @@ struct kvd_config {
 	uint32_t memory_per_uid_pct;    /* % of mem_limit; default 100 */
 	uint64_t spill_per_uid;         /* bytes, when spill_per_uid_pct is 0 */
 	uint32_t spill_per_uid_pct;     /* % of spill_limit; default 100 */
+	uint64_t shm, shm_per_uid;      /* bytes of clients' shared-memory regions */
 	/* [sharing] groups: share_uid[i] is in group share_group[i] */
 	uint32_t share_uid[KVD_LIMITS_SHARE_MAX];
 	uint32_t share_group[KVD_LIMITS_SHARE_MAX];

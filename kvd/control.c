@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -23,6 +24,26 @@
 static int reply(struct client *c, Kvd__Response *r, const int *fds, int nfds)
 {
 	return kvd_ctl_send(c->fd, &r->base, fds, nfds);
+}
+
+void kvd_control_unmap(struct kvd_server *s, struct client *c)
+{
+	if (c->map)
+		munmap(c->map, c->map_size);
+	if (c->memfd >= 0)
+		close(c->memfd);
+	/* The client holds its own copy of the eventfd, so closing ours would
+	 * leave the registration alive and its next kick pointing at freed
+	 * memory: remove it from the set explicitly. */
+	if (c->efd >= 0) {
+		epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->efd, NULL);
+		close(c->efd);
+	}
+	kvd_limits_uncharge(s->limits, c->uid, KVD_RES_SHM, c->shm_bytes);
+	c->map = NULL;
+	c->map_size = 0;
+	c->shm_bytes = 0;
+	c->memfd = c->efd = -1;
 }
 
 static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__Hello *h)
@@ -48,9 +69,23 @@ static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const K
 	if (!size)
 		return kvd_ctl_send_error(c->fd, id, -EINVAL, "slots %u x %llu bytes not possible",
 					  p.nslots, (unsigned long long)p.slot_size);
+	/* The region is counted against the uid before it exists: kvd writes
+	 * outputs into it, so its pages can become kvd's. */
+	char msg[160];
+
+	rc = kvd_limits_charge(s->limits, c->uid, KVD_RES_SHM, size, msg, sizeof msg);
+	if (rc) {
+		kvd_log_refusal("client %llu (uid %u): hello refused: %s", (unsigned long long)c->id,
+				(unsigned)c->uid, msg);
+		return kvd_ctl_send_error(c->fd, id, rc, "shared memory: %s", msg);
+	}
+	c->shm_bytes = size;
 	rc = shm_memfd_create("kvd-client", size, &c->map);
-	if (rc < 0)
+	if (rc < 0) {
+		c->map = NULL;
+		kvd_control_unmap(s, c);
 		return kvd_ctl_send_error(c->fd, id, rc, "shared memory: %s", kvd_strerror(rc));
+	}
 	c->memfd = rc;
 	c->map_size = size;
 	rc = shm_region_create(&c->r, c->map, &p);
@@ -58,8 +93,11 @@ static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const K
 		c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 		rc = c->efd < 0 ? -errno : kvd_ep_add(s, c->efd, &c->ev_kick);
 	}
-	if (rc)
+	if (rc) {
+		/* Nothing half-made stays behind: a later Hello starts afresh. */
+		kvd_control_unmap(s, c);
 		return kvd_ctl_send_error(c->fd, id, rc, "attach: %s", kvd_strerror(rc));
+	}
 	snprintf(c->tenant, sizeof c->tenant, "%u:%s", (unsigned)c->uid, h->tenant);
 	snprintf(c->name, sizeof c->name, "%s", h->client_name);
 	c->poll = h->poll;
@@ -336,6 +374,7 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	m->profiles = (uint32_t)u->n[KVD_RES_PROFILES];
 	m->bytes = u->n[KVD_RES_MEMORY];
 	m->spill_bytes = u->n[KVD_RES_SPILL];
+	m->shm_bytes = u->n[KVD_RES_SHM];
 	ur->ptr[ur->n++] = m;
 }
 

@@ -112,17 +112,7 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	kvd_log(LOG_INFO, "client %llu (%s, pid %d) gone: %s; released %u sequence(s), %zu bytes of shared memory",
 		(unsigned long long)c->id, c->name[0] ? c->name : "?", (int)c->pid, why, nseq,
 		c->map_size);
-	if (c->map)
-		munmap(c->map, c->map_size);
-	if (c->memfd >= 0)
-		close(c->memfd);
-	/* The client holds its own copy of the eventfd, so closing ours would
-	 * leave the registration alive and its next kick pointing at freed
-	 * memory: remove both fds from the set explicitly. */
-	if (c->efd >= 0) {
-		epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->efd, NULL);
-		close(c->efd);
-	}
+	kvd_control_unmap(s, c);
 	epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
 	free(c->job.ids);

@@ -76,6 +76,7 @@ struct client {
 	struct shm_region r;
 	void *map;
 	size_t map_size;
+	uint64_t shm_bytes;             /* charged to the uid as KVD_RES_SHM */
 	struct client *next;
 	struct ev_tag ev_ctl, ev_kick;
 };
@@ -142,6 +143,9 @@ void kvd_state_unlock(struct kvd_server *s);
 /* control.c: reads and answers what c's control socket holds (under the
  * lock). */
 void kvd_control_event(struct kvd_server *s, struct client *c);
+/* Unmaps c's region, closes its memfd and eventfd, gives back its charge:
+ * a failed Hello and a leaving client alike (under the lock). */
+void kvd_control_unmap(struct kvd_server *s, struct client *c);
 /* Drops every profile reference c holds (under the lock). */
 void kvd_control_release(struct kvd_server *s, struct client *c);
 

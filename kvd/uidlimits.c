@@ -22,16 +22,16 @@ struct kvd_limits {
 };
 
 static const char *const names[KVD_RES_N] = { "connections", "sequences", "profiles", "memory",
-					       "spill" };
+					       "spill", "shm" };
 
 const char *kvd_limits_key(enum kvd_res r, int per_uid)
 {
 	static const char *const global[KVD_RES_N] = { "limits.connections", "limits.sequences",
 						       "limits.profiles", "memory.limit",
-						       "spill.limit" };
+						       "spill.limit", "limits.shm" };
 	static const char *const uid[KVD_RES_N] = {
 		"limits.connections_per_uid", "limits.sequences_per_uid", "limits.profiles_per_uid",
-		"limits.memory_per_uid", "limits.spill_per_uid" };
+		"limits.memory_per_uid", "limits.spill_per_uid", "limits.shm_per_uid" };
 
 	return (unsigned)r < KVD_RES_N ? (per_uid ? uid[r] : global[r]) : "?";
 }
@@ -111,7 +111,7 @@ static void put_if_idle(struct kvd_limits *l, struct uent *e)
 /* "64.0 MiB (67108864 bytes)" for byte counts, the number for counts. */
 static const char *amount(char *buf, size_t n, enum kvd_res r, uint64_t v)
 {
-	if (r != KVD_RES_MEMORY && r != KVD_RES_SPILL)
+	if (r != KVD_RES_MEMORY && r != KVD_RES_SPILL && r != KVD_RES_SHM)
 		snprintf(buf, n, "%llu", (unsigned long long)v);
 	else if (v >= (1u << 20))
 		snprintf(buf, n, "%.1f MiB (%llu bytes)", (double)v / (1 << 20), (unsigned long long)v);

@@ -13,6 +13,8 @@
  *   test_connections_per_uid    [limits] connections_per_uid
  *   test_emfile_no_spin         accept() failing EMFILE must not spin
  *   test_prefill_staging_budget one-token PREFILLs stay within --mem-limit
+ *   test_shm_per_uid            [limits] shm_per_uid: the regions of one uid's
+ *                               connections, counted at Hello
  *
  * Forked children never use cmocka's asserts (they would longjmp into the
  * child's copy of the runner): they report through exit codes and a shared
@@ -189,6 +191,11 @@ static int start_seq_budget(void **state)
 static int start_profiles(void **state)
 {
 	return start_cfg("[limits]\nprofiles_per_uid = 4\n", NULL);
+}
+
+static int start_shm(void **state)
+{
+	return start_cfg("[limits]\nshm_per_uid = 64M\nshm = 1G\n", NULL);
 }
 
 static int start_conns(void **state)
@@ -1420,6 +1427,51 @@ static void test_prefill_staging_budget(void **state)
 	raw_close(&x);
 }
 
+/* A uid's connections may map at most shm_per_uid of regions between them:
+ * the Hello over it is refused (-EDQUOT, naming the key) before anything is
+ * made, a smaller arena still fits, and closing a connection gives its
+ * share back.  ServerStats shows the uid's shm_bytes. */
+static void test_shm_per_uid(void **state)
+{
+	struct raw a, b, c;
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+	uint64_t shm = 0;
+	int rc;
+
+	assert_int_equal(raw_open(&a, 0), 0);
+	assert_int_equal(raw_hello(&a, "t", 8, 4 << 20), 0);      /* 32 MiB + rings */
+	assert_int_equal(raw_open(&b, 0), 0);
+	rc = raw_hello(&b, "t", 8, 4 << 20);
+	print_message("  a second 32 MiB arena: %d '%s'\n", rc, rc ? b.msg : "");
+	assert_int_equal(rc, -EDQUOT);
+	assert_non_null(strstr(b.msg, "shm_per_uid"));
+	/* The refused Hello left nothing behind: a small arena fits. */
+	assert_int_equal(raw_hello(&b, "t", 1, 64 << 10), 0);
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	assert_int_equal(raw_expect(&a, &rq, KVD__RESPONSE__BODY_SERVER_STATS, &r), 0);
+	for (size_t i = 0; i < r->server_stats->n_uids; i++)
+		if (r->server_stats->uids[i]->uid == geteuid())
+			shm = r->server_stats->uids[i]->shm_bytes;
+	kvd_ctl_free_response(r);
+	print_message("  uid %u: %llu bytes of shared memory\n", (unsigned)geteuid(),
+		      (unsigned long long)shm);
+	assert_true(shm > (32ull << 20) + (64 << 10) && shm <= 64ull << 20);
+	/* a's share comes back when it goes */
+	raw_close(&a);
+	assert_int_equal(raw_open(&c, 0), 0);
+	for (int i = 0; i < 500 && (rc = raw_hello(&c, "t", 8, 4 << 20)) == -EDQUOT; i++) {
+		raw_close(&c);
+		daemon_sleep_ms(10);
+		assert_int_equal(raw_open(&c, 0), 0);
+	}
+	assert_int_equal(rc, 0);
+	raw_close(&b);
+	raw_close(&c);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1431,6 +1483,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_connections_per_uid, start_conns, stop),
 		cmocka_unit_test_teardown(test_emfile_no_spin, stop),
 		cmocka_unit_test_setup_teardown(test_prefill_staging_budget, start_mem64, stop),
+		cmocka_unit_test_setup_teardown(test_shm_per_uid, start_shm, stop),
 	};
 
 	kid_msg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);

@@ -508,11 +508,13 @@ static void test_limits_keys(void **state)
 	assert_int_equal(lc.cap[KVD_RES_MEMORY], c.mem_limit);
 	assert_int_equal(lc.per_uid[KVD_RES_MEMORY], 0);        /* 100%: no separate cap */
 	assert_int_equal(lc.cap[KVD_RES_SEQUENCES], 65536);
+	assert_int_equal(lc.cap[KVD_RES_SHM], 64ull << 30);
+	assert_int_equal(lc.per_uid[KVD_RES_SHM], 16ull << 30);
 
 	write_conf("[memory]\nlimit = 8G\n[spill]\nlimit = 100G\n"
 		   "[limits]\nconnections = 64\nconnections_per_uid = 8\nsequences = 1000\n"
 		   "sequences_per_uid = 1000\nprofiles = 16777216\nprofiles_per_uid = 1\n"
-		   "memory_per_uid = 25%\nspill_per_uid = 10G\n"
+		   "memory_per_uid = 25%\nspill_per_uid = 10G\nshm = 8G\nshm_per_uid = 512M\n"
 		   "[sharing]\ngroups =  1000,1001\t2000,2001,2002   \n");
 	kvd_config_defaults(&c);
 	if (kvd_config_load_file(&c, path, err, sizeof err))
@@ -538,6 +540,8 @@ static void test_limits_keys(void **state)
 	assert_int_equal(lc.per_uid[KVD_RES_MEMORY], (8ull << 30) / 100 * 25);
 	assert_int_equal(lc.cap[KVD_RES_SPILL], 100ull << 30);
 	assert_int_equal(lc.per_uid[KVD_RES_SPILL], 10ull << 30);
+	assert_int_equal(lc.cap[KVD_RES_SHM], 8ull << 30);
+	assert_int_equal(lc.per_uid[KVD_RES_SHM], 512ull << 20);
 	assert_int_equal(lc.nshare, 5);
 	assert_int_equal(kvd_limits_cfg_namespace(&lc, 2000), KVD_NS_GROUP | 1);
 	/* a percentage follows the limit set after it (here by a flag) */
@@ -589,6 +593,9 @@ static void test_limits_keys(void **state)
 		{ "[spill]\nlimit = 1G\n[limits]\nspill_per_uid = 2G\n",
 		  { "spill_per_uid", "above [spill] limit" } },
 		{ "[limits]\nsequences = 10\nsequences = 10\n", { "kvd.conf:3:", "given twice" } },
+		{ "[limits]\nshm = 100K\n", { "kvd.conf:2:", "shm", "below 1 MiB" } },
+		{ "[limits]\nshm_per_uid = 50%\n", { "shm_per_uid", "'50%'" } },
+		{ "[limits]\nshm = 1G\n", { "shm_per_uid 17179869184 bytes is above shm" } },
 		{ "[limits]\nthreads = 4\n", { "threads", "unknown key" } },
 		{ "[sharing]\ngroups = 1000\n", { "kvd.conf:2:", "groups", "one uid" } },
 		{ "[sharing]\ngroups = 1000, 1001\n", { "groups", "empty uid" } },
