@@ -353,6 +353,7 @@ static int do_seq_evict(struct kvd_server *s, struct client *c, uint64_t id, uin
 }
 
 struct uid_rows {
+	const struct share *shares;
 	Kvd__UidUsage *row;
 	Kvd__UidUsage **ptr;
 	size_t n, cap;
@@ -375,6 +376,9 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	m->bytes = u->n[KVD_RES_MEMORY];
 	m->spill_bytes = u->n[KVD_RES_SPILL];
 	m->shm_bytes = u->n[KVD_RES_SHM];
+	for (const struct share *sh = ur->shares; sh; sh = sh->next)
+		if (sh->uid == uid)
+			m->exec_ns = sh->busy_ns;
 	ur->ptr[ur->n++] = m;
 }
 
@@ -386,6 +390,7 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	/* Tenants never see each other: root and kvd's own uid see every uid,
 	 * anyone else only their own. */
 	struct uid_rows ur = {
+		.shares = s->shares,
 		.cap = kvd_limits_uids(s->limits),
 		.only = c->uid == 0 || c->uid == geteuid() ? UINT32_MAX : c->uid,
 	};

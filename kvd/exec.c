@@ -3,13 +3,15 @@
  *
  * Units.  An ATTEND entry of n records is n units (one (sequence, layer)
  * each) after a cheap check pass over its copied sequence ids; every other
- * entry is one unit.  A pass picks the ready client with the least executor
- * time charged (start-time fair queueing: a client that was idle rejoins at
- * the current clock, so sleeping earns no credit) and runs its next unit; when
+ * entry is one unit.  A pass picks the ready client whose uid has had the
+ * least executor time, and within the uid the client that has had the least
+ * (start-time fair queueing at both levels: what was idle rejoins at the
+ * current clock, so sleeping earns no credit), and runs its next unit; when
  * that is an ATTEND record, the next records of up to PASS_UNITS other ready
- * ATTEND clients join it in the same pool job (continuous batching), each
- * answer bit-identical to running it alone.  The pass's time is charged to
- * its clients in proportion to their tasks.  Long work inside a unit
+ * ATTEND clients whose uids are not ahead join it in the same pool job
+ * (continuous batching), each answer bit-identical to running it alone.  The
+ * pass's time is charged to its clients and uids in proportion to their
+ * tasks.  Long work inside a unit
  * (copying a prefill chunk into staging, sealing a segment) runs as sliced
  * pool jobs, and between slices other clients' records run (slice_yield).
  * So a client's big batch or prefill delays another client's single ATTEND
@@ -38,6 +40,11 @@
 #define PASS_UNITS 16           /* ATTEND records in one pool job */
 #define YIELD_ROUNDS 4          /* batches of others' records between two slices, at most */
 #define DRAIN_SECONDS 30        /* at stop: answer what is queued for at most this long */
+
+/* A client joins the pass of the client whose turn it is only while its
+ * uid is at most this much executor time ahead of that client's uid: a uid
+ * with many connections gets no more than a uid with one. */
+#define JOIN_SLACK_NS 1000000u
 
 struct unit {
 	struct client *c;
@@ -68,6 +75,27 @@ static inline void cpu_relax(void)
 #if defined(__x86_64__) || defined(__i386__)
 	__builtin_ia32_pause();
 #endif
+}
+
+/* ---- fair share ---------------------------------------------------------- */
+
+static void charge(struct client *c, uint64_t ns)
+{
+	c->vtime += ns;
+	c->share->vtime += ns;
+	c->share->busy_ns += ns;
+}
+
+/* Whether (share a, client a) goes before (share b, client b): the uid with
+ * less time first, then the client with less. */
+static int before(uint64_t sa, uint64_t ca, uint64_t sb, uint64_t cb)
+{
+	return sa < sb || (sa == sb && ca < cb);
+}
+
+static int ahead(const struct client *a, const struct client *b)
+{
+	return before(a->share->vtime, a->vtime, b->share->vtime, b->vtime);
 }
 
 /* ---- completions -------------------------------------------------------- */
@@ -409,7 +437,7 @@ static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 		struct job *j = &c->job;
 		const struct kvd_attn_req *r = &xb->req[i];
 
-		c->vtime += total ? dt * u->tasks / total : dt / k;
+		charge(c, total ? dt * u->tasks / total : dt / k);
 		if (r->rc) {
 			char msg[160];
 
@@ -436,7 +464,8 @@ static int in_records(const struct client *c)
 
 /* ---- the pass ----------------------------------------------------------- */
 
-/* Up to PASS_UNITS ready clients with the smallest vtime, ascending. */
+/* Up to PASS_UNITS ready clients, the least time (by uid, then client)
+ * first. */
 static unsigned pick(struct kvd_server *s, struct client **top)
 {
 	unsigned n = 0;
@@ -444,22 +473,40 @@ static unsigned pick(struct kvd_server *s, struct client **top)
 	for (struct client *c = s->clients; c; c = c->next) {
 		int ready = client_ready(s, c);
 
-		if (ready && !c->was_ready && c->vtime < s->vclock)
-			c->vtime = s->vclock;   /* rejoining: no credit for idle time */
+		if (ready && !c->was_ready) {
+			/* Rejoining: no credit for idle time. */
+			if (c->vtime < s->vclock)
+				c->vtime = s->vclock;
+			if (c->share->vtime < s->uvclock)
+				c->share->vtime = s->uvclock;
+		}
 		c->was_ready = ready;
 		if (!ready)
 			continue;
-		if (n == PASS_UNITS && c->vtime >= top[n - 1]->vtime)
+		if (n == PASS_UNITS && !ahead(c, top[n - 1]))
 			continue;
 		unsigned i = n < PASS_UNITS ? n++ : n - 1;
 
-		while (i > 0 && top[i - 1]->vtime > c->vtime) {
+		while (i > 0 && ahead(c, top[i - 1])) {
 			top[i] = top[i - 1];
 			i--;
 		}
 		top[i] = c;
 	}
 	return n;
+}
+
+/* The clients of top[0..n) whose next unit is an ATTEND record and whose
+ * uid is not too far ahead of top[0]'s, packed to the front; how many. */
+static unsigned joiners(struct client **top, unsigned n)
+{
+	uint64_t lim = top[0]->share->vtime + JOIN_SLACK_NS;
+	unsigned m = 0;
+
+	for (unsigned i = 0; i < n; i++)
+		if (in_records(top[i]) && top[i]->share->vtime <= lim)
+			top[m++] = top[i];
+	return m;
 }
 
 /* The cheap steps of a turn: take c's next entry, check an ATTEND's ids.
@@ -493,21 +540,20 @@ static void slice_yield(void *arg)
 	 * had so far (counting this unit), at least one batch, at most a few,
 	 * so the owner still moves. */
 	for (int round = 0; round < YIELD_ROUNDS; round++) {
-		uint64_t t0 = kvd_now_ns(), owner_vtime;
+		uint64_t t0 = kvd_now_ns(), el;
 		unsigned n = pick(s, top), m = 0;
 
-		for (unsigned i = 0; i < n; i++) {
+		for (unsigned i = 0; i < n; i++)
 			prepare(s, top[i]);
-			if (in_records(top[i]))
-				top[m++] = top[i];
-		}
+		m = n ? joiners(top, n) : 0;
 		if (m)
 			run_records(s, top, m);
 		s->nested_ns += kvd_now_ns() - t0;
 		if (!m || !owner)
 			break;
-		owner_vtime = owner->vtime + (kvd_now_ns() - s->unit_t0 - s->nested_ns);
-		if (top[0]->vtime >= owner_vtime)
+		el = kvd_now_ns() - s->unit_t0 - s->nested_ns;
+		if (!before(top[0]->share->vtime, top[0]->vtime, owner->share->vtime + el,
+			    owner->vtime + el))
 			break;
 	}
 	s->nested = 0;
@@ -523,16 +569,16 @@ static int exec_pass(struct kvd_server *s)
 		return 0;
 	if (top[0]->vtime > s->vclock)
 		s->vclock = top[0]->vtime;
+	if (top[0]->share->vtime > s->uvclock)
+		s->uvclock = top[0]->share->vtime;
 	for (unsigned i = 0; i < n; i++) {
 		uint64_t t0 = kvd_now_ns();
 
 		prepare(s, top[i]);
-		top[i]->vtime += kvd_now_ns() - t0;
+		charge(top[i], kvd_now_ns() - t0);
 	}
 	if (in_records(top[0])) {
-		for (unsigned i = 0; i < n; i++)
-			if (in_records(top[i]))
-				top[m++] = top[i];
+		m = joiners(top, n);
 		run_records(s, top, m);
 	} else if (top[0]->job.active && !top[0]->parked) {
 		struct client *c = top[0];
@@ -544,7 +590,7 @@ static int exec_pass(struct kvd_server *s)
 		run_whole(s, c);
 		s->unit_client = NULL;
 		/* What ran for others inside the unit is theirs, not c's. */
-		c->vtime += kvd_now_ns() - t0 - s->nested_ns;
+		charge(c, kvd_now_ns() - t0 - s->nested_ns);
 	}
 	kvd_tier_balance(s->tier);
 	return 1;

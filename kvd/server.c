@@ -96,6 +96,37 @@ static void listen_resume(struct kvd_server *s)
 		s->listen_paused = 0;
 }
 
+static struct share *share_get(struct kvd_server *s, uint32_t uid)
+{
+	struct share *sh;
+
+	for (sh = s->shares; sh; sh = sh->next)
+		if (sh->uid == uid)
+			break;
+	if (!sh && (sh = calloc(1, sizeof *sh))) {
+		sh->uid = uid;
+		sh->vtime = s->uvclock;         /* a newcomer starts level, not ahead */
+		sh->next = s->shares;
+		s->shares = sh;
+	}
+	if (sh)
+		sh->refs++;
+	return sh;
+}
+
+static void share_put(struct kvd_server *s, struct share *sh)
+{
+	struct share **pp = &s->shares;
+
+	if (!sh || --sh->refs)
+		return;
+	while (*pp && *pp != sh)
+		pp = &(*pp)->next;
+	if (*pp)
+		*pp = sh->next;
+	free(sh);
+}
+
 static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 {
 	struct client **pp = &s->clients;
@@ -115,6 +146,7 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	kvd_control_unmap(s, c);
 	epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
+	share_put(s, c->share);
 	free(c->job.ids);
 	free(c);
 	/* A descriptor is free again: accept() may work now. */
@@ -222,11 +254,16 @@ static void accept_clients(struct kvd_server *s)
 			continue;
 		}
 		c = calloc(1, sizeof *c);
-		if (c)
+		if (c) {
 			c->job.ids = malloc(KVD_WIRE_MAX_NSEQ * sizeof *c->job.ids);
-		if (!c || !c->job.ids) {
-			if (c)
+			c->share = share_get(s, cred.uid);
+		}
+		if (!c || !c->job.ids || !c->share) {
+			if (c) {
+				share_put(s, c->share);
+				free(c->job.ids);
 				free(c);
+			}
 			kvd_limits_uncharge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1);
 			refuse(s, fd, -ENOMEM, "out of memory");
 			continue;
@@ -244,6 +281,7 @@ static void accept_clients(struct kvd_server *s)
 		if (kvd_ep_add(s, fd, &c->ev_ctl)) {
 			kvd_limits_uncharge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1);
 			close(fd);
+			share_put(s, c->share);
 			free(c->job.ids);
 			free(c);
 			continue;

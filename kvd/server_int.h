@@ -56,6 +56,16 @@ struct job {
 	uint64_t *ids;                  /* [KVD_WIRE_MAX_NSEQ], allocated at Hello */
 };
 
+/* One per uid with a connection.  The executor shares its time between uids
+ * first and then between a uid's connections, so opening more connections
+ * buys a uid no more of it. */
+struct share {
+	uint32_t uid, refs;
+	uint64_t vtime;                 /* executor ns charged to the uid (plus rejoins) */
+	uint64_t busy_ns;               /* executor ns spent for the uid, nothing else */
+	struct share *next;
+};
+
 #define CLIENT_PROFILES 64              /* profile references one connection may hold */
 
 struct client {
@@ -70,6 +80,7 @@ struct client {
 	int parked;                     /* its job waits for a restore or for room */
 	int was_ready;
 	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
+	struct share *share;            /* its uid's */
 	struct job job;
 	uint32_t prof[CLIENT_PROFILES]; /* profile ids this connection holds a reference on */
 	uint32_t nprof;
@@ -122,6 +133,8 @@ struct kvd_server {
 	struct client *unit_client;     /* whose whole-entry unit is running */
 	uint64_t unit_t0;
 	uint64_t vclock;                /* fair-share clock of the last unit started */
+	uint64_t uvclock;               /* the same between uids */
+	struct share *shares;
 	struct kvd_exec_buf *xb;        /* the executor's unit buffers */
 };
 

@@ -15,6 +15,8 @@
  *   test_prefill_staging_budget one-token PREFILLs stay within --mem-limit
  *   test_shm_per_uid            [limits] shm_per_uid: the regions of one uid's
  *                               connections, counted at Hello
+ *   test_uid_fair_share         a uid with six busy connections gets no more
+ *                               executor time than a uid with one
  *
  * Forked children never use cmocka's asserts (they would longjmp into the
  * child's copy of the runner): they report through exit codes and a shared
@@ -1472,6 +1474,102 @@ static void test_shm_per_uid(void **state)
 	raw_close(&c);
 }
 
+/* Executor time is shared between uids before connections: uid A keeps six
+ * connections busy with ATTEND batches, uid B one; over a measured window B
+ * must get about half of what both use (per connection it would be 1/7).
+ * The shares are kvd's own count (ServerStats UidUsage.exec_ns), a ratio
+ * that does not depend on the machine's speed. */
+struct fair_shared {
+	_Atomic int ready, stop;
+	_Atomic uint64_t batches[8];
+};
+
+#define FAIR_A 6
+#define FAIR_N 64
+
+static uint64_t uid_exec_ns(struct raw *x, uid_t uid)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+	uint64_t ns = 0;
+
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	assert_int_equal(raw_expect(x, &rq, KVD__RESPONSE__BODY_SERVER_STATS, &r), 0);
+	for (size_t i = 0; i < r->server_stats->n_uids; i++)
+		if (r->server_stats->uids[i]->uid == uid)
+			ns = r->server_stats->uids[i]->exec_ns;
+	kvd_ctl_free_response(r);
+	return ns;
+}
+
+static void test_uid_fair_share(void **state)
+{
+	struct fair_shared *sh = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+				      -1, 0);
+	const uid_t ua = 65534, ub = 65533;
+	uint64_t a0, b0, a1, b1;
+	struct raw obs;
+	pid_t kid[FAIR_A + 1];
+
+	if (!need_root())
+		skip();
+	assert_true(sh != MAP_FAILED);
+	kid_msg[0] = 0;
+	for (int i = 0; i <= FAIR_A; i++) {
+		kid[i] = spawn();
+		if (kid[i] == 0) {
+			struct kvd_synth w;
+			struct kvc *c;
+			struct kvc_seq *sq, *seqs[FAIR_N];
+			static float q[FAIR_N * 8 * 64], o[FAIR_N * 8 * 64], l[FAIR_N * 8];
+
+			become(i < FAIR_A ? ua : ub);
+			if (!(c = kconnect("t", &PS, 2, 1 << 20)) || !(sq = kprefill(c, &PS, 2000, 60 + i, &w)))
+				kid_fail(2, "client %d: setup failed", i);
+			for (int k = 0; k < FAIR_N; k++) {
+				seqs[k] = sq;
+				memcpy(q + (size_t)k * 8 * 64, w.q, sizeof(float) * 8 * 64);
+			}
+			atomic_fetch_add(&sh->ready, 1);
+			while (!atomic_load(&sh->stop)) {
+				if (kvc_attend_kvd(c, 1, seqs, FAIR_N, q, o, l))
+					kid_fail(3, "client %d: attend: %s", i, kvc_last_error(c));
+				atomic_fetch_add(&sh->batches[i], 1);
+			}
+			kvc_close(c);
+			_exit(0);
+		}
+	}
+	for (int t = 0; t < 3000 && atomic_load(&sh->ready) < FAIR_A + 1; t++)
+		daemon_sleep_ms(10);
+	assert_int_equal(atomic_load(&sh->ready), FAIR_A + 1);
+	assert_int_equal(raw_open(&obs, 0), 0);
+	assert_int_equal(raw_hello(&obs, "obs", 1, 1 << 16), 0);
+	daemon_sleep_ms(300);
+	a0 = uid_exec_ns(&obs, ua);
+	b0 = uid_exec_ns(&obs, ub);
+	daemon_sleep_ms(1500);
+	a1 = uid_exec_ns(&obs, ua);
+	b1 = uid_exec_ns(&obs, ub);
+	atomic_store(&sh->stop, 1);
+	for (int i = 0; i <= FAIR_A; i++)
+		expect_kid_ok(kid[i], 120, "a busy client");
+	raw_close(&obs);
+
+	double da = (double)(a1 - a0), db = (double)(b1 - b0), share = db / (da + db);
+
+	print_message("  executor time over the window: uid A (%d connections) %.0f ms, uid B (1) "
+		      "%.0f ms: B's share %.2f\n", FAIR_A, da / 1e6, db / 1e6, share);
+	assert_true(da > 0 && db > 0);
+	/* Per connection B would get 1/7 (0.14); per uid 1/2. */
+	if (share < 0.3)
+		fail_msg("uid B got %.2f of the executor against a uid with %d connections", share,
+			 FAIR_A);
+	munmap(sh, 4096);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1484,6 +1582,7 @@ int main(void)
 		cmocka_unit_test_teardown(test_emfile_no_spin, stop),
 		cmocka_unit_test_setup_teardown(test_prefill_staging_budget, start_mem64, stop),
 		cmocka_unit_test_setup_teardown(test_shm_per_uid, start_shm, stop),
+		cmocka_unit_test_setup_teardown(test_uid_fair_share, start_open, stop),
 	};
 
 	kid_msg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
