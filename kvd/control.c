@@ -17,6 +17,7 @@
 #include "ctl.h"
 #include "err.h"
 #include "log.h"
+#include "lsh.h"
 #include "server.h"
 #include "server_int.h"
 #include "tier.h"
@@ -33,10 +34,9 @@ void kvd_control_unmap(struct kvd_server *s, struct client *c)
 	if (c->memfd >= 0)
 		close(c->memfd);
 	/* The client holds its own copy of the eventfd, so closing ours would
-	 * leave the registration alive and its next kick pointing at freed
-	 * memory: remove it from the set explicitly. */
+	 * leave the registration alive: remove it from the set explicitly. */
 	if (c->efd >= 0) {
-		epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->efd, NULL);
+		kvd_exec_unwatch(s, c->efd);
 		close(c->efd);
 	}
 	kvd_limits_uncharge(s->limits, c->uid, KVD_RES_SHM, c->shm_bytes);
@@ -91,7 +91,7 @@ static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const K
 	rc = shm_region_create(&c->r, c->map, &p);
 	if (!rc) {
 		c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-		rc = c->efd < 0 ? -errno : kvd_ep_add(s, c->efd, &c->ev_kick);
+		rc = c->efd < 0 ? -errno : kvd_exec_watch(s, c->efd);
 	}
 	if (rc) {
 		/* Nothing half-made stays behind: a later Hello starts afresh. */
@@ -174,6 +174,8 @@ static int send_profile(struct client *c, uint64_t id, const struct kvd_profile 
 	return rc;
 }
 
+#define W_UNLOCKED_BYTES (1u << 20)
+
 /* The connection takes one reference on each profile it created or opened,
  * dropped when it goes (kvd_control_release): a profile lives while a
  * client or a sequence uses it. */
@@ -235,9 +237,29 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 	for (size_t i = 0; i < m->n_dense_layers; i++)
 		dense[m->dense_layers[i]] = 1;
 	want.dense = dense;
+	/* W of a new profile is made without the state lock: up to 16 MiB of
+	 * Gaussians (130 ms on one core) would otherwise hold every client's
+	 * decode.  Counted first, like everything a client makes kvd hold. */
+	size_t wbytes = rc ? 0 : (size_t)want.g.d * want.g.K * want.g.L * sizeof(float);
+	int wcharged = 0;
+
+	if (!rc && wbytes >= W_UNLOCKED_BYTES && !kvd_store_profile_find(s->store, c->ns, want.name)) {
+		rc = kvd_limits_charge(s->limits, c->uid, KVD_RES_MEMORY, wbytes, msg, sizeof msg);
+		wcharged = !rc;
+		if (!rc && !(want.W = malloc(wbytes)))
+			rc = -ENOMEM;
+		if (!rc) {
+			kvd_state_unlock(s);
+			kvd_lsh_make_w(want.seed, (int)want.g.d, (int)want.g.K, (int)want.g.L, want.W);
+			kvd_state_lock(s);
+		}
+	}
 	if (!rc)
 		rc = kvd_store_profile_ns(s->store, c->ns, c->uid, &want, &p, msg, sizeof msg);
 	free(dense);
+	free(want.W);
+	if (wcharged)
+		kvd_limits_uncharge(s->limits, c->uid, KVD_RES_MEMORY, wbytes);
 	if (rc == -EEXIST)
 		return kvd_ctl_send_error(c->fd, id, rc, "profile '%s' exists with other fields", m->name);
 	if (rc) {

@@ -27,7 +27,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "err.h"
 #include "kern.h"
@@ -654,13 +657,18 @@ static void *exec_main(void *arg)
 		 * that commits after it kicks its eventfd and the loop wakes us. */
 		set_sleeping(s, 1);
 		if (!exec_pass(s) && !s->exec_stop) {
-			struct timespec ts;
+			struct epoll_event ev[16];
+			uint64_t x;
 
-			/* Bounded: no lost wake-up can hold a client longer. */
-			clock_gettime(CLOCK_REALTIME, &ts);
-			ts.tv_sec += 1;
+			/* Bounded: no lost wake-up can hold a client longer.  The
+			 * lock is free meanwhile. */
 			atomic_store_explicit(&s->exec_idle, 1, memory_order_relaxed);
-			pthread_cond_timedwait(&s->work, &s->mu, &ts);
+			pthread_mutex_unlock(&s->mu);
+			epoll_wait(s->xepfd, ev, 16, 1000);
+			if (read(s->xnfd, &x, sizeof x) < 0) {
+				/* nothing pending: a kick woke us */
+			}
+			pthread_mutex_lock(&s->mu);
 			atomic_store_explicit(&s->exec_idle, 0, memory_order_relaxed);
 		}
 		set_sleeping(s, 0);
@@ -672,7 +680,36 @@ static void *exec_main(void *arg)
 
 void kvd_exec_notify(struct kvd_server *s)
 {
-	pthread_cond_signal(&s->work);
+	uint64_t one = 1;
+
+	if (write(s->xnfd, &one, sizeof one) < 0) {
+		/* the counter is full: a wake-up is pending anyway */
+	}
+}
+
+int kvd_exec_init(struct kvd_server *s)
+{
+	struct epoll_event ev = { .events = EPOLLIN };
+
+	s->xepfd = epoll_create1(EPOLL_CLOEXEC);
+	s->xnfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (s->xepfd < 0 || s->xnfd < 0 || epoll_ctl(s->xepfd, EPOLL_CTL_ADD, s->xnfd, &ev))
+		return -errno;
+	return 0;
+}
+
+/* Edge-triggered: every write of the client is a new edge, so the eventfd
+ * is never read, and a stale event of a client that left names nothing. */
+int kvd_exec_watch(struct kvd_server *s, int fd)
+{
+	struct epoll_event ev = { .events = EPOLLIN | EPOLLET };
+
+	return epoll_ctl(s->xepfd, EPOLL_CTL_ADD, fd, &ev) ? -errno : 0;
+}
+
+void kvd_exec_unwatch(struct kvd_server *s, int fd)
+{
+	epoll_ctl(s->xepfd, EPOLL_CTL_DEL, fd, NULL);
 }
 
 int kvd_exec_start(struct kvd_server *s)
@@ -712,13 +749,18 @@ void kvd_exec_stop(struct kvd_server *s)
 	kvd_state_lock(s);
 	s->exec_stop = 1;
 	s->stop_deadline_ns = kvd_now_ns() + DRAIN_SECONDS * 1000000000ull;
-	pthread_cond_signal(&s->work);
 	kvd_state_unlock(s);
+	kvd_exec_notify(s);
 	pthread_join(s->exec_th, NULL);
 }
 
 void kvd_exec_free(struct kvd_server *s)
 {
+	if (s->xepfd >= 0)
+		close(s->xepfd);
+	if (s->xnfd >= 0)
+		close(s->xnfd);
+	s->xepfd = s->xnfd = -1;
 	if (!s->xb)
 		return;
 	free(s->xb->q);

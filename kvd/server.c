@@ -276,8 +276,6 @@ static void accept_clients(struct kvd_server *s)
 		c->ns = kvd_limits_namespace(s->limits, cred.uid);
 		c->ev_ctl.kind = EV_CTL;
 		c->ev_ctl.c = c;
-		c->ev_kick.kind = EV_KICK;
-		c->ev_kick.c = c;
 		if (kvd_ep_add(s, fd, &c->ev_ctl)) {
 			kvd_limits_uncharge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1);
 			close(fd);
@@ -396,7 +394,6 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 	for (int i = 0; i < n; i++) {
 		const struct ev_tag *tag = ev[i].data.ptr;
 		struct client *c = tag->c;
-		uint64_t x;
 
 		if (tag->kind == EV_SIGNAL || tag->kind == EV_TIMER)
 			continue;
@@ -414,11 +411,6 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 			break;
 		case EV_TIER:
 			tier_event(s);
-			break;
-		case EV_KICK:
-			if (read(c->efd, &x, sizeof x) < 0 && errno != EAGAIN)
-				kvd_client_kick(s, c, "eventfd error");
-			kvd_exec_notify(s);
 			break;
 		}
 	}
@@ -562,7 +554,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	pthread_sigmask(SIG_BLOCK, &mask, NULL);
 	signal(SIGPIPE, SIG_IGN);
 	s->cfg = cfg;
-	s->lfd = s->epfd = s->sfd = s->tfd = -1;
+	s->lfd = s->epfd = s->sfd = s->tfd = s->xepfd = s->xnfd = -1;
 	s->ev_listen.kind = EV_LISTEN;
 	s->ev_signal.kind = EV_SIGNAL;
 	s->ev_timer.kind = EV_TIMER;
@@ -571,9 +563,10 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	if (!s->rxbuf)
 		goto fail;
 	pthread_mutex_init(&s->mu, NULL);
-	pthread_cond_init(&s->work, NULL);
 	pthread_cond_init(&s->handoff, NULL);
 	s->sync_init = 1;
+	if ((rc = kvd_exec_init(s)))
+		goto fail;
 	{
 		struct kvd_limits_cfg lc;
 
@@ -708,7 +701,6 @@ void kvd_server_destroy(struct kvd_server *s)
 	kvd_limits_destroy(s->limits);
 	if (s->sync_init) {
 		pthread_mutex_destroy(&s->mu);
-		pthread_cond_destroy(&s->work);
 		pthread_cond_destroy(&s->handoff);
 	}
 	free(s);

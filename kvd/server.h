@@ -1,7 +1,7 @@
 /* kvd_server: the daemon.
  *
  * Two threads own its state in turn under one lock (kvd/server_int.h):
- * the event loop (listening socket, control sockets, kick eventfds, signals,
+ * the event loop (listening socket, control sockets, signals,
  * the watchdog timer, spill I/O results), which answers control requests,
  * and the executor (kvd/exec.c), which consumes every client's submission
  * ring in small units — one ATTEND record, one PREFILL or APPEND entry —

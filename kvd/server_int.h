@@ -1,7 +1,7 @@
 /* The daemon's insides, shared by its three parts (not an API):
  *
  *   server.c   the event loop: listening socket, clients' control sockets,
- *              kick eventfds, signals, the watchdog timer, the tier's fd.
+ *              signals, the watchdog timer, the tier's fd.
  *   control.c  control-plane requests (protobuf over the socket), run by the
  *              loop thread.
  *   exec.c     the executor thread: every ring entry, in small units
@@ -36,7 +36,7 @@
 #include "wire.h"
 
 /* What an epoll event's data points at. */
-enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_KICK, EV_TIER };
+enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_TIER };
 struct ev_tag {
 	int kind;
 	struct client *c;
@@ -89,7 +89,7 @@ struct client {
 	size_t map_size;
 	uint64_t shm_bytes;             /* charged to the uid as KVD_RES_SHM */
 	struct client *next;
-	struct ev_tag ev_ctl, ev_kick;
+	struct ev_tag ev_ctl;
 };
 
 struct kvd_server {
@@ -118,7 +118,11 @@ struct kvd_server {
 	/* The state lock and the executor (exec.c). */
 	int sync_init;
 	pthread_mutex_t mu;
-	pthread_cond_t work;            /* executor: new work may be ready */
+	/* The executor sleeps in its own epoll set: the clients' kick eventfds
+	 * (edge-triggered, never read: a kick is only a wake-up) and xnfd, the
+	 * loop's "look again" (tier progress, stop).  So a client's kick never
+	 * waits for the loop, whatever the loop is busy with. */
+	int xepfd, xnfd;
 	pthread_cond_t handoff;         /* executor: the loop is done with the lock */
 	_Atomic int loop_wants;
 	uint64_t loop_turns;            /* under mu: the loop's critical sections so far */
@@ -167,8 +171,13 @@ int kvd_exec_start(struct kvd_server *s);
 /* Asks the executor to answer what is queued and exit; joins it.  Called by
  * the loop without the lock. */
 void kvd_exec_stop(struct kvd_server *s);
-/* New work may be ready (a kick, an unparked client).  Under the lock. */
+/* The executor's epoll set and notify fd; before any client (create). */
+int kvd_exec_init(struct kvd_server *s);
+/* New work may be ready (an unparked client, stop).  Any thread. */
 void kvd_exec_notify(struct kvd_server *s);
+/* A client's kick eventfd joins / leaves the executor's set. */
+int kvd_exec_watch(struct kvd_server *s, int fd);
+void kvd_exec_unwatch(struct kvd_server *s, int fd);
 void kvd_exec_free(struct kvd_server *s);
 
 #endif

@@ -399,7 +399,10 @@ static int profile_new(struct kvd_store *s, uint32_t ns, uint32_t uid,
 	x->bytes = bytes;
 	x->refs = 1;
 	memcpy(x->p.dense, want->dense, want->layers);
-	kvd_lsh_make_w(x->p.seed, (int)x->p.g.d, (int)x->p.g.K, (int)x->p.g.L, x->p.W);
+	if (want->W)                    /* made by the caller from the same seed */
+		memcpy(x->p.W, want->W, wn * sizeof *x->p.W);
+	else
+		kvd_lsh_make_w(x->p.seed, (int)x->p.g.d, (int)x->p.g.K, (int)x->p.g.L, x->p.W);
 	kvd_logp_tab_init(x->p.tab, (int)x->p.g.K, (int)x->p.g.L, (int)x->p.g.c);
 	x->next_id = s->by_id[pid_bucket(x->p.id)];
 	s->by_id[pid_bucket(x->p.id)] = x;

@@ -138,7 +138,9 @@ int kvd_store_profile(struct kvd_store *s, const struct kvd_profile *want,
 const struct kvd_profile *kvd_store_profile_by_id(struct kvd_store *s, uint32_t id);
 const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const char *name);
 
-/* Create-or-open want->name in namespace ns (want->id, ns, uid ignored):
+/* Create-or-open want->name in namespace ns (want->id, ns, uid ignored;
+ * want->W, when not NULL, is W already made from want->seed, copied instead
+ * of made again -- the daemon makes a big one without holding its lock):
  * identical fields return the existing profile, different ones -EEXIST
  * (only names within ns collide).  A new profile is charged to uid
  * (KVD_RES_PROFILES 1 and its bytes as KVD_RES_MEMORY) before anything is

@@ -17,6 +17,8 @@
  *                               connections, counted at Hello
  *   test_uid_fair_share         a uid with six busy connections gets no more
  *                               executor time than a uid with one
+ *   test_big_profiles_no_stall  creating profiles with 16 MiB of W each must
+ *                               not hold other clients' decode
  *
  * Forked children never use cmocka's asserts (they would longjmp into the
  * child's copy of the runner): they report through exit codes and a shared
@@ -1570,6 +1572,96 @@ static void test_uid_fair_share(void **state)
 	munmap(sh, 4096);
 }
 
+/* ProfileCreate of the largest W (d 256, K 16, L 1024: 16 MiB of Gaussians,
+ * ~130 ms each on one core): eight pipelined on one connection while
+ * another client decodes.  W is made without kvd's state lock, so the
+ * decoder keeps being answered while they are made; held under the lock,
+ * the eight would hold it for a second and the decoder would get about
+ * nothing done in the meantime. */
+struct bigp_shared {
+	_Atomic int ready, stop;
+	_Atomic uint64_t done;
+};
+
+static void test_big_profiles_no_stall(void **state)
+{
+	struct bigp_shared *sh = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+				      -1, 0);
+	enum { NP = 8 };
+	char names[NP][32];
+	struct raw a;
+	uint64_t d0, d1;
+	pid_t kid;
+
+	assert_true(sh != MAP_FAILED);
+	kid_msg[0] = 0;
+	kid = spawn();
+	if (kid == 0) {
+		struct kvd_synth w;
+		struct kvc *c;
+		struct kvc_seq *sq;
+		float o[8 * 64], l[8];
+
+		if (!(c = kconnect("dec", &PS, 2, 1 << 20)) || !(sq = kprefill(c, &PS, 1000, 71, &w)))
+			kid_fail(2, "decoder: setup failed");
+		atomic_store(&sh->ready, 1);
+		while (!atomic_load(&sh->stop)) {
+			if (kvc_attend_kvd(c, 1, &sq, 1, w.q, o, l))
+				kid_fail(3, "decoder: attend: %s", kvc_last_error(c));
+			atomic_fetch_add(&sh->done, 1);
+		}
+		kvc_close(c);
+		_exit(0);
+	}
+	for (int t = 0; t < 3000 && atomic_load(&sh->done) < 3; t++)
+		daemon_sleep_ms(10);
+	assert_true(atomic_load(&sh->done) >= 3);
+	assert_int_equal(raw_open(&a, 0), 0);
+	assert_int_equal(raw_hello(&a, "big", 1, 1 << 16), 0);
+	d0 = atomic_load(&sh->done);
+	for (int i = 0; i < NP; i++) {
+		Kvd__Request rq = KVD__REQUEST__INIT;
+		Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
+		Kvd__Profile p;
+
+		snprintf(names[i], sizeof names[i], "hostile-bigw-%d", i);
+		p = mkprof(names[i], 2, 8, 2, 256, 16, 1024, 500 + (uint64_t)i);
+		pc.profile = &p;
+		rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
+		rq.profile_create = &pc;
+		rq.id = ++a.next;
+		assert_int_equal(kvd_ctl_send(a.fd, &rq.base, NULL, 0), 0);
+	}
+	for (int i = 0; i < NP; i++) {
+		struct pollfd pf = { .fd = a.fd, .events = POLLIN };
+		int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, n;
+		struct kvd_ctl_err e;
+		Kvd__Response *r;
+
+		assert_int_equal(poll(&pf, 1, CALL_MS), 1);
+		n = kvd_ctl_recv(a.fd, a.rx, RX_CAP, fds, &nfds);
+		assert_true(n > 0);
+		r = kvd_ctl_decode_response(a.rx, (size_t)n, a.next - NP + 1 + (uint64_t)i, &e);
+		if (!r)
+			fail_msg("profile %d: reply does not decode: %s", i, e.msg);
+		if (r->body_case != KVD__RESPONSE__BODY_PROFILE)
+			fail_msg("profile %d: %s", i, r->body_case == KVD__RESPONSE__BODY_ERROR ?
+			     r->error->message : "unexpected reply");
+		kvd_ctl_free_response(r);
+	}
+	d1 = atomic_load(&sh->done);
+	atomic_store(&sh->stop, 1);
+	expect_kid_ok(kid, 60, "the decoder");
+	raw_close(&a);
+	print_message("  the decoder got %llu answers while %d profiles of 16 MiB of W were made\n",
+		      (unsigned long long)(d1 - d0), NP);
+	/* Held, the decoder got 1 to 10 answers; made outside, thousands. */
+	if (d1 - d0 < 50)
+		fail_msg("the decoder got %llu answers while the profiles were made: they held it",
+			 (unsigned long long)(d1 - d0));
+	munmap(sh, 4096);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1583,6 +1675,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_prefill_staging_budget, start_mem64, stop),
 		cmocka_unit_test_setup_teardown(test_shm_per_uid, start_shm, stop),
 		cmocka_unit_test_setup_teardown(test_uid_fair_share, start_open, stop),
+		cmocka_unit_test_setup_teardown(test_big_profiles_no_stall, start_plain, stop),
 	};
 
 	kid_msg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
