@@ -1,5 +1,5 @@
 /* kvd_attn: attention over what kvd holds of one layer — sealed segments
- * answered by sampling (MagicPIG's estimator, DESIGN.md section 2) and the
+ * answered by sampling (MagicPIG's estimator, docs/ARCHITECTURE.md) and the
  * exact tail — and the LSE merge that joins partial results.
  *
  * Conventions: scores are q.k / sqrt(d) over centered keys; a partial result

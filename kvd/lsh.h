@@ -1,5 +1,5 @@
 /* kvd_lsh: SimHash projection, codes, per-segment bucket tables, candidate
- * retrieval and the collision probability (DESIGN.md section 2).
+ * retrieval and the collision probability (docs/ARCHITECTURE.md, the estimator).
  *
  * Conventions, shared with the GPU client:
  *  - W is head_dim x (K*L) float32, row-major: W[i*(K*L) + t*K + j] multiplies
@@ -109,7 +109,7 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out);
 
 /* Collision probability of a key at angle theta from the query, exactly as in
- * DESIGN.md: p = (1 - theta/pi)^K; P(c=1) = 1-(1-p)^L;
+ * docs/ARCHITECTURE.md: p = (1 - theta/pi)^K; P(c=1) = 1-(1-p)^L;
  * P(c=2) = 1-(1-p)^L - L p (1-p)^(L-1).  Computed in double with log1p/expm1
  * so small probabilities keep their digits.  Returns ln P (-inf when P = 0). */
 double kvd_lsh_logp(double cos_theta, int K, int L, int c);

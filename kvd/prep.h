@@ -1,6 +1,6 @@
 /* kvd_prep: the prefill path on the CPU.  Turns one layer's raw float32 keys
  * and values into what kvd stores: the offloaded range [lo, hi) centered with
- * its own mean (DESIGN.md section 2), rounded to bf16, hashed with W, and cut
+ * its own mean (docs/ARCHITECTURE.md, the estimator), rounded to bf16, hashed with W, and cut
  * into segments of at most seg_tokens.  This is the GPU client's job; the CPU
  * backend, the tests and kvbench use this one implementation.
  */
