@@ -1,5 +1,6 @@
 /* kvd_config: defaults, the INI file, the command line.  See config.h. */
 #include <errno.h>
+#include <stddef.h>
 #include <getopt.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -409,36 +410,6 @@ static int parse_count(const char *v, uint32_t *out, char *why, size_t n)
 	return 0;
 }
 
-static int set_connections(struct kvd_config *c, const char *v, char *why, size_t n)
-{
-	return parse_count(v, &c->connections, why, n);
-}
-
-static int set_connections_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
-{
-	return parse_count(v, &c->connections_per_uid, why, n);
-}
-
-static int set_sequences(struct kvd_config *c, const char *v, char *why, size_t n)
-{
-	return parse_count(v, &c->sequences, why, n);
-}
-
-static int set_sequences_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
-{
-	return parse_count(v, &c->sequences_per_uid, why, n);
-}
-
-static int set_profiles(struct kvd_config *c, const char *v, char *why, size_t n)
-{
-	return parse_count(v, &c->profiles, why, n);
-}
-
-static int set_profiles_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
-{
-	return parse_count(v, &c->profiles_per_uid, why, n);
-}
-
 /* SIZE (at least 1 MiB: smaller is a typo, and 0 would mean no cap, above
  * the global) or N% of the global limit, resolved at use because the
  * global may be set later in the file or by a flag. */
@@ -609,36 +580,37 @@ static const struct key {
 	setter set;
 	setter set_flag;                /* when the flag differs from the key */
 	int bare;                       /* the flag takes no value (means "yes") */
+	size_t count;                   /* set NULL: a [limits] count at this offset */
 } keys[] = {
-	{ "server", "socket", "socket", set_socket, NULL, 0 },
-	{ "server", "threads", "threads", set_threads, NULL, 0 },
-	{ "memory", "limit", "mem-limit", set_mem_limit, NULL, 0 },
-	{ "memory", "high", "mem-high", set_mem_high, NULL, 0 },
-	{ "memory", "low", "mem-low", set_mem_low, NULL, 0 },
-	{ "spill", "dir", "spill-dir", set_spill_dirs, set_spill_dir_flag, 0 },
-	{ "spill", "limit", "spill-limit", set_spill_limit, NULL, 0 },
-	{ "spill", "queue_depth", NULL, set_spill_qd, NULL, 0 },
-	{ "spill", "block", NULL, set_spill_block, NULL, 0 },
-	{ "spill", "direct", NULL, set_direct, NULL, 0 },
-	{ "spill", "persist", "persist", set_persist, NULL, 1 },
-	{ "spill", "fault", "spill-fault", set_spill_fault, NULL, 0 },
-	{ "transport", "slots", NULL, set_slots, NULL, 0 },
-	{ "transport", "slot_size", NULL, set_slot_size, NULL, 0 },
-	{ "transport", "ring_entries", NULL, set_ring, NULL, 0 },
-	{ "transport", "spin_us", NULL, set_spin, NULL, 0 },
-	{ "limits", "connections", NULL, set_connections, NULL, 0 },
-	{ "limits", "connections_per_uid", NULL, set_connections_per_uid, NULL, 0 },
-	{ "limits", "sequences", NULL, set_sequences, NULL, 0 },
-	{ "limits", "sequences_per_uid", NULL, set_sequences_per_uid, NULL, 0 },
-	{ "limits", "profiles", NULL, set_profiles, NULL, 0 },
-	{ "limits", "profiles_per_uid", NULL, set_profiles_per_uid, NULL, 0 },
-	{ "limits", "memory_per_uid", NULL, set_memory_per_uid, NULL, 0 },
-	{ "limits", "spill_per_uid", NULL, set_spill_per_uid, NULL, 0 },
-	{ "limits", "shm", NULL, set_shm, NULL, 0 },
-	{ "limits", "shm_per_uid", NULL, set_shm_per_uid, NULL, 0 },
-	{ "sharing", "groups", NULL, set_groups, NULL, 0 },
-	{ "log", "level", "log-level", set_level, NULL, 0 },
-	{ "log", "file", "log-file", set_log_file, NULL, 0 },
+	{ "server", "socket", "socket", set_socket, NULL, 0, 0 },
+	{ "server", "threads", "threads", set_threads, NULL, 0, 0 },
+	{ "memory", "limit", "mem-limit", set_mem_limit, NULL, 0, 0 },
+	{ "memory", "high", "mem-high", set_mem_high, NULL, 0, 0 },
+	{ "memory", "low", "mem-low", set_mem_low, NULL, 0, 0 },
+	{ "spill", "dir", "spill-dir", set_spill_dirs, set_spill_dir_flag, 0, 0 },
+	{ "spill", "limit", "spill-limit", set_spill_limit, NULL, 0, 0 },
+	{ "spill", "queue_depth", NULL, set_spill_qd, NULL, 0, 0 },
+	{ "spill", "block", NULL, set_spill_block, NULL, 0, 0 },
+	{ "spill", "direct", NULL, set_direct, NULL, 0, 0 },
+	{ "spill", "persist", "persist", set_persist, NULL, 1, 0 },
+	{ "spill", "fault", "spill-fault", set_spill_fault, NULL, 0, 0 },
+	{ "transport", "slots", NULL, set_slots, NULL, 0, 0 },
+	{ "transport", "slot_size", NULL, set_slot_size, NULL, 0, 0 },
+	{ "transport", "ring_entries", NULL, set_ring, NULL, 0, 0 },
+	{ "transport", "spin_us", NULL, set_spin, NULL, 0, 0 },
+	{ "limits", "connections", NULL, NULL, NULL, 0, offsetof(struct kvd_config, connections) },
+	{ "limits", "connections_per_uid", NULL, NULL, NULL, 0, offsetof(struct kvd_config, connections_per_uid) },
+	{ "limits", "sequences", NULL, NULL, NULL, 0, offsetof(struct kvd_config, sequences) },
+	{ "limits", "sequences_per_uid", NULL, NULL, NULL, 0, offsetof(struct kvd_config, sequences_per_uid) },
+	{ "limits", "profiles", NULL, NULL, NULL, 0, offsetof(struct kvd_config, profiles) },
+	{ "limits", "profiles_per_uid", NULL, NULL, NULL, 0, offsetof(struct kvd_config, profiles_per_uid) },
+	{ "limits", "memory_per_uid", NULL, set_memory_per_uid, NULL, 0, 0 },
+	{ "limits", "spill_per_uid", NULL, set_spill_per_uid, NULL, 0, 0 },
+	{ "limits", "shm", NULL, set_shm, NULL, 0, 0 },
+	{ "limits", "shm_per_uid", NULL, set_shm_per_uid, NULL, 0, 0 },
+	{ "sharing", "groups", NULL, set_groups, NULL, 0, 0 },
+	{ "log", "level", "log-level", set_level, NULL, 0, 0 },
+	{ "log", "file", "log-file", set_log_file, NULL, 0, 0 },
 };
 #define NKEYS (sizeof(keys) / sizeof(keys[0]))
 
@@ -815,7 +787,9 @@ static int on_key(void *user, const char *section, const char *name, const char 
 			return 0;
 		}
 		x->seen[i] = x->line;
-		if (keys[i].set(x->c, value, why, sizeof(why))) {
+		if (keys[i].set ? keys[i].set(x->c, value, why, sizeof(why))
+				: parse_count(value, (uint32_t *)((char *)x->c + keys[i].count), why,
+					      sizeof(why))) {
 			ctx_fail(x, "[%s] %s = '%s': %s", section, name, show(v, sizeof(v), value), why);
 			return 0;
 		}
