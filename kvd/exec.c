@@ -186,13 +186,6 @@ static void job_start(struct kvd_server *s, struct client *c)
 
 /* ---- whole-entry units -------------------------------------------------- */
 
-static struct kvd_seqn *own_seq(struct kvd_server *s, struct client *c, uint64_t seq)
-{
-	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
-
-	return q && q->owner == c->id ? q : NULL;
-}
-
 static const char *slot_base(const struct client *c, const struct kvd_sqe *e)
 {
 	return (const char *)shm_slot(&c->r, e->slot) + e->off;
@@ -201,7 +194,7 @@ static const char *slot_base(const struct client *c, const struct kvd_sqe *e)
 static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
 		   size_t msglen)
 {
-	struct kvd_seqn *q = own_seq(s, c, e->seq);
+	struct kvd_seqn *q = kvd_client_seq(s, c, e->seq);
 	const struct kvd_profile *p;
 	const char *base;
 	uint64_t H, d, off = 0;
@@ -316,7 +309,7 @@ static void run_whole(struct kvd_server *s, struct client *c)
 	switch (e->op) {
 	case KVD_OP_FREE:
 	case KVD_OP_PREFETCH: {
-		struct kvd_seqn *q = own_seq(s, c, e->seq);
+		struct kvd_seqn *q = kvd_client_seq(s, c, e->seq);
 
 		if (!q)
 			rc = -ENOENT, snprintf(msg, sizeof msg, "no sequence %llu of yours",
