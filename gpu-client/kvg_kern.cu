@@ -6,6 +6,7 @@
 
 #include "kvg_bf16.cuh"
 #include "kvg_kern.h"
+#include "kvg_launch.cuh"
 
 #define NT 128                  /* threads per block of every kernel here */
 #define MEAN_NB 256             /* most partial-sum blocks per head */
@@ -90,10 +91,10 @@ extern "C" cudaError_t kvg_mean(const void *k, int dtype, uint32_t H, uint32_t n
 	dim3 g(nb, H);
 
 	if (dtype == KVG_BF16)
-		mean_part<KVG_BF16><<<g, NT, 0, st>>>(k, n, d, lo, hi, per, scratch);
+		KVG_LAUNCH(mean_part<KVG_BF16>, g, NT, 0, st, k, n, d, lo, hi, per, scratch);
 	else
-		mean_part<KVG_F32><<<g, NT, 0, st>>>(k, n, d, lo, hi, per, scratch);
-	mean_final<<<H, NT, 0, st>>>(scratch, nb, d, rows, mean);
+		KVG_LAUNCH(mean_part<KVG_F32>, g, NT, 0, st, k, n, d, lo, hi, per, scratch);
+	KVG_LAUNCH(mean_final, H, NT, 0, st, scratch, nb, d, rows, mean);
 	return launched();
 }
 
@@ -134,10 +135,10 @@ extern "C" cudaError_t kvg_rows(const void *k, const void *v, int dtype, uint32_
 	if (total == 0)
 		return cudaSuccess;
 	if (dtype == KVG_BF16)
-		rows_kernel<KVG_BF16><<<grid_for(total), NT, 0, st>>>(k, v, H, n, d, t0, cnt, mean,
+		KVG_LAUNCH(rows_kernel<KVG_BF16>, grid_for(total), NT, 0, st, k, v, H, n, d, t0, cnt, mean,
 								      kb, vb, ldo, row0, x);
 	else
-		rows_kernel<KVG_F32><<<grid_for(total), NT, 0, st>>>(k, v, H, n, d, t0, cnt, mean,
+		KVG_LAUNCH(rows_kernel<KVG_F32>, grid_for(total), NT, 0, st, k, v, H, n, d, t0, cnt, mean,
 								     kb, vb, ldo, row0, x);
 	return launched();
 }
@@ -186,9 +187,9 @@ extern "C" cudaError_t kvg_append(const void *k, const void *v, int dtype,
 		for (uint32_t j = 0; j < cnt; j++)
 			a.put[j] = put[j0 + j];
 		if (dtype == KVG_BF16)
-			append_kernel<KVG_BF16><<<g, NT, 0, st>>>(a);
+			KVG_LAUNCH(append_kernel<KVG_BF16>, g, NT, 0, st, a);
 		else
-			append_kernel<KVG_F32><<<g, NT, 0, st>>>(a);
+			KVG_LAUNCH(append_kernel<KVG_F32>, g, NT, 0, st, a);
 		cudaError_t rc = launched();
 
 		if (rc != cudaSuccess)
@@ -245,7 +246,7 @@ extern "C" cudaError_t kvg_gather(const struct kvg_evict *ev, uint32_t nev, uint
 		a.x = x;
 		for (uint32_t j = 0; j < n; j++)
 			a.ev[j] = ev[j0 + j];
-		gather_kernel<<<g, NT, 0, st>>>(a);
+		KVG_LAUNCH(gather_kernel, g, NT, 0, st, a);
 		cudaError_t rc = launched();
 
 		if (rc != cudaSuccess)
@@ -282,7 +283,7 @@ extern "C" cudaError_t kvg_pack(const float *y, uint32_t r0, uint32_t R, uint32_
 
 	if (total == 0)
 		return cudaSuccess;
-	pack_kernel<<<grid_for(total), NT, 0, st>>>(y, r0, R, K, L, *lay, codes);
+	KVG_LAUNCH(pack_kernel, grid_for(total), NT, 0, st, y, r0, R, K, L, *lay, codes);
 	return launched();
 }
 
@@ -326,7 +327,7 @@ static __device__ __forceinline__ float warp_sum(float x)
 template <int NJ>
 static __global__ void __launch_bounds__(NT) attn_kernel(const __grid_constant__ attn_args a)
 {
-	extern __shared__ __align__(16) unsigned char smem[];
+	KVG_DYN_SMEM(unsigned char, smem);
 	const uint32_t d = a.d, G = a.G, s = blockIdx.x, h = blockIdx.y, j = blockIdx.z;
 	const struct kvg_rows *rw = &a.rows[j];
 	const uint32_t n = rw->nsink + rw->count, R = rw->cap - rw->nsink;
@@ -541,7 +542,7 @@ static cudaError_t attn_launch(const attn_args &a, dim3 g, size_t smem, cudaStre
 		if (rc != cudaSuccess)
 			return rc;
 	}
-	attn_kernel<NJ><<<g, NT, smem, st>>>(a);
+	KVG_LAUNCH(attn_kernel<NJ>, g, NT, smem, st, a);
 	return launched();
 }
 
@@ -591,7 +592,7 @@ extern "C" cudaError_t kvg_attn(const float *q, const struct kvg_rows *rows, uin
 			return rc;
 	}
 	if (plan->nsplit > 1) {
-		combine_kernel<<<nseq * Hq, NT, 0, st>>>(part, nseq, Hq, d, plan->nsplit, o, lse);
+		KVG_LAUNCH(combine_kernel, nseq * Hq, NT, 0, st, part, nseq, Hq, d, plan->nsplit, o, lse);
 		return launched();
 	}
 	return cudaSuccess;
@@ -634,6 +635,6 @@ extern "C" cudaError_t kvg_merge(float *o, float *lse, const float *rec, size_t 
 {
 	if (nseq == 0 || Hq == 0)
 		return cudaSuccess;
-	merge_kernel<<<nseq * Hq, NT, 0, st>>>(o, lse, rec, rec_floats, lse_floats, Hq, d, kvd_only);
+	KVG_LAUNCH(merge_kernel, nseq * Hq, NT, 0, st, o, lse, rec, rec_floats, lse_floats, Hq, d, kvd_only);
 	return launched();
 }
