@@ -66,7 +66,7 @@ struct kvg_layer {
 	float *mean;                    /* [H][d]; NULL for dense layers */
 	uint32_t cap;
 	struct kvg_ring ring;           /* dense: nsink 0, R = cap, head 0 */
-	int prefilled;
+	int prefilled;                  /* 1 done; -1 started and failed: unusable */
 };
 
 struct kvg_seq {
@@ -116,8 +116,10 @@ struct kvg {
 	uint64_t stamp;
 	struct batch *bt;               /* [nslots] */
 
-	int timing, tim_pending;
-	cudaEvent_t te[T_N];
+	/* Timing events in two sets used in turn: an attend's sample is read
+	 * while the next one records, so the host never waits for a merge. */
+	int timing, tcur, tim_pending[2];
+	cudaEvent_t te[2][T_N];
 	struct kvc_timing t;
 };
 
@@ -152,22 +154,14 @@ int kvg_choose(const struct kvc_opts *o, char *msg, size_t len)
 	return KVC_BACKEND_CUDA;
 }
 
-int kvg_open(struct kvc *c, const struct kvc_opts *o, void *map, size_t map_size,
-	     struct kvg **out)
+static int dev_enter(struct kvc *c, struct kvg *g, int *prev);
+static void dev_leave(const struct kvg *g, int prev);
+
+static int open_dev(struct kvc *c, struct kvg *g)
 {
-	struct kvg *g = calloc(1, sizeof *g);
 	struct cudaMemPoolProps pp;
 	uint64_t thr = UINT64_MAX;
 
-	*out = g;
-	if (!g)
-		return kvci_fail(c, -ENOMEM, "out of memory");
-	g->dev = o ? o->device : 0;
-	g->timing = o ? o->timing : 0;
-	g->max_batch_opt = o && o->max_batch ? o->max_batch : DEFAULT_MAX_BATCH;
-	g->map = map;
-	g->map_size = map_size;
-	CK(c, cudaSetDevice(g->dev));
 	CK(c, cudaDeviceGetAttribute(&g->sms, cudaDevAttrMultiProcessorCount, g->dev));
 	CK(c, cudaStreamCreateWithFlags(&g->cs, cudaStreamNonBlocking));
 	CK(c, cudaStreamCreateWithFlags(&g->hs, cudaStreamNonBlocking));
@@ -176,8 +170,8 @@ int kvg_open(struct kvc *c, const struct kvc_opts *o, void *map, size_t map_size
 	CK(c, cudaEventCreateWithFlags(&g->ev_out, cudaEventDisableTiming));
 	CK(c, cudaEventCreateWithFlags(&g->ev_user, cudaEventDisableTiming));
 	CK(c, cudaEventCreateWithFlags(&g->ev_g, cudaEventDisableTiming));
-	for (int i = 0; g->timing && i < T_N; i++)
-		CK(c, cudaEventCreate(&g->te[i]));
+	for (int i = 0; g->timing && i < 2 * T_N; i++)
+		CK(c, cudaEventCreate(&g->te[i / T_N][i % T_N]));
 	/* Our own pool: what we free stays cached for the next call instead of
 	 * going back to the driver, and the process's default pool is left alone. */
 	memset(&pp, 0, sizeof pp);
@@ -193,9 +187,30 @@ int kvg_open(struct kvc *c, const struct kvc_opts *o, void *map, size_t map_size
 	/* The arena becomes DMA-able: queries, codes and rows go from device
 	 * memory straight into kvd's shared memory and outputs come straight
 	 * back, with no bounce buffer. */
-	CK(c, cudaHostRegister(map, map_size, cudaHostRegisterDefault));
+	CK(c, cudaHostRegister(g->map, g->map_size, cudaHostRegisterDefault));
 	g->registered = 1;
 	return 0;
+}
+
+int kvg_open(struct kvc *c, const struct kvc_opts *o, void *map, size_t map_size,
+	     struct kvg **out)
+{
+	struct kvg *g = calloc(1, sizeof *g);
+	int prev, rc;
+
+	*out = g;
+	if (!g)
+		return kvci_fail(c, -ENOMEM, "out of memory");
+	g->dev = o ? o->device : 0;
+	g->timing = o ? o->timing : 0;
+	g->max_batch_opt = o && o->max_batch ? o->max_batch : DEFAULT_MAX_BATCH;
+	g->map = map;
+	g->map_size = map_size;
+	if ((rc = dev_enter(c, g, &prev)))
+		return rc;
+	rc = open_dev(c, g);
+	dev_leave(g, prev);
+	return rc;
 }
 
 static void dfree(void *p)
@@ -204,10 +219,8 @@ static void dfree(void *p)
 		(void)cudaFree(p);
 }
 
-void kvg_close(struct kvg *g)
+static void close_dev(struct kvg *g)
 {
-	if (!g)
-		return;
 	/* Everything of ours must be done before memory goes away: our streams,
 	 * and what we queued last on a caller's stream. */
 	if (g->ev_user)
@@ -238,15 +251,27 @@ void kvg_close(struct kvg *g)
 	for (size_t i = 0; i < sizeof evs / sizeof evs[0]; i++)
 		if (evs[i])
 			(void)cudaEventDestroy(evs[i]);
-	for (int i = 0; i < T_N; i++)
-		if (g->te[i])
-			(void)cudaEventDestroy(g->te[i]);
+	for (int i = 0; i < 2 * T_N; i++)
+		if (g->te[i / T_N][i % T_N])
+			(void)cudaEventDestroy(g->te[i / T_N][i % T_N]);
 	if (g->pool)
 		(void)cudaMemPoolDestroy(g->pool);
 	if (g->cs)
 		(void)cudaStreamDestroy(g->cs);
 	if (g->hs)
 		(void)cudaStreamDestroy(g->hs);
+}
+
+void kvg_close(struct kvg *g)
+{
+	int prev = g ? g->dev : 0;
+
+	if (!g)
+		return;
+	(void)cudaGetDevice(&prev);
+	if (prev == g->dev || cudaSetDevice(g->dev) == cudaSuccess)
+		close_dev(g);
+	dev_leave(g, prev);
 	free(g->rows);
 	free(g->put);
 	free(g->ev);
@@ -257,7 +282,7 @@ void kvg_close(struct kvg *g)
 	free(g);
 }
 
-int kvg_profile(struct kvc *c, struct kvg *g)
+static int profile_dev(struct kvc *c, struct kvg *g)
 {
 	const struct kvd_geom *geo = kvci_geom(c);
 	const struct kvc_model *m = kvc_model_of(c);
@@ -337,6 +362,17 @@ int kvg_profile(struct kvc *c, struct kvg *g)
 	return 0;
 }
 
+int kvg_profile(struct kvc *c, struct kvg *g)
+{
+	int prev, rc = dev_enter(c, g, &prev);
+
+	if (rc)
+		return rc;
+	rc = profile_dev(c, g);
+	dev_leave(g, prev);
+	return rc;
+}
+
 /* ---- sequences ------------------------------------------------------------- */
 
 int kvg_seq_init(struct kvc *c, struct kvg *g, struct kvg_seq **out)
@@ -355,8 +391,16 @@ int kvg_seq_init(struct kvc *c, struct kvg *g, struct kvg_seq **out)
 
 void kvg_seq_free(struct kvc *c, struct kvg *g, struct kvg_seq *s)
 {
+	int prev;
+
 	if (!s)
 		return;
+	if (dev_enter(c, g, &prev)) {
+		/* Freeing on another device is worse than leaking: leak. */
+		free(s->ly);
+		free(s);
+		return;
+	}
 	/* Stream-ordered frees after the last work that may use the rows: no
 	 * device-wide synchronisation (cudaFree would be one). */
 	if (cudaStreamWaitEvent(g->cs, g->ev_user, 0) == cudaSuccess) {
@@ -371,6 +415,7 @@ void kvg_seq_free(struct kvc *c, struct kvg *g, struct kvg_seq *s)
 				(void)cudaFreeAsync(ly->mean, g->cs);
 		}
 	}
+	dev_leave(g, prev);
 	free(s->ly);
 	free(s);
 }
@@ -399,32 +444,45 @@ static int dalloc(struct kvc *c, struct kvg *g, void **p, size_t bytes, cudaStre
 	return 0;
 }
 
-/* Accumulates the GPU times of the last attend (opts.timing). */
-static void tim_collect(struct kvg *g, int block)
+/* Accumulates the GPU times of an attend (opts.timing) from event set
+ * `set`; without `block`, only once they have completed. */
+static void tim_collect(struct kvg *g, int set, int block)
 {
+	cudaEvent_t *te = g->te[set];
 	float ms[T_N / 2];
 
-	if (!g->tim_pending)
+	if (!g->tim_pending[set])
 		return;
-	if (!block && cudaEventQuery(g->te[T_MRG1]) != cudaSuccess)
+	if (!block && (cudaEventQuery(te[T_MRG1]) != cudaSuccess ||
+		       cudaEventQuery(te[T_H2D1]) != cudaSuccess))
 		return;
-	if (cudaEventSynchronize(g->te[T_MRG1]) != cudaSuccess ||
-	    cudaEventSynchronize(g->te[T_H2D1]) != cudaSuccess)
+	g->tim_pending[set] = 0;
+	if (cudaEventSynchronize(te[T_MRG1]) != cudaSuccess ||
+	    cudaEventSynchronize(te[T_H2D1]) != cudaSuccess)
 		return;
 	for (int i = 0; i < T_N / 2; i++)
-		if (cudaEventElapsedTime(&ms[i], g->te[2 * i], g->te[2 * i + 1]) != cudaSuccess)
+		if (cudaEventElapsedTime(&ms[i], te[2 * i], te[2 * i + 1]) != cudaSuccess)
 			ms[i] = 0.0f;
 	g->t.hash_ms += ms[0];
 	g->t.window_ms += ms[1];
 	g->t.h2d_ms += ms[2];
 	g->t.merge_ms += ms[3];
-	g->tim_pending = 0;
+}
+
+/* An attend takes the set its predecessor did not use; that set's sample
+ * is two attends old and done in practice, so the wait is a formality. */
+static void tim_begin(struct kvg *g)
+{
+	if (!g->timing)
+		return;
+	g->tcur ^= 1;
+	tim_collect(g, g->tcur, 1);
 }
 
 static void tim(struct kvg *g, int which, cudaStream_t st)
 {
 	if (g->timing)
-		(void)cudaEventRecord(g->te[which], st);
+		(void)cudaEventRecord(g->te[g->tcur][which], st);
 }
 
 /* Hands back the slots of the previous attend once its copy out of them is
@@ -437,8 +495,10 @@ static int settle(struct kvc *c, struct kvg *g)
 			kvci_slot_put(c, g->pend[i]);
 		g->npend = 0;
 	}
-	if (g->timing)
-		tim_collect(g, 1);      /* benchmark mode: never lose a sample */
+	if (g->timing) {
+		tim_collect(g, 0, 0);
+		tim_collect(g, 1, 0);
+	}
 	return 0;
 }
 
@@ -482,6 +542,26 @@ static int check_common(struct kvc *c, struct kvg *g, uint32_t layer, const char
 	if (layer >= g->layers)
 		return kvci_fail(c, -EINVAL, "layer %u out of range", layer);
 	return 0;
+}
+
+/* Makes g's device current for the calling thread; *prev is the one to give
+ * back with dev_leave.  cudaGetDevice/cudaSetDevice are host-side and cheap
+ * when nothing changes. */
+static int dev_enter(struct kvc *c, struct kvg *g, int *prev)
+{
+	cudaError_t e = cudaGetDevice(prev);
+
+	if (e == cudaSuccess && *prev != g->dev)
+		e = cudaSetDevice(g->dev);
+	if (e != cudaSuccess)
+		return kvci_fail(c, -EIO, "cudaSetDevice(%d): %s", g->dev, cudaGetErrorString(e));
+	return 0;
+}
+
+static void dev_leave(const struct kvg *g, int prev)
+{
+	if (prev != g->dev)
+		(void)cudaSetDevice(prev);
 }
 
 /* ---- prefill ------------------------------------------------------------------ */
@@ -530,8 +610,11 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 		return rc;
 	ly = &gs->ly[layer];
 	if (ly->prefilled)
-		return kvci_fail(c, -EALREADY, "layer %u already prefilled", layer);
-	ly->prefilled = 1;
+		return kvci_fail(c, -EALREADY, ly->prefilled > 0 ? "layer %u already prefilled"
+				 : "layer %u: an earlier prefill of it failed", layer);
+	/* Until it is complete: whatever fails below leaves the layer refused
+	 * by append and attend rather than half built. */
+	ly->prefilled = -1;
 	if ((rc = join(c, g, st)))
 		return rc;
 
@@ -551,6 +634,7 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 		CK(c, cudaStreamWaitEvent(st, g->ev_cs, 0));
 		if ((rc = done_user(c, g, st)))
 			return rc;
+		ly->prefilled = 1;
 		g->t.prefills++;
 		g->t.prefill_ms += now_ms() - t0;
 		return 0;
@@ -587,8 +671,8 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 		if ((rc = prefill_chunk(c, g, ly, k, v, dtype, n, t, cnt, first, g->stg[i % 2])))
 			goto fail;
 		if (have_prev) {
-			CK(c, cudaEventSynchronize(g->ev_b[(i - 1) % 2]));
-			if ((rc = kvci_submit(c, &prev)))
+			CKR(c, rc, cudaEventSynchronize(g->ev_b[(i - 1) % 2]));
+			if (rc || (rc = kvci_submit(c, &prev)))
 				goto fail;
 			have_prev = 0;
 		}
@@ -616,15 +700,18 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 		if (last)
 			break;
 	}
-	CK(c, cudaEventSynchronize(g->ev_b[i % 2]));
-	if ((rc = kvci_submit(c, &prev)))
-		return rc;
+	CKR(c, rc, cudaEventSynchronize(g->ev_b[i % 2]));
+	if (rc || (rc = kvci_submit(c, &prev)))
+		goto fail;
+	have_prev = 0;
 	/* Every read of k and v is done: the caller may reuse them now. */
-	CK(c, cudaEventRecord(g->ev_cs, g->cs));
-	CK(c, cudaStreamWaitEvent(st, g->ev_cs, 0));
-	if ((rc = done_user(c, g, st)))
-		return rc;
+	CKR(c, rc, cudaEventRecord(g->ev_cs, g->cs));
+	CKR(c, rc, cudaStreamWaitEvent(st, g->ev_cs, 0));
+	if (rc || (rc = done_user(c, g, st)))
+		goto fail;
 	rc = kvci_drain(c, "prefill");
+	if (!rc)
+		ly->prefilled = 1;
 	g->t.prefills++;
 	g->t.prefill_ms += now_ms() - t0;
 	return rc;
@@ -668,7 +755,11 @@ static int grow(struct kvc *c, struct kvg *g, struct kvg_layer *ly)
 }
 
 /* Sends the oldest KVG_APPEND_BATCH rows of layer `layer` of seqs[evs[0..nev)]
- * to kvd (nev <= KVG_EVICT_BATCH): gather on cs, hash, one slot each. */
+ * to kvd (nev <= KVG_EVICT_BATCH): gather on cs, hash, then the payloads go
+ * into slots a group at a time, with one host wait per group.  A sequence's
+ * rows leave its ring only once their APPEND is submitted: after a failure
+ * the others keep theirs (a full ring), and the next append sends them
+ * before it writes anything. */
 static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
 		 const uint32_t *evs, uint32_t nev, cudaStream_t st)
 {
@@ -677,20 +768,23 @@ static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *c
 	uint16_t *Kall = (uint16_t *)g->estg, *Vall = Kall + kvb / 2, *Call = Vall + kvb / 2;
 	struct kvg_code_layout lay = { B, L * B, B, 1 };
 	uint64_t rb = KVD_ALIGN64((uint64_t)H * B * d * 2);
+	/* Slots held unsubmitted cannot complete: leave the rest of the arena
+	 * to the completions kvci_slot_get may have to wait for. */
+	uint32_t group = kvci_nslots(c) / 2 ? kvci_nslots(c) / 2 : 1;
+	int slots[KVG_EVICT_BATCH];
 	char err[128];
 	int rc;
 
 	for (uint32_t j = 0; j < nev; j++) {
-		struct kvg_layer *ly = &GS(seqs[evs[j]])->ly[layer];
+		const struct kvg_layer *ly = &GS(seqs[evs[j]])->ly[layer];
 
 		g->ev[j] = (struct kvg_evict){
 			.k = ly->k, .v = ly->v, .kb = Kall + (size_t)j * H * B * d,
 			.vb = Vall + (size_t)j * H * B * d, .cap = ly->cap, .nsink = ly->ring.nsink,
 			.head = ly->ring.head,
 		};
-		kvg_ring_drop(&ly->ring, B);
 	}
-	/* the rows leave the ring only after the appends that precede them on st */
+	/* the rows are read only after the appends that precede them on st */
 	CK(c, cudaEventRecord(g->ev_in, st));
 	CK(c, cudaStreamWaitEvent(g->cs, g->ev_in, 0));
 	CK(c, kvg_gather(g->ev, nev, H, d, B, g->x, g->cs));
@@ -701,37 +795,54 @@ static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *c
 			   Call, g->cs, err, sizeof err);
 	if (rc)
 		return kvci_fail(c, rc, "append: %s", err);
-	for (uint32_t j = 0; j < nev; j++) {
-		int slot = kvci_slot_get(c, 1);
-		char *base;
+	for (uint32_t j0 = 0; j0 < nev; j0 += group) {
+		uint32_t cnt = nev - j0 < group ? nev - j0 : group, got = 0;
 
-		if (slot < 0)
-			return slot;
-		base = kvci_slot(c, (uint32_t)slot);
 		rc = 0;
-		CKR(c, rc, cudaMemcpyAsync(base, Kall + (size_t)j * H * B * d, (size_t)H * B * d * 2,
-					   cudaMemcpyDeviceToHost, g->cs));
-		CKR(c, rc, cudaMemcpyAsync(base + rb, Vall + (size_t)j * H * B * d,
-					   (size_t)H * B * d * 2, cudaMemcpyDeviceToHost, g->cs));
-		CKR(c, rc, cudaMemcpyAsync(base + 2 * rb, Call + (size_t)j * H * L * B,
-					   (size_t)H * L * B * 2, cudaMemcpyDeviceToHost, g->cs));
+		while (got < cnt && !rc) {
+			uint32_t j = j0 + got;
+			int slot = kvci_slot_get(c, 1);
+			char *base;
+
+			if (slot < 0) {
+				rc = slot;
+				break;
+			}
+			slots[got++] = slot;
+			base = kvci_slot(c, (uint32_t)slot);
+			CKR(c, rc, cudaMemcpyAsync(base, Kall + (size_t)j * H * B * d,
+						   (size_t)H * B * d * 2, cudaMemcpyDeviceToHost, g->cs));
+			CKR(c, rc, cudaMemcpyAsync(base + rb, Vall + (size_t)j * H * B * d,
+						   (size_t)H * B * d * 2, cudaMemcpyDeviceToHost, g->cs));
+			CKR(c, rc, cudaMemcpyAsync(base + 2 * rb, Call + (size_t)j * H * L * B,
+						   (size_t)H * L * B * 2, cudaMemcpyDeviceToHost, g->cs));
+		}
 		CKR(c, rc, cudaEventRecord(g->ev_b[0], g->cs));
 		CKR(c, rc, cudaEventSynchronize(g->ev_b[0]));
 		if (rc) {
+			/* never submitted: back once cs no longer writes them */
 			(void)cudaStreamSynchronize(g->cs);
-			kvci_slot_put(c, (uint32_t)slot);
+			for (uint32_t i = 0; i < got; i++)
+				kvci_slot_put(c, (uint32_t)slots[i]);
 			return rc;
 		}
-		struct kvd_sqe e = {
-			.op = KVD_OP_APPEND, .layer = (uint16_t)layer, .slot = (uint32_t)slot,
-			.user_data = (uint64_t)slot, .seq = kvc_seq_id(seqs[evs[j]]),
-			.len = (uint32_t)g->rows_payload, .ntok = B,
-		};
+		for (uint32_t i = 0; i < cnt; i++) {
+			struct kvg_layer *ly = &GS(seqs[evs[j0 + i]])->ly[layer];
+			struct kvd_sqe e = {
+				.op = KVD_OP_APPEND, .layer = (uint16_t)layer, .slot = (uint32_t)slots[i],
+				.user_data = (uint64_t)slots[i], .seq = kvc_seq_id(seqs[evs[j0 + i]]),
+				.len = (uint32_t)g->rows_payload, .ntok = B,
+			};
 
-		if ((rc = kvci_submit(c, &e)))
-			return rc;
+			if ((rc = kvci_submit(c, &e))) {
+				for (uint32_t k = i; k < cnt; k++)
+					kvci_slot_put(c, (uint32_t)slots[k]);
+				return rc;
+			}
+			kvg_ring_drop(&ly->ring, B);
+			g->t.evicted++;
+		}
 	}
-	g->t.evicted += nev;
 	return 0;
 }
 
@@ -739,11 +850,12 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 		  const void *k, const void *v, int dtype, cudaStream_t st)
 {
 	struct kvg *g = kvci_gpu(c);
-	int rc = check_common(c, g, layer, "append"), dense, drain = 0;
-	const size_t per = (size_t)g->H * g->d * (dtype == KVC_BF16 ? 2 : 4);
+	int rc = check_common(c, g, layer, "append"), dense, drain = 0, r2;
+	size_t per;
 
 	if (rc || (rc = settle(c, g)))
 		return rc;
+	per = (size_t)g->H * g->d * (dtype == KVC_BF16 ? 2 : 4);
 	if (dtype != KVC_F32 && dtype != KVC_BF16)
 		return kvci_fail(c, -EINVAL, "append: dtype %d", dtype);
 	if (nseq == 0)
@@ -758,9 +870,10 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 	for (uint32_t j = 0; j < nseq; j++) {
 		struct kvg_seq *gs = GS(seqs[j]);
 
-		if (!gs || !gs->ly[layer].prefilled)
-			return kvci_fail(c, -EINVAL, "layer %u of sequence %u: append before prefill",
-					 layer, j);
+		if (!gs || gs->ly[layer].prefilled != 1)
+			return kvci_fail(c, -EINVAL, "layer %u of sequence %u: %s", layer, j,
+					 gs && gs->ly[layer].prefilled ? "its prefill failed"
+					 : "append before prefill");
 		if (gs->stamp == g->stamp)
 			return kvci_fail(c, -EINVAL, "append: sequence %u twice in a batch", j);
 		gs->stamp = g->stamp;
@@ -770,13 +883,30 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 	for (uint32_t j0 = 0; j0 < nseq && !rc; j0 += g->max_batch) {
 		uint32_t cnt = nseq - j0 < g->max_batch ? nseq - j0 : g->max_batch, nev = 0;
 		int grew = 0;
+		double t0 = now_ms(), t1;
 
-		for (uint32_t j = 0; j < cnt; j++) {
+		/* A ring that a failed eviction left full sends its oldest rows
+		 * before anything overwrites them. */
+		for (uint32_t j = 0; j < cnt && !dense; j++) {
+			const struct kvg_ring *r = &GS(seqs[j0 + j])->ly[layer].ring;
+
+			if (r->count >= r->R)
+				g->evs[nev++] = j0 + j;
+		}
+		for (uint32_t i = 0; i < nev && !rc; i += KVG_EVICT_BATCH)
+			rc = evict(c, g, layer, seqs, g->evs + i,
+				   nev - i < KVG_EVICT_BATCH ? nev - i : KVG_EVICT_BATCH, st);
+		drain |= nev > 0;
+		g->t.evict_ms += now_ms() - t0;
+		if (rc)
+			break;
+		nev = 0;
+		for (uint32_t j = 0; j < cnt && !rc; j++) {
 			struct kvg_layer *ly = &GS(seqs[j0 + j])->ly[layer];
 
 			if (dense && ly->ring.count == ly->cap) {
 				if ((rc = grow(c, g, ly)))
-					return rc;
+					break;
 				grew = 1;
 			}
 			g->put[j] = (struct kvg_put){
@@ -788,31 +918,30 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 				g->evs[nev++] = j0 + j;
 		}
 		if (grew) {
-			CK(c, cudaEventRecord(g->ev_cs, g->cs));
-			CK(c, cudaStreamWaitEvent(st, g->ev_cs, 0));
+			CKR(c, rc, cudaEventRecord(g->ev_cs, g->cs));
+			CKR(c, rc, cudaStreamWaitEvent(st, g->ev_cs, 0));
 		}
-		CK(c, kvg_append((const char *)k + j0 * per, (const char *)v + j0 * per, dtype,
-				 g->put, cnt, g->H, g->d, st));
+		if (rc)
+			break;
+		CKR(c, rc, kvg_append((const char *)k + j0 * per, (const char *)v + j0 * per, dtype,
+				      g->put, cnt, g->H, g->d, st));
 		/* Rows leaving the window go to kvd (every 32 steps per sequence). */
-		if (nev) {
-			double t0 = now_ms();
-
-			for (uint32_t i = 0; i < nev && !rc; i += KVG_EVICT_BATCH)
-				rc = evict(c, g, layer, seqs, g->evs + i,
-					   nev - i < KVG_EVICT_BATCH ? nev - i : KVG_EVICT_BATCH, st);
-			g->t.evict_ms += now_ms() - t0;
-			drain = 1;
-		}
+		t1 = now_ms();
+		for (uint32_t i = 0; i < nev && !rc; i += KVG_EVICT_BATCH)
+			rc = evict(c, g, layer, seqs, g->evs + i,
+				   nev - i < KVG_EVICT_BATCH ? nev - i : KVG_EVICT_BATCH, st);
+		drain |= nev > 0;
+		g->t.evict_ms += now_ms() - t1;
 	}
 	if (drain) {
-		int r2 = kvci_drain(c, "append");
-
+		r2 = kvci_drain(c, "append");
 		rc = rc ? rc : r2;
 	}
 	g->t.appends++;
-	if (!rc)
-		rc = done_user(c, g, st);
-	return rc;
+	/* Also after a failure: a later join or free must wait for whatever
+	 * this call queued on st. */
+	r2 = done_user(c, g, st);
+	return rc ? rc : r2;
 }
 
 /* ---- attend ----------------------------------------------------------------------- */
@@ -833,6 +962,7 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 
 	if (!lse)
 		lse = g->lse;
+	tim_begin(g);
 	if ((rc = join(c, g, st)))
 		return rc;
 
@@ -959,7 +1089,7 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 			     kvd_only, st));
 	tim(g, T_MRG1, st);
 	if (!rc && g->timing && !kvd_only)
-		g->tim_pending = 1;
+		g->tim_pending[g->tcur] = 1;
 out:
 	/* On failure: slots kvd still holds are waited for, then all go back
 	 * once cs no longer reads them. */
@@ -993,8 +1123,10 @@ static int attend(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 	for (uint32_t i = 0; i < nseq; i++) {
 		const struct kvg_seq *gs = GS(seqs[i]);
 
-		if (!kvd_only && (!gs || !gs->ly[layer].prefilled))
-			return kvci_fail(c, -EINVAL, "layer %u of sequence %u not prefilled", layer, i);
+		if (!kvd_only && (!gs || gs->ly[layer].prefilled != 1))
+			return kvci_fail(c, -EINVAL, "layer %u of sequence %u %s", layer, i,
+					 gs && gs->ly[layer].prefilled ? "failed to prefill"
+					 : "not prefilled");
 	}
 	if (nseq == 0)
 		return 0;
@@ -1042,16 +1174,19 @@ int kvg_prefill_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const flo
 		     const float *v, uint32_t n)
 {
 	struct kvg *g = kvci_gpu(c);
-	size_t bytes = (size_t)g->H * n * g->d * 4;
 	void *dk = NULL, *dv = NULL;
-	int rc = check_common(c, g, layer, "prefill");
+	int prev, rc = check_common(c, g, layer, "prefill");
+	size_t bytes;
 
-	if (!rc && !(rc = h2d(c, g, &dk, k, bytes)) && !(rc = h2d(c, g, &dv, v, bytes)))
+	if (rc || (rc = dev_enter(c, g, &prev)))
+		return rc;
+	bytes = (size_t)g->H * n * g->d * 4;
+	if (!(rc = h2d(c, g, &dk, k, bytes)) && !(rc = h2d(c, g, &dv, v, bytes)))
 		rc = prefill(c, s, layer, dk, dv, n, KVC_F32, g->hs);
 	hfree(g, dk);
 	hfree(g, dv);
-	if (!rc)
-		CK(c, cudaStreamSynchronize(g->hs));
+	CKR(c, rc, cudaStreamSynchronize(g->hs));
+	dev_leave(g, prev);
 	return rc;
 }
 
@@ -1059,16 +1194,19 @@ int kvg_append_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const floa
 		    const float *v)
 {
 	struct kvg *g = kvci_gpu(c);
-	size_t bytes = (size_t)g->H * g->d * 4;
 	void *dk = NULL, *dv = NULL;
-	int rc = check_common(c, g, layer, "append");
+	int prev, rc = check_common(c, g, layer, "append");
+	size_t bytes;
 
-	if (!rc && !(rc = h2d(c, g, &dk, k, bytes)) && !(rc = h2d(c, g, &dv, v, bytes)))
+	if (rc || (rc = dev_enter(c, g, &prev)))
+		return rc;
+	bytes = (size_t)g->H * g->d * 4;
+	if (!(rc = h2d(c, g, &dk, k, bytes)) && !(rc = h2d(c, g, &dv, v, bytes)))
 		rc = append(c, layer, &s, 1, dk, dv, KVC_F32, g->hs);
 	hfree(g, dk);
 	hfree(g, dv);
-	if (!rc)
-		CK(c, cudaStreamSynchronize(g->hs));
+	CKR(c, rc, cudaStreamSynchronize(g->hs));
+	dev_leave(g, prev);
 	return rc;
 }
 
@@ -1076,11 +1214,15 @@ int kvg_attend_host(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, 
 		    const float *q, float *o, float *lse, int kvd_only)
 {
 	struct kvg *g = kvci_gpu(c);
-	size_t qb = (size_t)nseq * g->Hq * g->d * 4, lb = (size_t)nseq * g->Hq * 4;
 	void *dq = NULL, *dout = NULL;
-	int rc = check_common(c, g, layer, "attend");
+	int prev, rc = check_common(c, g, layer, "attend");
+	size_t qb, lb;
 
-	if (!rc && !(rc = h2d(c, g, &dq, q, qb)) && !(rc = dalloc(c, g, &dout, qb + lb, g->hs)))
+	if (rc || (rc = dev_enter(c, g, &prev)))
+		return rc;
+	qb = (size_t)nseq * g->Hq * g->d * 4;
+	lb = (size_t)nseq * g->Hq * 4;
+	if (!(rc = h2d(c, g, &dq, q, qb)) && !(rc = dalloc(c, g, &dout, qb + lb, g->hs)))
 		rc = attend(c, layer, seqs, nseq, dq, dout, (float *)((char *)dout + qb), kvd_only,
 			    g->hs);
 	if (!rc) {
@@ -1092,33 +1234,48 @@ int kvg_attend_host(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, 
 	hfree(g, dq);
 	hfree(g, dout);
 	CKR(c, rc, cudaStreamSynchronize(g->hs));
+	dev_leave(g, prev);
 	return rc;
 }
 
 /* ---- the public device API ----------------------------------------------------------- */
 
+/* Each entry point runs on the connection's device and gives the calling
+ * thread its own current device back (the caller may drive several GPUs). */
+#define ON_DEVICE(c, call)                                                              \
+	do {                                                                            \
+		struct kvg *g_ = kvci_gpu(c);                                           \
+		int prev_, rc_ = g_ ? dev_enter((c), g_, &prev_) : 0;                   \
+		if (rc_)                                                                \
+			return rc_;                                                     \
+		rc_ = (call);                                                           \
+		if (g_)                                                                 \
+			dev_leave(g_, prev_);                                           \
+		return rc_;                                                             \
+	} while (0)
+
 int kvc_prefill_dev(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void *k,
 		    const void *v, uint32_t n, int dtype, void *stream)
 {
-	return prefill(c, s, layer, k, v, n, dtype, (cudaStream_t)stream);
+	ON_DEVICE(c, prefill(c, s, layer, k, v, n, dtype, (cudaStream_t)stream));
 }
 
 int kvc_append_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
 		   const void *k, const void *v, int dtype, void *stream)
 {
-	return append(c, layer, seqs, nseq, k, v, dtype, (cudaStream_t)stream);
+	ON_DEVICE(c, append(c, layer, seqs, nseq, k, v, dtype, (cudaStream_t)stream));
 }
 
 int kvc_attend_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
 		   const float *q, float *o, float *lse, void *stream)
 {
-	return attend(c, layer, seqs, nseq, q, o, lse, 0, (cudaStream_t)stream);
+	ON_DEVICE(c, attend(c, layer, seqs, nseq, q, o, lse, 0, (cudaStream_t)stream));
 }
 
 int kvc_attend_kvd_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs,
 		       uint32_t nseq, const float *q, float *o, float *lse, void *stream)
 {
-	return attend(c, layer, seqs, nseq, q, o, lse, 1, (cudaStream_t)stream);
+	ON_DEVICE(c, attend(c, layer, seqs, nseq, q, o, lse, 1, (cudaStream_t)stream));
 }
 
 int kvc_timing(struct kvc *c, struct kvc_timing *t, int reset)
@@ -1129,8 +1286,15 @@ int kvc_timing(struct kvc *c, struct kvc_timing *t, int reset)
 		memset(t, 0, sizeof *t);
 		return 0;
 	}
-	if (g->timing)
-		tim_collect(g, 1);
+	if (g->timing) {
+		int prev;
+
+		if (dev_enter(c, g, &prev))
+			return -EIO;
+		tim_collect(g, 0, 1);
+		tim_collect(g, 1, 1);
+		dev_leave(g, prev);
+	}
 	*t = g->t;
 	if (reset)
 		memset(&g->t, 0, sizeof g->t);

@@ -265,7 +265,9 @@ static void attn_case(const struct attn_case *ac, uint64_t seed)
 	fill_normal(q, (size_t)nseq * Hq * d, &r, 0.0, 1.0);
 	for (uint32_t j = 0; j < nseq; j++) {
 		uint32_t R = ac->cap - ac->nsink;
-		uint32_t count = j == 0 ? 0 : j == 1 ? 1 : kvd_rng_below(&r, ac->count_max + 1);
+		/* the edges first (empty, one row, the longest), then random lengths */
+		uint32_t count = j == 0 ? 0 : j == 1 ? 1 : j == 2 ? ac->count_max
+					: kvd_rng_below(&r, ac->count_max + 1);
 
 		if (count > R)
 			count = R;
@@ -351,7 +353,8 @@ static void test_dense_split_attention(void **state)
 	/* long dense caches: split over many blocks, then combined */
 	static const struct attn_case cases[] = {
 		{ 8, 4, 128, 3, 20000, 0, 20000, 528 },
-		{ 2, 2, 64, 2, 5000, 0, 5000, 4096 },
+		{ 2, 2, 64, 5, 5000, 0, 5000, 4096 },
+		{ 4, 8, 128, 4, 9000, 0, 9000, 132 },   /* G 8: a split of 132 blocks */
 	};
 
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
@@ -385,8 +388,11 @@ static void test_merge(void **state)
 			/* empty parts on either side */
 			if (i % 11 == 3)
 				lse[i] = -INFINITY;
-			if (i % 13 == 5)
+			/* kvd answers an empty sample as (0, -inf): its o is zeros */
+			if (i % 13 == 5) {
 				rec[s * rf + lf + h] = -INFINITY;
+				memset(rec + s * rf + (size_t)h * d, 0, (size_t)d * 4);
+			}
 		}
 		float *d_o = dup_dev(o, (size_t)nseq * Hq * d * 4), *d_l = dup_dev(lse, (size_t)nseq * Hq * 4);
 		float *d_r = dup_dev(rec, (size_t)nseq * lay.out);
