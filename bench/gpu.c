@@ -171,7 +171,8 @@ static int kernels(const struct gopts *o, const char *dev)
 	CK(cudaMemcpy(dW, W, (size_t)d * KL * 4, cudaMemcpyHostToDevice));
 	rows_max = (64u << 20) / (KL * 4);
 	x = dev_random_f32((size_t)H * chunk * d, 2);
-	q = dev_random_f32((size_t)B * Hq * d, 3);
+	/* room for the dense rows' largest group (8 q heads per kv head) */
+	q = dev_random_f32((size_t)(B > o->dense_batch ? B : o->dense_batch) * 8 * H * d, 3);
 	CK(cudaMalloc((void **)&y, (size_t)rows_max * KL * 4));
 	CK(cudaMalloc((void **)&codes, (size_t)H * chunk * L * 2 + (size_t)B * Hq * L * 2));
 	if (!x || !q)
@@ -222,13 +223,24 @@ static int kernels(const struct gopts *o, const char *dev)
 		for (uint32_t b = 0; b < db; b++)
 			rows[b] = (struct kvg_rows){ ck + (size_t)b * H * n * d, cv + (size_t)b * H * n * d,
 						     n, 0, 0, n };
-		kvg_attn_plan(n, db, H, Hq, d, 4u * (uint32_t)sms, &pl);
-		if (pl.part_floats)
-			CK(cudaMalloc((void **)&part, pl.part_floats * 4));
-		TIME(&tm, ms, CK(kvg_attn(q, rows, db, Hq, H, d, &pl, o_, lse, part, tm.st)));
-		printf("{\"bench\":\"gpu\",\"device\":\"%s\",\"kernel\":\"dense_attn\",\"batch\":%u,"
-		       "\"rows\":%u,\"nsplit\":%u,\"ms\":%.4f,\"gbps\":%.1f}\n", dev, db, n, pl.nsplit, ms,
-		       (double)db * H * n * d * 4 / ms / 1e6);
+		/* The same rows under GQA groups of 1 to 8 q heads per kv head:
+		 * bytes stay, work per byte grows with the group. */
+		CK(cudaFree(o_));
+		CK(cudaFree(lse));
+		o_ = lse = NULL;
+		CK(cudaMalloc((void **)&o_, (size_t)(B > db ? B : db) * 8 * H * d * 4));
+		CK(cudaMalloc((void **)&lse, (size_t)(B > db ? B : db) * 8 * H * 4));
+		for (uint32_t G = 1; G <= 8; G *= 2) {
+			kvg_attn_plan(n, db, H, G * H, d, 4u * (uint32_t)sms, &pl);
+			cudaFree(part);
+			part = NULL;
+			if (pl.part_floats)
+				CK(cudaMalloc((void **)&part, pl.part_floats * 4));
+			TIME(&tm, ms, CK(kvg_attn(q, rows, db, G * H, H, d, &pl, o_, lse, part, tm.st)));
+			printf("{\"bench\":\"gpu\",\"device\":\"%s\",\"kernel\":\"dense_attn\",\"batch\":%u,"
+			       "\"rows\":%u,\"group\":%u,\"nsplit\":%u,\"ms\":%.4f,\"gbps\":%.1f}\n", dev, db,
+			       n, G, pl.nsplit, ms, (double)db * H * n * d * 4 / ms / 1e6);
+		}
 	}
 
 	/* merge with kvd's records (as they come back from the arena) */
