@@ -18,10 +18,27 @@ double bench_median(double *x, int n);          /* sorts x */
  * a `bytes` buffer; best of `reps`.  GB/s (1e9 bytes). */
 double bench_stream_read_gbps(struct kvd_pool *pool, size_t bytes, int reps);
 
+struct bench_sweep;
+
 /* Random gathers of `row` byte rows from a `bytes` table (make it larger than
  * the last-level cache), prefetching ahead as the attention kernels do; best
- * of `reps`.  GB/s of rows gathered. */
-double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps);
+ * of `reps`, each after a sweep when sw is not NULL.  GB/s of rows gathered. */
+double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps,
+			 struct bench_sweep *sw);
+
+/* The largest CPU cache's size (sysfs, cpu0), or 64 MiB when sysfs does not
+ * say.  A VM may report a shared LLC far above the socket's real one. */
+size_t bench_llc_bytes(void);
+
+/* Cold timing: decoding reads every layer from DRAM (a layer is far larger
+ * than any cache), so a timed rep must not find the previous rep's rows
+ * cached.  bench_sweep writes one word of every line of a buffer of twice
+ * the LLC (64 MiB at least) with the pool's workers; call it before each
+ * rep, outside the timed region. */
+struct bench_sweep *bench_sweep_new(size_t llc_bytes);
+void bench_sweep(struct kvd_pool *pool, struct bench_sweep *s);
+size_t bench_sweep_bytes(const struct bench_sweep *s);
+void bench_sweep_free(struct bench_sweep *s);
 
 /* The CPU's model name from /proc/cpuinfo, or "unknown". */
 const char *bench_cpu_name(void);

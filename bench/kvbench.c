@@ -2,7 +2,7 @@
  *
  *   kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]
  *                [--workload needle,dense,mixed] [--threads N] [--reps N]
- *                [--seed S] [--seg TOKENS] [--trace DIR]
+ *                [--seed S] [--seg TOKENS] [--trace DIR] [--warm]
  *   kvbench trace-dump --workload W --ctx N DIR   (writes a synthetic layer as .npy)
  *   kvbench demo                                  (attn at a small size, as a table)
  *   kvbench load [--json] ...                     (many clients, noisy neighbours: bench/load.c)
@@ -12,7 +12,11 @@
  * are attended exactly here; kvd's part is every token between.  It reports
  * the sampled engine against the fast exact CPU attention over the same
  * tokens, both measured in the same run, and the memory probes that bound
- * them.  docs/ARCHITECTURE.md explains every field.
+ * them.  Timings are cold by default, as decoding sees them: a sweep of
+ * twice the last-level cache before every rep (outside the timed region),
+ * so no rep finds the previous rep's rows cached; warm figures (reps back to
+ * back) are reported beside them, and `--warm` makes them the headline.
+ * docs/ARCHITECTURE.md explains every field.
  */
 #include <errno.h>
 #include <math.h>
@@ -44,6 +48,7 @@ struct opts {
 	uint64_t seed;
 	uint32_t seg;
 	const char *trace;
+	int warm;                       /* --warm: no sweep before the reps */
 };
 
 /* One layer's raw input: what a model's attention would see. */
@@ -55,6 +60,8 @@ struct layer_in {
 
 struct probes {
 	double mem_read_gbps, gather_gbps;
+	size_t llc;
+	struct bench_sweep *sw;         /* NULL with --warm */
 };
 
 static void die(const char *what, int err)
@@ -185,11 +192,56 @@ struct result {
 	uint32_t ctx, K, L, c, nseg;
 	const char *workload, *isa;
 	double cand_frac, rows_frac, build_ms, seg_build_ms, hash_ms, sampled_ms, dense_ms;
+	double sampled_warm_ms, dense_warm_ms;
 	double bytes_touched, rel_err, topk_rel_err, bytes_per_token;
 };
 
+/* One layer's attention, sampled or dense, as a callable for time_reps. */
+struct layer_call {
+	struct kvd_pool *pool;
+	struct kvd_attn_scratch *scr;
+	const struct kvd_kern *kk;
+	const struct kvd_geom *g;
+	const struct kvd_logp_tab *tab;
+	const struct kvd_layer_view *lv;
+	const float *q;
+	const uint16_t *qc;
+	float *o, *lse;
+	int dense;
+};
+
+static void layer_once(const struct layer_call *c)
+{
+	if (c->dense)
+		kvd_attn_layer_dense(c->pool, c->scr, c->kk, c->g, c->lv, c->q, c->o, c->lse);
+	else
+		kvd_attn_layer(c->pool, c->scr, c->kk, c->g, c->tab, c->lv, c->q, c->qc, c->o, c->lse,
+			       NULL);
+}
+
+/* Median ms of `reps` calls, each after a sweep when sw is not NULL. */
+static double time_reps(const struct layer_call *c, int reps, struct bench_sweep *sw)
+{
+	double *ts = malloc((size_t)reps * sizeof *ts), med;
+
+	if (!ts)
+		die("timing", -ENOMEM);
+	for (int r = 0; r < reps; r++) {
+		double t;
+
+		if (sw)
+			bench_sweep(c->pool, sw);
+		t = bench_now_ms();
+		layer_once(c);
+		ts[r] = bench_now_ms() - t;
+	}
+	med = bench_median(ts, reps);
+	free(ts);
+	return med;
+}
+
 static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
-		       uint32_t K, uint32_t L, struct result *res)
+		       const struct probes *pr, uint32_t K, uint32_t L, struct result *res)
 {
 	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c };
 	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads;
@@ -219,27 +271,17 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 			die("scratch", rc);
 
 	struct kvd_layer_view lv = kvd_prep_view(&p);
-	double *ts = malloc((size_t)op->reps * sizeof *ts);
+	struct layer_call sc = { pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, 0 };
+	struct layer_call dc = { pool, scr, kk, &g, tab, &lv, in->q, qc, od, lsed, 1 };
 
 	/* warm-up, and the stats of the sample (identical every repetition) */
 	if ((rc = kvd_attn_layer(pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, &st)))
 		die("attend", rc);
-	for (int r = 0; r < op->reps; r++) {
-		double t = bench_now_ms();
-
-		kvd_attn_layer(pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, NULL);
-		ts[r] = bench_now_ms() - t;
-	}
-	res->sampled_ms = bench_median(ts, op->reps);
-	kvd_attn_layer_dense(pool, scr, kk, &g, &lv, in->q, od, lsed);
-	for (int r = 0; r < op->reps; r++) {
-		double t = bench_now_ms();
-
-		kvd_attn_layer_dense(pool, scr, kk, &g, &lv, in->q, od, lsed);
-		ts[r] = bench_now_ms() - t;
-	}
-	res->dense_ms = bench_median(ts, op->reps);
-	free(ts);
+	res->sampled_warm_ms = time_reps(&sc, op->reps, NULL);
+	res->sampled_ms = pr->sw ? time_reps(&sc, op->reps, pr->sw) : res->sampled_warm_ms;
+	layer_once(&dc);
+	res->dense_warm_ms = time_reps(&dc, op->reps, NULL);
+	res->dense_ms = pr->sw ? time_reps(&dc, op->reps, pr->sw) : res->dense_warm_ms;
 
 	/* per q head sample sizes, for TopK's budget */
 	uint64_t *cand = calloc(nq, sizeof *cand);
@@ -322,29 +364,33 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 		printf("{\"bench\":\"attn\",\"ctx\":%u,\"q_heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,"
 		       "\"K\":%u,\"L\":%u,\"c\":%u,\"threads\":%u,\"isa\":\"%s\",\"workload\":\"%s\","
 		       "\"segments\":%u,\"cand_frac\":%.5f,\"rows_frac\":%.5f,\"build_ms\":%.2f,\"seg_build_ms\":%.2f,"
-		       "\"hash_ms\":%.1f,\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
+		       "\"hash_ms\":%.1f,\"timing\":\"%s\",\"llc_bytes\":%zu,\"kv_dtype\":\"bf16\","
+		       "\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"sampled_warm_ms\":%.3f,"
+		       "\"dense_warm_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
 		       "\"bytes_touched\":%.0f,\"gather_floor_ms\":%.3f,\"mem_read_gbps\":%.2f,"
 		       "\"gather_gbps\":%.2f,\"dense_gbps\":%.2f,\"rel_err\":%.5f,"
 		       "\"topk_rel_err\":%.5f,\"bytes_per_token\":%.1f,\"cpu\":\"%s\"}\n",
 		       r->ctx, in->q_heads, in->kv_heads, in->d, r->K, r->L, r->c, threads, r->isa,
 		       r->workload, r->nseg, r->cand_frac, r->rows_frac, r->build_ms, r->seg_build_ms, r->hash_ms,
-		       r->sampled_ms, r->dense_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
+		       pr->sw ? "cold" : "warm", pr->llc, r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
+		       r->dense_warm_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
 		       floor_ms, pr->mem_read_gbps, pr->gather_gbps, dense_gbps, r->rel_err,
 		       r->topk_rel_err, r->bytes_per_token, bench_cpu_name());
 		fflush(stdout);
 		return;
 	}
 	if (!*header) {
-		printf("%-7s %-7s %-9s %6s %8s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
-		       "workload", "cand%", "build_ms", "sampled", "dense", "speedup", "floor_ms",
-		       "rel_err", "topk_err", "B/tok");
+		printf("%-7s %-7s %-9s %6s %8s %9s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
+		       "workload", "cand%", "build_ms", "sampled", "s_warm", "dense", "speedup",
+		       "floor_ms", "rel_err", "topk_err", "B/tok");
 		*header = 1;
 	}
 	char klc[32];
 
 	snprintf(klc, sizeof klc, "%u/%u/%u", r->K, r->L, r->c);
-	printf("%-7u %-7s %-9s %6.2f %8.1f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx, klc,
-	       r->workload, 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->dense_ms,
+	printf("%-7u %-7s %-9s %6.2f %8.1f %9.3f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx,
+	       klc, r->workload, 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->sampled_warm_ms,
+	       r->dense_ms,
 	       r->dense_ms / r->sampled_ms, floor_ms, r->rel_err, r->topk_rel_err,
 	       r->bytes_per_token);
 	fflush(stdout);
@@ -414,7 +460,7 @@ static void usage(void)
 	fprintf(stderr,
 		"usage: kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]\n"
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
-		"                    [--seed S] [--seg TOKENS] [--trace DIR]\n"
+		"                    [--seed S] [--seg TOKENS] [--trace DIR] [--warm]\n"
 		"       kvbench trace-dump --workload W --ctx N DIR\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n");
@@ -428,6 +474,10 @@ static void parse(int argc, char **argv, struct opts *op)
 
 		if (!strcmp(a, "--json")) {
 			op->json = 1;
+			continue;
+		}
+		if (!strcmp(a, "--warm")) {
+			op->warm = 1;
 			continue;
 		}
 		if (!v)
@@ -512,13 +562,21 @@ static int cmd_attn(struct opts *op)
 
 	if (rc)
 		die("worker pool", rc);
-	pr.mem_read_gbps = bench_stream_read_gbps(pool, (size_t)1 << 30, 5);
-	pr.gather_gbps = bench_gather_gbps(pool, (size_t)1 << 30, 256, 3);
+	pr.llc = bench_llc_bytes();
+	pr.sw = op->warm ? NULL : bench_sweep_new(pr.llc);
+	if (!op->warm && !pr.sw)
+		die("cache sweep buffer", -ENOMEM);
+	/* Both probes read well past the LLC; cold, the gathers follow a sweep
+	 * too, as the engine's do. */
+	size_t probe = 4 * pr.llc > ((size_t)1 << 30) ? 4 * pr.llc : (size_t)1 << 30;
+
+	pr.mem_read_gbps = bench_stream_read_gbps(pool, probe, 5);
+	pr.gather_gbps = bench_gather_gbps(pool, probe, 256, 3, pr.sw);
 	if (!op->json)
 		printf("kvbench attn: %s, %u threads, kernels %s; streaming read %.1f GB/s, "
-		       "random 256 B gathers %.1f GB/s\n",
+		       "random 256 B gathers %.1f GB/s; %s timing (LLC %zu MiB)\n",
 		       bench_cpu_name(), kvd_pool_size(pool), kvd_kern_get()->name,
-		       pr.mem_read_gbps, pr.gather_gbps);
+		       pr.mem_read_gbps, pr.gather_gbps, pr.sw ? "cold" : "warm", pr.llc >> 20);
 
 	if (op->trace) {
 		struct layer_in in;
@@ -528,7 +586,7 @@ static int cmd_attn(struct opts *op)
 		for (uint32_t c = 0; c < op->nkl; c++) {
 			struct result r;
 
-			run_config(op, pool, &in, op->K[c], op->L[c], &r);
+			run_config(op, pool, &in, &pr, op->K[c], op->L[c], &r);
 			print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
 		}
 		for (int i = 0; i < 3; i++)
@@ -547,12 +605,13 @@ static int cmd_attn(struct opts *op)
 			for (uint32_t c = 0; c < op->nkl; c++) {
 				struct result r;
 
-				run_config(op, pool, &in, op->K[c], op->L[c], &r);
+				run_config(op, pool, &in, &pr, op->K[c], op->L[c], &r);
 				print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
 			}
 			kvd_synth_free(&w);
 		}
 	}
+	bench_sweep_free(pr.sw);
 	kvd_pool_destroy(pool);
 	return 0;
 }

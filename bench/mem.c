@@ -118,7 +118,8 @@ double bench_stream_read_gbps(struct kvd_pool *pool, size_t bytes, int reps)
 	return best;
 }
 
-double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps)
+double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps,
+			 struct bench_sweep *sw)
 {
 	struct mem_job *j = calloc(1, sizeof *j);
 	struct kvd_rng rng = kvd_rng_make(42);
@@ -135,8 +136,11 @@ double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int re
 		idx[i] = kvd_rng_below(&rng, (uint32_t)j->nrows);
 	j->idx = idx;
 	for (int r = 0; r < reps; r++) {
-		double t = bench_now_ms();
+		double t;
 
+		if (sw)
+			bench_sweep(pool, sw);
+		t = bench_now_ms();
 		kvd_pool_run(pool, j->nw, gather_task, j);
 		double gbps = (double)(j->nidx / j->nw * j->nw * row) / ((bench_now_ms() - t) * 1e6);
 
@@ -146,6 +150,75 @@ double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int re
 	kvd_mem_free((void *)j->buf, bytes);
 	free(j);
 	return best;
+}
+
+size_t bench_llc_bytes(void)
+{
+	size_t best = 0;
+
+	for (int i = 0; i < 16; i++) {
+		char path[96], buf[64], unit = 0;
+		unsigned long long v;
+		FILE *f;
+
+		snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+		if (!(f = fopen(path, "r")))
+			continue;
+		if (fgets(buf, sizeof buf, f) && sscanf(buf, "%llu%c", &v, &unit) >= 1) {
+			v *= unit == 'K' ? 1ull << 10 : unit == 'M' ? 1ull << 20 : unit == 'G' ? 1ull << 30 : 1;
+			best = v > best ? (size_t)v : best;
+		}
+		fclose(f);
+	}
+	return best ? best : (size_t)64 << 20;
+}
+
+struct bench_sweep {
+	uint64_t *buf;
+	size_t bytes;
+	unsigned nw;
+};
+
+static void sweep_task(void *arg, uint32_t t, unsigned w)
+{
+	struct bench_sweep *s = arg;
+	size_t lines = s->bytes / 64, per = lines / s->nw, lo = t * per;
+	size_t hi = t + 1 == s->nw ? lines : lo + per;
+
+	/* a write per line: the line is ours and dirty, whatever was cached
+	 * before (the engine's rows included) is out */
+	for (size_t i = lo; i < hi; i++)
+		s->buf[i * 8]++;
+}
+
+struct bench_sweep *bench_sweep_new(size_t llc)
+{
+	struct bench_sweep *s = calloc(1, sizeof *s);
+
+	if (!s)
+		return NULL;
+	s->bytes = 2 * llc < ((size_t)64 << 20) ? (size_t)64 << 20 : 2 * llc;
+	s->buf = big_buffer(s->bytes);
+	return s;
+}
+
+void bench_sweep(struct kvd_pool *pool, struct bench_sweep *s)
+{
+	s->nw = kvd_pool_size(pool);
+	kvd_pool_run(pool, s->nw, sweep_task, s);
+}
+
+size_t bench_sweep_bytes(const struct bench_sweep *s)
+{
+	return s->bytes;
+}
+
+void bench_sweep_free(struct bench_sweep *s)
+{
+	if (!s)
+		return;
+	kvd_mem_free(s->buf, s->bytes);
+	free(s);
 }
 
 const char *bench_cpu_name(void)
