@@ -2,7 +2,10 @@
  * that kvg_kern.cu builds unchanged under nvcc and, with KVG_EMU defined, as
  * host C++ against the emulated runtime of tests/emu (docs/GPU.md), where a
  * launch runs every thread of a block as a fiber and a block's dynamic shared
- * memory is a poisoned host buffer.
+ * memory is a poisoned host buffer.  The emulated launch gets the kernel
+ * itself (cudaFuncSetAttribute's limits are per kernel) and its arguments,
+ * evaluated now as a real launch evaluates them: the emulated launch runs
+ * later, when its stream is waited for.
  *   KVG_LAUNCH(kernel, grid, block, smem_bytes, stream, args...)
  *   KVG_DYN_SMEM(type, name);   declares `name`, the block's dynamic smem */
 #ifndef KVG_LAUNCH_CUH
@@ -11,8 +14,7 @@
 #ifdef KVG_EMU
 #include "emu_kernel.h"
 #define KVG_LAUNCH(kern, grid, block, smem, st, ...)                                   \
-	emu_launch(dim3(grid), dim3(block), (size_t)(smem), (st), #kern,                \
-		   [=]() { kern(__VA_ARGS__); })
+	emu_launch(dim3(grid), dim3(block), (size_t)(smem), (st), #kern, kern, __VA_ARGS__)
 #define KVG_DYN_SMEM(type, name) type *name = (type *)emu_dyn_smem()
 #else
 #define KVG_LAUNCH(kern, grid, block, smem, st, ...)                                   \

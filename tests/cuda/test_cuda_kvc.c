@@ -28,9 +28,17 @@
 #include "synth.h"
 #include "testutil.h"
 
-#define N_TOK   3000
 #define LAYERS  3
+#ifndef KVG_EMU
+#define N_TOK   3000
 #define STEPS   150                     /* > window + 32: several evictions */
+#else
+/* the host emulation (make check-emu): still several prefill chunks in the
+ * sampled profile, a split dense layer, 3 evictions per sparse layer;
+ * N_TOK + STEPS > 1044 for kvd_synth's needle workload */
+#define N_TOK   1000
+#define STEPS   100
+#endif
 
 #define CU(x)                                                                        \
 	do {                                                                         \
@@ -67,11 +75,12 @@ static int stop(void **state)
 	return daemon_stop(&D) == 0 ? 0 : -1;
 }
 
-static struct kvc *open_backend(int backend, const struct kvc_model *m)
+static struct kvc *open_dev(int backend, const struct kvc_model *m, int device)
 {
 	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t",
 			      .name = backend == KVC_BACKEND_CUDA ? "cuda" : "cpu", .slots = 8,
-			      .slot_size = 2 << 20, .backend = backend, .timing = 1 };
+			      .slot_size = 2 << 20, .backend = backend, .timing = 1,
+			      .device = device };
 	struct kvc *c;
 
 	if (kvc_connect(&o, &c) || kvc_profile(c, m))
@@ -79,6 +88,29 @@ static struct kvc *open_backend(int backend, const struct kvc_model *m)
 	assert_int_equal(kvc_backend(c), backend);
 	return c;
 }
+
+static struct kvc *open_backend(int backend, const struct kvc_model *m)
+{
+	return open_dev(backend, m, 0);
+}
+
+/* The calling thread's current device is the caller's, whatever device the
+ * connection uses. */
+static void still_current(int want)
+{
+	int dev = -1;
+
+	CU(cudaGetDevice(&dev));
+	assert_int_equal(dev, want);
+}
+
+/* How host_api_case runs the CUDA side: on which device (the caller's
+ * current device stays 0), and whether evictions are made to fail (the
+ * host emulation's fault injection). */
+struct variant {
+	int device;
+	int fail_evictions;
+};
 
 static double rel(const float *a, const float *b, size_t n)
 {
@@ -109,9 +141,12 @@ static void token(const struct kvd_synth *w, uint32_t t, float *k, float *v)
 
 /* Both backends, host API, one sequence: prefill N_TOK, then STEPS decode
  * steps of append + attend on every layer; compare every step's output. */
-static void host_api_case(const struct kvc_model *m, double tol, uint64_t seed)
+static void host_api_case_v(const struct kvc_model *m, double tol, uint64_t seed,
+			    const struct variant *va)
 {
-	struct kvc *cpu = open_backend(KVC_BACKEND_CPU, m), *gpu = open_backend(KVC_BACKEND_CUDA, m);
+	struct kvc *cpu = open_backend(KVC_BACKEND_CPU, m);
+	struct kvc *gpu = open_dev(KVC_BACKEND_CUDA, m, va->device);
+	unsigned failed = 0, failed_last = 0;
 	struct kvc_seq *sc, *sg;
 	struct kvd_synth w[LAYERS];
 	const uint32_t Hq = m->q_heads, H = m->kv_heads, d = m->head_dim, n = N_TOK + STEPS;
@@ -143,8 +178,28 @@ static void host_api_case(const struct kvc_model *m, double tol, uint64_t seed)
 				fail_msg("cpu: %s", kvc_last_error(cpu));
 			memset(og, 0xff, (size_t)Hq * d * 4);   /* poison */
 			memset(lg, 0xff, Hq * 4);
-			if (kvc_append(gpu, sg, l, kt, vt) || kvc_attend(gpu, l, &sg, 1, w[l].q, og, lg))
+#ifdef KVG_EMU
+			/* an eviction's first copy to the arena fails, unless the
+			 * layer's last one did: the token is in, the rows stay on
+			 * the GPU (its window attention covers them) and the next
+			 * append sends them first; nothing may be lost */
+			if (va->fail_evictions && !(failed_last >> l & 1))
+				emu_fail_next("cudaMemcpyAsync", cudaMemcpyDeviceToHost);
+#endif
+			int rc = kvc_append(gpu, sg, l, kt, vt);
+#ifdef KVG_EMU
+			emu_fail_next(NULL, -1);
+#endif
+			failed_last &= ~(1u << l);
+			if (rc == -EIO && va->fail_evictions) {
+				failed++;
+				failed_last |= 1u << l;
+			} else if (rc)
+				fail_msg("cuda append: %s", kvc_last_error(gpu));
+			still_current(0);
+			if (kvc_attend(gpu, l, &sg, 1, w[l].q, og, lg))
 				fail_msg("cuda: %s", kvc_last_error(gpu));
+			still_current(0);
 			worst = fmax(worst, rel(og, oc, (size_t)Hq * d));
 			worst_lse = fmax(worst_lse, lse_diff(lg, lc, Hq));
 		}
@@ -157,9 +212,13 @@ static void host_api_case(const struct kvc_model *m, double tol, uint64_t seed)
 		worst_lse = fmax(worst_lse, lse_diff(lg, lc, Hq));
 	}
 	assert_int_equal(kvc_timing(gpu, &t, 0), 0);
-	print_message("%s: merged rel %.3g, kvd part rel %.3g, lse %.3g (tol %.3g); %llu attends, "
+	still_current(0);
+	if (va->fail_evictions)
+		assert_true(failed >= LAYERS - 1);     /* the fault did fire */
+	print_message("%s (device %d, %u failed evictions): merged rel %.3g, kvd part rel %.3g, "
+		      "lse %.3g (tol %.3g); %llu attends, "
 		      "%llu evicted, kvd wait %.1f ms, hash %.2f ms, window %.2f ms, h2d %.2f ms, "
-		      "merge %.2f ms\n", m->name, worst, worst_kvd, worst_lse, tol,
+		      "merge %.2f ms\n", m->name, va->device, failed, worst, worst_kvd, worst_lse, tol,
 		      (unsigned long long)t.attends, (unsigned long long)t.evicted, t.kvd_wait_ms,
 		      t.hash_ms, t.window_ms, t.h2d_ms, t.merge_ms);
 	assert_true(worst < tol);
@@ -173,8 +232,45 @@ static void host_api_case(const struct kvc_model *m, double tol, uint64_t seed)
 		kvd_synth_free(&w[l]);
 	kvc_close(cpu);
 	kvc_close(gpu);
+	still_current(0);
 	free(kt); free(vt); free(oc); free(og); free(lc); free(lg); free(k0); free(v0);
 }
+
+static void host_api_case(const struct kvc_model *m, double tol, uint64_t seed)
+{
+	static const struct variant plain = { 0, 0 };
+
+	host_api_case_v(m, tol, seed, &plain);
+}
+
+/* A connection on device 1 while the caller's thread has device 0 current:
+ * every call does its work on device 1 (the emulation faults any work
+ * queued on the wrong device) and leaves device 0 current. */
+static void test_other_device(void **state)
+{
+	static const struct variant other = { 1, 0 };
+	int n = 0;
+
+	CU(cudaGetDeviceCount(&n));
+	if (n < 2) {
+		print_message("one CUDA device: skipped\n");
+		skip();
+	}
+	CU(cudaSetDevice(0));
+	host_api_case_v(&near_exact, 2e-3, 3, &other);
+}
+
+#ifdef KVG_EMU
+/* Evictions that fail part way (a copy into the arena) lose no rows. */
+static void test_failed_evictions(void **state)
+{
+	static const struct variant faults = { 0, 1 };
+	unsigned before = emu_failures();
+
+	host_api_case_v(&near_exact, 2e-3, 4, &faults);
+	assert_true(emu_failures() > before);
+}
+#endif
 
 static void test_host_api_near_exact(void **state)
 {
@@ -314,6 +410,10 @@ int main(void)
 		cmocka_unit_test(test_host_api_near_exact),
 		cmocka_unit_test(test_host_api_sampled),
 		cmocka_unit_test(test_device_api_batch),
+		cmocka_unit_test(test_other_device),
+#ifdef KVG_EMU
+		cmocka_unit_test(test_failed_evictions),
+#endif
 	};
 	int n = 0;
 	cudaError_t e = cudaGetDeviceCount(&n);

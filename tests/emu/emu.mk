@@ -1,0 +1,113 @@
+# Host emulation of the CUDA backend (docs/GPU.md, "Host emulation"),
+# included by the top-level Makefile.
+#
+#   make check-emu      build into build/emu/ (ASan+UBSan, -O1) the CUDA backend
+#                       against the fake runtime of tests/emu, kvg_kern.cu as host
+#                       C++, a kvd of the same variant, and run the emulator's
+#                       self-test, the two device tests and test_gpu_plan in the
+#                       three thread schedules (EMU_ORDER=fwd, rev, rand;
+#                       EMU_SEED=N), with two emulated devices (EMU_DEVICES=2).
+#                       kvg_cuda.c is built at -O0: an early read through a NULL
+#                       pointer that -O2 moves past its check crashes there.
+#
+# Nothing here touches the objects of the other variants.
+
+EMU_B     := build/emu
+EMU_SEED  ?= 1
+EMU_SAN   := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+EMU_INC   := -Itests/emu -I. -Ikvd -Ishm -Iproto -Igpu-client -I$(EMU_B)/proto
+EMU_DEFS  := -D_GNU_SOURCE -DKVC_CUDA=1 -DKVG_EMU
+EMU_CFLAGS   := -O1 -g -std=c11 $(EMU_DEFS) $(WARN) -MMD -MP -pthread $(EMU_SAN) $(EMU_INC)
+EMU_CXXFLAGS := -O1 -g -std=c++17 $(EMU_DEFS) -Wall -Wextra -Wno-unused-parameter \
+		-Wno-unknown-pragmas -Werror -MMD -MP -pthread $(EMU_SAN) $(EMU_INC)
+
+EMU_CORE_OBJ   := $(CORE_SRC:%.c=$(EMU_B)/obj/%.o) $(EMU_B)/proto/kvd.pb-c.o
+EMU_CLIENT_SRC := $(filter-out gpu-client/kvg_nocuda.c,$(wildcard gpu-client/*.c))
+EMU_RT_OBJ     := $(EMU_B)/obj/tests/emu/emu_runtime.o
+EMU_CLIENT_OBJ := $(EMU_CLIENT_SRC:%.c=$(EMU_B)/obj/%.o) $(EMU_B)/obj/gpu-client/kvg_kern.o \
+		  $(EMU_RT_OBJ)
+EMU_TESTS      := $(EMU_B)/tests/test_emu $(EMU_B)/tests/test_cuda_kern $(EMU_B)/tests/test_cuda_kvc \
+		  $(EMU_B)/tests/test_gpu_plan
+EMU_TEST_OBJ   := $(EMU_TESTS:$(EMU_B)/tests/%=$(EMU_B)/tests/obj/%.o)
+
+.PHONY: check-emu
+
+$(EMU_B)/proto/kvd.pb-c.c $(EMU_B)/proto/kvd.pb-c.h &: proto/kvd.proto
+	$(call msg,PROTOC,$<)
+	$(Q)mkdir -p $(EMU_B)/proto
+	$(Q)protoc-c --c_out=$(EMU_B)/proto -Iproto $<
+
+$(EMU_CORE_OBJ) $(EMU_CLIENT_OBJ) $(EMU_TEST_OBJ) $(EMU_B)/obj/kvd/main.o: | $(EMU_B)/proto/kvd.pb-c.h
+
+$(EMU_B)/proto/kvd.pb-c.o: $(EMU_B)/proto/kvd.pb-c.c
+	$(call msg,EMUCC,$<)
+	$(Q)$(CC) $(filter-out -Wshadow -Wstrict-prototypes,$(EMU_CFLAGS)) -c $< -o $@
+
+$(EMU_B)/obj/kvd/kern_avx2.o: EMU_ISA := $(ISA_avx2)
+$(EMU_B)/obj/gpu-client/kvg_cuda.o: EMU_ISA := -O0
+$(EMU_B)/obj/kvd/kern_avx512.o: EMU_ISA := $(ISA_avx512)
+
+$(EMU_B)/obj/%.o: %.c
+	$(call msg,EMUCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(EMU_CFLAGS) $(EMU_ISA) -c $< -o $@
+
+# kvg_kern.cu as host C++ (kvg_launch.cuh's KVG_EMU branch).  Uninitialised
+# locals get a pattern (0xfe bytes): the launchers' by-value argument
+# structs are filled only as far as a launch needs, and stale pointers in
+# the rest would look like uses of those allocations to the emulator; in a
+# kernel, a read of an uninitialised local gives a wild value, not 0.
+$(EMU_B)/obj/%.o: %.cu
+	$(call msg,EMUCXX,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CXX) -x c++ $(EMU_CXXFLAGS) -ftrivial-auto-var-init=pattern -c $< -o $@
+
+$(EMU_B)/obj/%.o: %.cc
+	$(call msg,EMUCXX,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+
+$(EMU_B)/libkvdcore.a: $(EMU_CORE_OBJ)
+	$(call msg,AR,$@)
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+# test_cuda_kvc starts <dir of the test>/../kvd: this variant's.
+$(EMU_B)/kvd: $(EMU_B)/obj/kvd/main.o $(EMU_B)/libkvdcore.a
+	$(call msg,LD,$@)
+	$(Q)$(CC) $(EMU_SAN) $^ $(LDLIBS) -o $@
+
+$(EMU_B)/tests/obj/%.o: tests/cuda/%.c
+	$(call msg,EMUCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(EMU_CFLAGS) -Itests/unit -Itests/integration -c $< -o $@
+
+$(EMU_B)/tests/obj/%.o: tests/unit/%.c
+	$(call msg,EMUCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CC) $(EMU_CFLAGS) -Itests/unit -c $< -o $@
+
+# kvd-decode's flag parser is tested there too.
+$(EMU_B)/tests/test_gpu_plan: $(EMU_B)/obj/gpu-client/decode/args.o
+
+$(EMU_B)/tests/obj/test_emu.o: tests/emu/test_emu.cc
+	$(call msg,EMUCXX,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
+
+$(EMU_B)/tests/test_emu: $(EMU_B)/tests/obj/test_emu.o $(EMU_RT_OBJ)
+	$(call msg,LD,$@)
+	$(Q)$(CXX) $(EMU_SAN) $^ -lcmocka -o $@
+
+$(EMU_B)/tests/%: $(EMU_B)/tests/obj/%.o $(EMU_CLIENT_OBJ) $(EMU_B)/libkvdcore.a
+	$(call msg,LD,$@)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(CXX) $(EMU_SAN) $^ -lcmocka $(LDLIBS) -o $@
+
+# Every test in every schedule; the tally gets one line per schedule.
+check-emu: $(EMU_B)/kvd $(EMU_TESTS)
+	$(Q)rc=0; for o in fwd rev rand; do \
+		EMU_DEVICES=2 EMU_ORDER=$$o EMU_SEED=$(EMU_SEED) sh tests/run.sh emu-$$o $(EMU_TESTS) || rc=1; \
+	done; exit $$rc
+
+-include $(EMU_CORE_OBJ:.o=.d) $(EMU_CLIENT_OBJ:.o=.d) $(EMU_TEST_OBJ:.o=.d) \
+	$(EMU_B)/obj/kvd/main.d
