@@ -1,7 +1,8 @@
 # kvd — top-level build.
 #
 #   make            build the engine library, kvbench and the unit tests
-#   make test       plain tests, then ASan+UBSan, then TSan, then a short fuzz run
+#   make test       plain tests, then ASan+UBSan, then TSan, then a short fuzz run,
+#                   then the CUDA backend on the host emulation (make check-emu)
 #   make test SAN=address,undefined   (or SAN=thread): only that variant
 #   make bench      the engine benchmark, JSON lines (bench/README in docs)
 #   make demo       the main job (see README.md); SPILL=1: sessions 3x the memory budget
@@ -27,7 +28,7 @@ WARN    := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wno-unused-parameter -Wer
 CFLAGS  ?= -O2 -g
 # -fPIC: the same objects go into libkvclient.so.
 CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ishm -Iproto -Igpu-client -I$(B)/proto
-LDLIBS  += -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lm -pthread
+LDLIBS  += -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 ifneq ($(SAN),)
 CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
@@ -109,10 +110,11 @@ msg :=
 endif
 
 .PHONY: all deps test check check-unit check-exports bench demo fuzz fuzz-smoke clean
+.PHONY: install check-install
 .DEFAULT_GOAL := all
 .SECONDARY:
 
-all: $(B)/libkvdcore.a $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(B)/kvd-decode $(TEST_BIN)
+all: $(B)/libkvdcore.a $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(B)/kvd-decode $(B)/kvctl $(TEST_BIN)
 
 $(B)/proto/kvd.pb-c.c $(B)/proto/kvd.pb-c.h: proto/kvd.proto
 	$(call msg,PROTOC,$<)
@@ -130,6 +132,12 @@ deps:
 	$(Q)sh tools/deps.sh
 
 $(B)/obj/kvd/kern_avx2.o: EXTRA := $(ISA_avx2)
+# The revision kvd_build_info{git=...} reports, read from .git without running
+# git ("unknown" outside a checkout); `make GIT_REV=...` overrides.
+GIT_REV ?= $(shell r=$$(sed -n 's/^ref: //p' .git/HEAD 2>/dev/null); \
+	{ if [ -n "$$r" ]; then cat .git/$$r 2>/dev/null || awk -v r="$$r" '$$2 == r {print $$1}' .git/packed-refs; \
+	  else cat .git/HEAD; fi; } 2>/dev/null | cut -c1-12)
+$(B)/obj/kvd/metrics.o: EXTRA := -DKVD_GIT_REV='"$(or $(GIT_REV),unknown)"'
 $(B)/obj/kvd/kern_avx512.o: EXTRA := $(ISA_avx512)
 
 $(B)/obj/%.o: %.c
@@ -150,10 +158,14 @@ $(B)/kvd: $(B)/obj/kvd/main.o $(B)/libkvdcore.a
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
 
-# libkvclient exports kvc_* only (gpu-client/libkvclient.map).
+# libkvclient exports kvc_* only (gpu-client/libkvclient.map).  Its soname
+# is libkvclient.so.$(KVC_SOVERSION): bump it on an incompatible change to kvc.h.
+KVC_SOVERSION := 1
+KVC_VERSION   := 1.0.0
 $(B)/libkvclient.so: $(CLIENT_OBJ) $(B)/libkvdcore.a gpu-client/libkvclient.map
 	$(call msg,LD,$@)
 	$(Q)$(CC) -shared $(LDFLAGS) -Wl,--version-script=gpu-client/libkvclient.map \
+		-Wl,-soname,libkvclient.so.$(KVC_SOVERSION) \
 		$(CLIENT_OBJ) $(B)/libkvdcore.a $(LDLIBS) $(CUDA_LIBS) -o $@
 
 $(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
@@ -164,6 +176,13 @@ $(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
 $(B)/kvd-decode: $(B)/obj/gpu-client/decode/main.o $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) $(CUDA_LIBS) -o $@
+
+# kvctl, the admin CLI (docs/kvctl.1): the control-plane codec, nothing else.
+KVCTL_OBJ := $(B)/obj/tools/kvctl/kvctl.o
+$(KVCTL_OBJ): | $(B)/proto/kvd.pb-c.h
+$(B)/kvctl: $(KVCTL_OBJ) $(B)/libkvdcore.a
+	$(call msg,LD,$@)
+	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
 
 # Test binaries link the client objects statically (they test internals too).
 $(B)/tests/%: $(B)/tests/obj/%.o $(TEST_COMMON_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
@@ -199,7 +218,7 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ishm -Iproto -Igpu-client -Ibuild/proto \
 	-fsanitize=fuzzer-no-link,address,undefined
 FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
-FUZZ_LIBS := -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lm -pthread
+FUZZ_LIBS := -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 build/fuzz/obj/kvd/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
 build/fuzz/obj/kvd/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
@@ -230,7 +249,10 @@ test: deps
 	$(Q)$(MAKE) --no-print-directory check SAN=address,undefined
 	$(Q)$(MAKE) --no-print-directory check SAN=thread
 	$(Q)$(MAKE) --no-print-directory fuzz-smoke
+	$(Q)$(MAKE) --no-print-directory check-emu
 	$(Q)$(MAKE) --no-print-directory check-unit check-exports
+	$(Q)$(MAKE) --no-print-directory check-install
+	$(Q)$(MAKE) --no-print-directory check-python
 	$(Q)sh tests/run.sh --total
 else
 test: deps
@@ -250,6 +272,69 @@ check-exports: $(B)/libkvclient.so
 	if [ -z "$$bad" ]; then echo "exports: libkvclient.so exports only kvc_*"; echo "1 0 0" >>build/test-tally; \
 	else echo "exports: libkvclient.so also exports: $$bad"; echo "0 1 0" >>build/test-tally; exit 1; fi
 
+# The Python package (python/, python/README.md): pytest against this
+# build's libkvclient.so and a real kvd, the example decode included.
+.PHONY: check-python
+check-python: $(B)/libkvclient.so $(B)/kvd
+	$(Q)sh python/tests/run.sh $(B)
+
+# `make install` (docs/OPERATIONS.md, "Install"): FHS paths under PREFIX,
+# staged under DESTDIR.  The systemd directories default to PREFIX's
+# (systemd searches /usr/local/lib/systemd/system, .../sysusers.d and
+# .../tmpfiles.d too); packagers pass e.g.
+#   SYSTEMDUNITDIR=$$(pkg-config --variable=systemdsystemunitdir systemd)
+# The unit is installed with ExecStart and the config path rewritten to
+# BINDIR and SYSCONFDIR; an existing kvd.conf is never overwritten.
+PREFIX         ?= /usr/local
+DESTDIR        ?=
+BINDIR         ?= $(PREFIX)/bin
+LIBDIR         ?= $(PREFIX)/lib
+INCLUDEDIR     ?= $(PREFIX)/include
+DATADIR        ?= $(PREFIX)/share
+MANDIR         ?= $(DATADIR)/man
+DOCDIR         ?= $(DATADIR)/doc/kvd
+PKGCONFIGDIR   ?= $(LIBDIR)/pkgconfig
+SYSCONFDIR     ?= /etc
+SYSTEMDUNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR    ?= $(PREFIX)/lib/sysusers.d
+TMPFILESDIR    ?= $(PREFIX)/lib/tmpfiles.d
+
+install: $(B)/kvd $(B)/kvctl $(B)/libkvclient.so
+	$(call msg,INSTALL,$(DESTDIR)$(PREFIX))
+	$(Q)install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR)/kvd \
+		$(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 \
+		$(DESTDIR)$(DOCDIR) $(DESTDIR)$(SYSTEMDUNITDIR) $(DESTDIR)$(SYSUSERSDIR) \
+		$(DESTDIR)$(TMPFILESDIR) $(DESTDIR)$(SYSCONFDIR)/kvd
+	$(Q)install -m 755 $(B)/kvd $(B)/kvctl $(DESTDIR)$(BINDIR)/
+	$(Q)install -m 755 $(B)/libkvclient.so $(DESTDIR)$(LIBDIR)/libkvclient.so.$(KVC_VERSION)
+	$(Q)ln -sf libkvclient.so.$(KVC_VERSION) $(DESTDIR)$(LIBDIR)/libkvclient.so.$(KVC_SOVERSION)
+	$(Q)ln -sf libkvclient.so.$(KVC_SOVERSION) $(DESTDIR)$(LIBDIR)/libkvclient.so
+	$(Q)install -m 644 gpu-client/kvc.h $(DESTDIR)$(INCLUDEDIR)/kvd/kvc.h
+	$(Q)printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(LIBDIR)' 'includedir=$(INCLUDEDIR)' '' \
+		'Name: libkvclient' \
+		'Description: kvd client library: KV-cache offload for LLM decoding (#include <kvd/kvc.h>)' \
+		'URL: file://$(DOCDIR)/PROTOCOL.md' 'Version: $(KVC_VERSION)' \
+		'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lkvclient' \
+		>$(DESTDIR)$(PKGCONFIGDIR)/libkvclient.pc
+	$(Q)chmod 644 $(DESTDIR)$(PKGCONFIGDIR)/libkvclient.pc
+	$(Q)install -m 644 docs/kvctl.1 $(DESTDIR)$(MANDIR)/man1/kvctl.1
+	$(Q)install -m 644 docs/kvd.8 $(DESTDIR)$(MANDIR)/man8/kvd.8
+	$(Q)install -m 644 README.md docs/PROTOCOL.md docs/OPERATIONS.md $(DESTDIR)$(DOCDIR)/
+	$(Q)sed -e 's|/usr/local/bin/kvd|$(BINDIR)/kvd|g' -e 's|/etc/kvd/|$(SYSCONFDIR)/kvd/|g' \
+		-e 's|/usr/local/share/doc/kvd/|$(DOCDIR)/|g' systemd/kvd.service \
+		>$(DESTDIR)$(SYSTEMDUNITDIR)/kvd.service
+	$(Q)chmod 644 $(DESTDIR)$(SYSTEMDUNITDIR)/kvd.service
+	$(Q)install -m 644 systemd/kvd.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvd.conf
+	$(Q)install -m 644 systemd/kvd.tmpfiles $(DESTDIR)$(TMPFILESDIR)/kvd.conf
+	$(Q)[ -e $(DESTDIR)$(SYSCONFDIR)/kvd/kvd.conf ] || \
+		install -m 644 systemd/kvd.conf $(DESTDIR)$(SYSCONFDIR)/kvd/kvd.conf
+
+# make install into a scratch DESTDIR, then build and run a program against
+# the installed tree with pkg-config (tests/check-install.sh).
+check-install: $(B)/kvd $(B)/kvctl $(B)/libkvclient.so
+	$(Q)sh tests/check-install.sh $(B) && echo "1 0 0" >>build/test-tally || \
+		{ rc=$$?; [ $$rc = 77 ] && echo "0 0 1" >>build/test-tally || { echo "0 1 0" >>build/test-tally; exit 1; }; }
+
 FUZZ_SECONDS ?= 10
 fuzz-smoke: $(FUZZ_BIN)
 	$(Q)sh tests/fuzz/run.sh $(FUZZ_SECONDS) $(FUZZ_BIN)
@@ -268,6 +353,9 @@ demo: deps all
 clean:
 	rm -rf build
 
+# check-emu: the CUDA backend on the host emulation (tests/emu/emu.mk)
+include tests/emu/emu.mk
+
 -include $(CORE_OBJ:.o=.d) $(CLIENT_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(TEST_COMMON_OBJ:.o=.d) \
-	$(TEST_OBJ:.o=.d) $(B)/obj/kvd/main.d $(DECODE_OBJ:.o=.d) $(B)/obj/gpu-client/decode/main.d \
+	$(TEST_OBJ:.o=.d) $(KVCTL_OBJ:.o=.d) $(B)/obj/kvd/main.d $(DECODE_OBJ:.o=.d) $(B)/obj/gpu-client/decode/main.d \
 	$(FUZZ_OBJ:.o=.d)

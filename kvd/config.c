@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <stddef.h>
 #include <getopt.h>
+#include <grp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 
 #include "config.h"
 #include "ctl.h"
+#include "metrics.h"
 
 __attribute__((format(printf, 3, 4)))
 static int fail(char *err, size_t errlen, const char *fmt, ...)
@@ -79,6 +81,7 @@ void kvd_config_defaults(struct kvd_config *c)
 	 * connections of one uid, or one of the largest arena Hello allows. */
 	c->shm = 64ull << 30;
 	c->shm_per_uid = 16ull << 30;
+	strcpy(c->metrics_listen, KVD_CONFIG_METRICS);
 }
 
 /* ---- values ------------------------------------------------------------- */
@@ -144,6 +147,28 @@ static int set_socket(struct kvd_config *c, const char *v, char *why, size_t n)
 		return fail(why, n, "path of %zu bytes, a Unix socket's is at most %zu", len,
 			    sizeof(c->socket_path) - 1);
 	memcpy(c->socket_path, v, len + 1);
+	return 0;
+}
+
+/* A group name or a numeric gid, resolved now (before any thread). */
+static int set_admin_group(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (*v >= '0' && *v <= '9') {
+		if (parse_uint(v, 0xfffffffeu, &x, why, n))
+			return -EINVAL;
+	} else {
+		const struct group *g = getgrnam(v);
+
+		if (!g)
+			return fail(why, n, "no such group");
+		x = g->gr_gid;
+	}
+	if (x == 0)
+		return fail(why, n, "gid 0: root's group is no admin group (root is admin anyway)");
+	c->admin_group = 1;
+	c->admin_gid = (uint32_t)x;
 	return 0;
 }
 
@@ -572,6 +597,23 @@ uint32_t kvd_config_namespace(const struct kvd_config *c, uint32_t uid)
 	return uid & KVD_NS_GROUP ? KVD_NS_NONE : uid;
 }
 
+/* "" turns the endpoint off; anything else must parse as kvd_metrics_listen
+ * takes it. */
+static int set_metrics_listen(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	struct sockaddr_storage ss;
+	socklen_t sl;
+
+	if (strlen(v) >= sizeof c->metrics_listen)
+		return fail(why, n, "longer than %zu bytes", sizeof c->metrics_listen - 1);
+	if (*v && kvd_metrics_addr_parse(v, &ss, &sl))
+		return fail(why, n, "not HOST:PORT (an IPv4 address or [IPv6], a port 0..65535; "
+			    "empty: off)");
+	snprintf(c->metrics_listen, sizeof c->metrics_listen, "%s", v);
+	c->metrics_listen_set = 1;
+	return 0;
+}
+
 typedef int (*setter)(struct kvd_config *c, const char *v, char *why, size_t n);
 
 static const struct key {
@@ -584,6 +626,7 @@ static const struct key {
 } keys[] = {
 	{ "server", "socket", "socket", set_socket, NULL, 0, 0 },
 	{ "server", "threads", "threads", set_threads, NULL, 0, 0 },
+	{ "server", "admin_group", NULL, set_admin_group, NULL, 0, 0 },
 	{ "memory", "limit", "mem-limit", set_mem_limit, NULL, 0, 0 },
 	{ "memory", "high", "mem-high", set_mem_high, NULL, 0, 0 },
 	{ "memory", "low", "mem-low", set_mem_low, NULL, 0, 0 },
@@ -609,6 +652,7 @@ static const struct key {
 	{ "limits", "shm", NULL, set_shm, NULL, 0, 0 },
 	{ "limits", "shm_per_uid", NULL, set_shm_per_uid, NULL, 0, 0 },
 	{ "sharing", "groups", NULL, set_groups, NULL, 0, 0 },
+	{ "metrics", "listen", "metrics-listen", set_metrics_listen, NULL, 0, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0, 0 },
 	{ "log", "file", "log-file", set_log_file, NULL, 0, 0 },
 };
@@ -955,6 +999,8 @@ void kvd_config_usage(FILE *f, const char *argv0)
 		"      --spill-limit SIZE  cap on bytes on disk over all spill dirs (0: none)\n"
 		"      --persist         keep spilled sequences across restarts\n"
 		"      --spill-fault SPEC  tests only: fake I/O backend injecting SPEC\n"
+		"      --metrics-listen HOST:PORT  Prometheus endpoint (default " KVD_CONFIG_METRICS ";\n"
+		"                        '' turns it off)\n"
 		"      --log-level LEVEL error, warning, notice, info (default) or debug\n"
 		"      --log-file PATH   append logs to PATH (SIGHUP reopens it) instead of stderr\n"
 		"  -h, --help            this text\n",

@@ -10,6 +10,8 @@
  *
  *   [server]     socket = PATH         --socket PATH     (< 108 bytes)
  *                threads = N           --threads N       (0: one per online CPU; <= 1024)
+ *                admin_group = GROUP                     (name or gid: its members see
+ *                                                         and manage every uid; none)
  *   [memory]     limit = SIZE | N%     --mem-limit SIZE  (0: unlimited; else >= 1 MiB)
  *                high = N%             --mem-high N%     (of limit: start spilling; 90%)
  *                low = N%              --mem-low N%      (of limit: spill down to; 80%)
@@ -35,6 +37,10 @@
  *                shm = SIZE                              (all clients' shared memory; 64G)
  *                shm_per_uid = SIZE                      (of one uid's connections; 16G)
  *   [sharing]    groups = UID,UID[,...] [UID,UID ...]    (uids sharing profiles; none)
+ *   [metrics]    listen = HOST:PORT    --metrics-listen ADDR (Prometheus text at
+ *                                                          http://ADDR/metrics; "" = off;
+ *                                                          default 127.0.0.1:9464; IPv6
+ *                                                          as [::1]:9464)
  *   [log]        level = error|warning|notice|info|debug   --log-level LEVEL
  *                file = PATH           --log-file PATH   (absolute; "" = stderr;
  *                                                          SIGHUP reopens it)
@@ -62,6 +68,8 @@
 
 struct kvd_config {
 	char socket_path[108];          /* sizeof(sun_path); default /run/kvd/kvd.sock */
+	int admin_group;                /* [server] admin_group set: admin_gid is valid */
+	uint32_t admin_gid;
 	unsigned threads;               /* 0: one worker per online CPU */
 	uint64_t mem_limit;             /* bytes; 0: unlimited.  Default 75% of RAM */
 	int foreground;                 /* --foreground: kvd never forks anyway; kept for scripts */
@@ -95,9 +103,13 @@ struct kvd_config {
 	uint32_t share_uid[KVD_LIMITS_SHARE_MAX];
 	uint32_t share_group[KVD_LIMITS_SHARE_MAX];
 	unsigned nshare, ngroups;
+	/* [metrics] listen: "HOST:PORT" of the Prometheus endpoint, "" off */
+	char metrics_listen[64];
+	int metrics_listen_set;         /* given by the file or a flag, not the default */
 };
 
 #define KVD_CONFIG_SOCKET       "/run/kvd/kvd.sock"
+#define KVD_CONFIG_METRICS      "127.0.0.1:9464"
 #define KVD_CONFIG_THREADS_MAX  1024u
 #define KVD_CONFIG_MEM_MIN      (1ull << 20)    /* smaller non-zero limits are typos */
 #define KVD_CONFIG_RING_MIN     16u

@@ -4,6 +4,7 @@
  * counter read), so it waits for at most one executor unit and delays the
  * executor by as little.
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,30 @@ void kvd_control_unmap(struct kvd_server *s, struct client *c)
 	c->memfd = c->efd = -1;
 }
 
+/* kvctl: no region, no eventfd, no fds; the connection was counted at
+ * accept like any other. */
+static int do_hello_control(struct client *c, uint64_t id, const Kvd__Hello *h)
+{
+	Kvd__HelloReply hr = KVD__HELLO_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+
+	snprintf(c->tenant, sizeof c->tenant, "%u:%s", (unsigned)c->uid, h->tenant);
+	snprintf(c->name, sizeof c->name, "%s", h->client_name);
+	c->control = 1;
+	c->hello = 1;
+	hr.version = KVD__VERSION__VERSION_CURRENT;
+	hr.client_id = c->id;
+	hr.pid = (uint32_t)getpid();
+	hr.control = 1;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_HELLO;
+	r.hello = &hr;
+	kvd_log(LOG_DEBUG, "client %llu: control connection of uid %u, pid %d (%s)%s",
+		(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid, c->name,
+		c->admin ? ", privileged" : "");
+	return reply(c, &r, NULL, 0);
+}
+
 static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__Hello *h)
 {
 	const struct kvd_config *cfg = s->cfg;
@@ -62,6 +87,8 @@ static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const K
 
 	if (c->hello)
 		return kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "hello already done");
+	if (h->control)
+		return do_hello_control(c, id, h);
 	struct kvd_ctl_err err;
 
 	if (kvd_ctl_check_arena(p.nslots, p.slot_size, &err))
@@ -102,6 +129,10 @@ static int do_hello(struct kvd_server *s, struct client *c, uint64_t id, const K
 	snprintf(c->name, sizeof c->name, "%s", h->client_name);
 	c->poll = h->poll;
 	c->hello = 1;
+	/* An executor asleep flagged "sleeping" on the rings it knew; this one
+	 * is not flagged, so its first submit would not kick and would wait
+	 * for the executor's 1 s timeout.  Wake it: its next sleep flags us. */
+	kvd_exec_notify(s);
 
 	Kvd__HelloReply hr = KVD__HELLO_REPLY__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
@@ -380,6 +411,7 @@ struct uid_rows {
 	Kvd__UidUsage **ptr;
 	size_t n, cap;
 	uint32_t only;                  /* UINT32_MAX: every uid */
+	uint32_t seen;                  /* rows that passed `only`, kept or not */
 };
 
 static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
@@ -387,7 +419,10 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	struct uid_rows *ur = arg;
 	Kvd__UidUsage *m;
 
-	if ((ur->only != UINT32_MAX && uid != ur->only) || ur->n == ur->cap)
+	if (ur->only != UINT32_MAX && uid != ur->only)
+		return;
+	ur->seen++;
+	if (ur->n == ur->cap)
 		return;
 	m = &ur->row[ur->n];
 	kvd__uid_usage__init(m);
@@ -409,12 +444,12 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	Kvd__ServerStats m = KVD__SERVER_STATS__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
 	struct kvd_server_stats st;
-	/* Tenants never see each other: root and kvd's own uid see every uid,
-	 * anyone else only their own. */
+	/* Tenants never see each other: root, kvd's own uid and [server]
+	 * admin_group see every uid, anyone else only their own. */
 	struct uid_rows ur = {
 		.shares = s->shares,
 		.cap = kvd_limits_uids(s->limits),
-		.only = c->uid == 0 || c->uid == geteuid() ? UINT32_MAX : c->uid,
+		.only = c->admin ? UINT32_MAX : c->uid,
 	};
 	int rc;
 
@@ -468,13 +503,451 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	return rc;
 }
 
+/* ---- admin requests (kvctl; docs/PROTOCOL.md, "Admin requests") ---------
+ *
+ * A privileged caller (c->admin: root, kvd's own uid, [server] admin_group)
+ * sees every uid; anyone else only its own uid, every tenant of it.  What a
+ * caller may not see does not exist for it: the same -ENOENT as a missing
+ * id, an empty page for a uid it may not list.  Listings page in ascending
+ * id order, at most KVD_CTL_LIST_MAX rows a reply; each is one pass over
+ * the table under the state lock (a sort of what is above the cursor). */
+
+static int may_see(const struct client *c, uint32_t uid)
+{
+	return c->admin || c->uid == uid;
+}
+
+/* "1000:chat" -> "chat". */
+static char *tenant_part(const char *t)
+{
+	const char *p = strchr(t, ':');
+
+	return (char *)(p ? p + 1 : t);
+}
+
+static uint32_t page_limit(uint32_t limit)
+{
+	return limit && limit < KVD_CTL_LIST_MAX ? limit : KVD_CTL_LIST_MAX;
+}
+
+static int by_client_id(const void *a, const void *b)
+{
+	uint64_t x = (*(const struct client *const *)a)->id, y = (*(const struct client *const *)b)->id;
+
+	return x < y ? -1 : x > y;
+}
+
+static int by_seq_id(const void *a, const void *b)
+{
+	uint64_t x = (*(struct kvd_seqn *const *)a)->id, y = (*(struct kvd_seqn *const *)b)->id;
+
+	return x < y ? -1 : x > y;
+}
+
+struct prof_ref {
+	const struct kvd_profile *p;
+	uint32_t refs;
+};
+
+static int by_profile_id(const void *a, const void *b)
+{
+	uint32_t x = ((const struct prof_ref *)a)->p->id, y = ((const struct prof_ref *)b)->p->id;
+
+	return x < y ? -1 : x > y;
+}
+
+struct owned {
+	struct client **sel;
+	Kvd__ClientInfo *row;
+	uint32_t n;
+};
+
+/* Counts the sequences each listed client owns (sel is sorted by id). */
+static void count_owned(void *arg, struct kvd_seqn *q)
+{
+	struct owned *o = arg;
+	uint32_t lo = 0, hi = o->n;
+
+	if (!q->owner || !q->tenant[0])
+		return;
+	while (lo < hi) {
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (o->sel[mid]->id < q->owner)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo < o->n && o->sel[lo]->id == q->owner)
+		o->row[lo].sequences++;
+}
+
+static int do_clients(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__ClientsReq *m)
+{
+	uint32_t lim = page_limit(m->limit), total = 0, n = 0;
+	struct client **sel = calloc(s->nclients + 1, sizeof *sel);
+	Kvd__ClientInfo *row = calloc(lim, sizeof *row);
+	Kvd__ClientInfo **ptr = calloc(lim, sizeof *ptr);
+	Kvd__ClientList cl = KVD__CLIENT_LIST__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	int rc;
+
+	if (!sel || !row || !ptr) {
+		free(sel);
+		free(row);
+		free(ptr);
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	}
+	for (struct client *x = s->clients; x; x = x->next) {
+		if (x->dead || !may_see(c, x->uid))
+			continue;
+		total++;
+		if (x->id > m->after)
+			sel[n++] = x;
+	}
+	qsort(sel, n, sizeof *sel, by_client_id);
+	cl.next = n > lim ? sel[lim - 1]->id : 0;
+	n = n > lim ? lim : n;
+	for (uint32_t i = 0; i < n; i++) {
+		const struct client *x = sel[i];
+		Kvd__ClientInfo *ci = &row[i];
+
+		kvd__client_info__init(ci);
+		ci->client_id = x->id;
+		ci->uid = x->uid;
+		ci->pid = (uint32_t)x->pid;
+		ci->tenant = tenant_part(x->tenant);
+		ci->name = (char *)x->name;
+		ci->control = x->control;
+		ci->hello = x->hello;
+		ci->poll = x->poll;
+		if (x->hello && !x->control) {
+			ci->slots = x->r.geo.nslots;
+			ci->slot_size = x->r.geo.slot_size;
+		}
+		ci->shm_bytes = x->shm_bytes;
+		ci->profiles = x->nprof;
+		ptr[i] = ci;
+	}
+	{
+		struct owned o = { sel, row, n };
+
+		kvd_store_each(s->store, count_owned, &o);
+	}
+	cl.n_clients = n;
+	cl.clients = ptr;
+	cl.total = total;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_CLIENT_LIST;
+	r.client_list = &cl;
+	rc = reply(c, &r, NULL, 0);
+	free(sel);
+	free(row);
+	free(ptr);
+	return rc;
+}
+
+static void seq_info(struct kvd_server *s, struct kvd_seqn *q, Kvd__SeqInfo *m)
+{
+	int durable;
+
+	kvd__seq_info__init(m);
+	m->seq = q->id;
+	m->uid = q->uid;
+	m->tenant = tenant_part(q->tenant);
+	m->owner = q->owner;
+	m->profile_id = q->p->id;
+	m->profile = (char *)q->p->name;
+	kvd_store_seq_stats(q, &m->tokens, &m->segments);
+	m->bytes = q->bytes;
+	m->state = q->state;
+	kvd_tier_seq_info(s->tier, q, &durable, &m->disk_bytes);
+	m->durable = durable;
+}
+
+struct seq_pick {
+	const struct client *c;
+	const Kvd__SeqListReq *m;
+	struct kvd_seqn **sel;
+	uint32_t n, cap, total;
+};
+
+static void pick_seq(void *arg, struct kvd_seqn *q)
+{
+	struct seq_pick *p = arg;
+
+	if (!q->tenant[0] || !may_see(p->c, q->uid) || (p->m->filter_uid && q->uid != p->m->uid))
+		return;
+	p->total++;
+	if (q->id > p->m->after && p->n < p->cap)
+		p->sel[p->n++] = q;
+}
+
+static int do_seq_list(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__SeqListReq *m)
+{
+	struct kvd_store_stats st;
+	uint32_t lim = page_limit(m->limit);
+	struct seq_pick p = { .c = c, .m = m };
+	Kvd__SeqList sl = KVD__SEQ_LIST__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	Kvd__SeqInfo *row;
+	Kvd__SeqInfo **ptr;
+	int rc;
+
+	kvd_store_stats(s->store, &st);
+	p.cap = st.sequences + 1;
+	p.sel = calloc(p.cap, sizeof *p.sel);
+	row = calloc(lim, sizeof *row);
+	ptr = calloc(lim, sizeof *ptr);
+	if (!p.sel || !row || !ptr) {
+		free(p.sel);
+		free(row);
+		free(ptr);
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	}
+	kvd_store_each(s->store, pick_seq, &p);
+	qsort(p.sel, p.n, sizeof *p.sel, by_seq_id);
+	sl.next = p.n > lim ? p.sel[lim - 1]->id : 0;
+	p.n = p.n > lim ? lim : p.n;
+	for (uint32_t i = 0; i < p.n; i++) {
+		seq_info(s, p.sel[i], &row[i]);
+		ptr[i] = &row[i];
+	}
+	sl.n_seqs = p.n;
+	sl.seqs = ptr;
+	sl.total = p.total;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SEQ_LIST;
+	r.seq_list = &sl;
+	rc = reply(c, &r, NULL, 0);
+	free(p.sel);
+	free(row);
+	free(ptr);
+	return rc;
+}
+
+static int do_seq_admin(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__SeqAdmin *m)
+{
+	struct kvd_seqn *q = kvd_store_seq_any(s->store, m->seq);
+	char msg[160] = "";
+	int rc;
+
+	/* Another uid's sequence, to an unprivileged caller, is one that does
+	 * not exist: same code, same words. */
+	if (!q || !may_see(c, q->uid))
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu",
+					  (unsigned long long)m->seq);
+	switch (m->op) {
+	case KVD__SEQ_ADMIN_OP__SEQ_ADMIN_SHOW: {
+		Kvd__SeqInfo si;
+		Kvd__Response r = KVD__RESPONSE__INIT;
+
+		seq_info(s, q, &si);
+		r.id = id;
+		r.body_case = KVD__RESPONSE__BODY_SEQ_INFO;
+		r.seq_info = &si;
+		return reply(c, &r, NULL, 0);
+	}
+	case KVD__SEQ_ADMIN_OP__SEQ_ADMIN_EVICT:
+		rc = kvd_tier_evict(s->tier, q, msg, sizeof msg);
+		if (rc)
+			return kvd_ctl_send_error(c->fd, id, rc, "%s", msg[0] ? msg : kvd_strerror(rc));
+		kvd_log(LOG_INFO, "client %llu (uid %u, pid %d): evicted sequence %llu of uid %u",
+			(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid,
+			(unsigned long long)q->id, (unsigned)q->uid);
+		return kvd_ctl_send_ok(c->fd, id);
+	default:
+		kvd_log(LOG_INFO, "client %llu (uid %u, pid %d): freed sequence %llu of uid %u (owner client %llu)",
+			(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid,
+			(unsigned long long)q->id, (unsigned)q->uid, (unsigned long long)q->owner);
+		kvd_tier_free(s->tier, q);
+		return kvd_ctl_send_ok(c->fd, id);
+	}
+}
+
+struct prof_pick {
+	const struct client *c;
+	uint32_t after;
+	struct prof_ref *sel;
+	uint32_t n, cap, total;
+};
+
+static void pick_profile(void *arg, const struct kvd_profile *p, uint32_t refs)
+{
+	struct prof_pick *pp = arg;
+
+	if (!pp->c->admin && p->ns != pp->c->ns && p->uid != pp->c->uid)
+		return;
+	pp->total++;
+	if (p->id > pp->after && pp->n < pp->cap)
+		pp->sel[pp->n++] = (struct prof_ref){ p, refs };
+}
+
+static int do_profiles(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__ProfilesReq *m)
+{
+	struct kvd_store_stats st;
+	uint32_t lim = page_limit(m->limit);
+	struct prof_pick pp = { .c = c, .after = m->after };
+	Kvd__ProfileList pl = KVD__PROFILE_LIST__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	Kvd__ProfileInfo *row = calloc(lim, sizeof *row);
+	Kvd__ProfileInfo **ptr = calloc(lim, sizeof *ptr);
+	Kvd__Profile *pm = calloc(lim, sizeof *pm);
+	uint32_t *dense = malloc((KVD_CTL_LAYERS_MAX + 1) * sizeof *dense);
+	int rc;
+
+	kvd_store_stats(s->store, &st);
+	pp.cap = st.profiles + 1;
+	pp.sel = calloc(pp.cap, sizeof *pp.sel);
+	if (!pp.sel || !row || !ptr || !pm || !dense) {
+		rc = kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+		goto out;
+	}
+	kvd_store_profile_each(s->store, pick_profile, &pp);
+	qsort(pp.sel, pp.n, sizeof *pp.sel, by_profile_id);
+	pl.next = pp.n > lim ? pp.sel[lim - 1].p->id : 0;
+	pp.n = pp.n > lim ? lim : pp.n;
+	for (uint32_t i = 0; i < pp.n; i++) {
+		const struct kvd_profile *p = pp.sel[i].p;
+		Kvd__ProfileInfo *pi = &row[i];
+
+		kvd__profile_info__init(pi);
+		kvd__profile__init(&pm[i]);
+		profile_to_msg(p, &pm[i], dense);
+		pi->n_dense = (uint32_t)pm[i].n_dense_layers;
+		pm[i].n_dense_layers = 0;       /* the count is enough for a listing */
+		pm[i].dense_layers = NULL;
+		pi->profile_id = p->id;
+		pi->uid = p->uid;
+		pi->profile = &pm[i];
+		pi->refs = pp.sel[i].refs;
+		pi->bytes = kvd_store_profile_bytes(p);
+		ptr[i] = pi;
+	}
+	pl.n_profiles = pp.n;
+	pl.profiles = ptr;
+	pl.total = pp.total;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_PROFILE_LIST;
+	r.profile_list = &pl;
+	rc = reply(c, &r, NULL, 0);
+out:
+	free(pp.sel);
+	free(row);
+	free(ptr);
+	free(pm);
+	free(dense);
+	return rc;
+}
+
+static_assert(KVD_RES_N <= KVD_CTL_LIMIT_ROWS, "LimitsReply rows");
+
+static int do_limits(struct kvd_server *s, struct client *c, uint64_t id)
+{
+	const struct kvd_limits_cfg *cfg = kvd_limits_cfg(s->limits);
+	struct kvd_limits_usage tot;
+	Kvd__LimitRow rows[KVD_RES_N], *rp[KVD_RES_N];
+	Kvd__LimitsReply lr = KVD__LIMITS_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	struct uid_rows ur = {
+		.shares = s->shares,
+		.cap = KVD_CTL_LIST_MAX,
+		.only = c->admin ? UINT32_MAX : c->uid,
+	};
+	int rc;
+
+	ur.row = calloc(ur.cap, sizeof *ur.row);
+	ur.ptr = calloc(ur.cap, sizeof *ur.ptr);
+	if (!ur.row || !ur.ptr) {
+		free(ur.row);
+		free(ur.ptr);
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	}
+	kvd_limits_total(s->limits, &tot);
+	for (int i = 0; i < KVD_RES_N; i++) {
+		kvd__limit_row__init(&rows[i]);
+		rows[i].key = (char *)kvd_limits_key((enum kvd_res)i, 0);
+		rows[i].cap = cfg->cap[i];
+		rows[i].per_uid = cfg->per_uid[i];
+		rows[i].used = tot.n[i];
+		rp[i] = &rows[i];
+	}
+	kvd_limits_each(s->limits, uid_row, &ur);
+	lr.n_rows = KVD_RES_N;
+	lr.rows = rp;
+	lr.n_uids = ur.n;
+	lr.uids = ur.ptr;
+	lr.uids_total = ur.seen;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_LIMITS;
+	r.limits = &lr;
+	rc = reply(c, &r, NULL, 0);
+	free(ur.row);
+	free(ur.ptr);
+	return rc;
+}
+
+/* The SIGTERM path (kvd_server_run): the loop ends after this batch of
+ * events, the executor answers what clients queued (at most 30 s), every
+ * client is released, kvd exits 0.  Ok goes out first. */
+static int do_drain(struct kvd_server *s, struct client *c, uint64_t id)
+{
+	int rc;
+
+	if (!c->admin)
+		return kvd_ctl_send_error(c->fd, id, -EPERM,
+					  "drain: uid %u may not stop kvd (root, kvd's own uid and "
+					  "[server] admin_group may)", (unsigned)c->uid);
+	kvd_log(LOG_INFO, "drain requested by client %llu (uid %u, pid %d): draining and stopping",
+		(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid);
+	rc = kvd_ctl_send_ok(c->fd, id);
+	s->stopping = 1;
+	return rc;
+}
+
+/* MetricsReq: the HTTP endpoint's text (kvd/metrics.h), from a snapshot
+ * taken now (we hold the lock); uid-labelled series of the caller's uid
+ * only unless it is an admin, as in ServerStats. */
+static int do_metrics(struct kvd_server *s, struct client *c, uint64_t id)
+{
+	Kvd__MetricsReply mr = KVD__METRICS_REPLY__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	size_t len;
+	char *text;
+	int rc;
+
+	kvd_metrics_collect(s->metrics, s);
+	rc = kvd_metrics_render(s->metrics, c->admin ? UINT32_MAX : c->uid, 0, &text, &len);
+	if (rc)
+		return kvd_ctl_send_error(c->fd, id, rc, "metrics: %s", kvd_strerror(rc));
+	mr.text = text;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_METRICS;
+	r.metrics = &mr;
+	rc = reply(c, &r, NULL, 0);
+	free(text);
+	/* Too big for one datagram (thousands of uids): say so, keep the client. */
+	if (rc == -EMSGSIZE)
+		rc = kvd_ctl_send_error(c->fd, id, -EMSGSIZE, "metrics text of %zu bytes does not fit "
+					"a datagram: scrape the HTTP endpoint", len);
+	return rc;
+}
+
 static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Request *rq)
 {
 	uint64_t id = rq->id;
 	int rc;
 
+	kvd_ctl_sent_code = 0;
 	if (!c->hello && rq->body_case != KVD__REQUEST__BODY_HELLO) {
 		rc = kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "say hello first");
+	} else if (c->control && (rq->body_case == KVD__REQUEST__BODY_PROFILE_CREATE ||
+				  rq->body_case == KVD__REQUEST__BODY_PROFILE_OPEN ||
+				  rq->body_case == KVD__REQUEST__BODY_SEQ_CREATE ||
+				  rq->body_case == KVD__REQUEST__BODY_SEQ_OPEN)) {
+		rc = kvd_ctl_send_error(c->fd, id, -EOPNOTSUPP,
+					"%s on a control-only connection (no shared memory, no rings)",
+					kvd_ctl_request_name(rq->body_case));
 	} else {
 		switch (rq->body_case) {
 		case KVD__REQUEST__BODY_HELLO:
@@ -511,11 +984,33 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 		case KVD__REQUEST__BODY_SEQ_EVICT:
 			rc = do_seq_evict(s, c, id, rq->seq_evict->seq);
 			break;
+		case KVD__REQUEST__BODY_CLIENTS:
+			rc = do_clients(s, c, id, rq->clients);
+			break;
+		case KVD__REQUEST__BODY_SEQ_LIST:
+			rc = do_seq_list(s, c, id, rq->seq_list);
+			break;
+		case KVD__REQUEST__BODY_SEQ_ADMIN:
+			rc = do_seq_admin(s, c, id, rq->seq_admin);
+			break;
+		case KVD__REQUEST__BODY_PROFILES:
+			rc = do_profiles(s, c, id, rq->profiles);
+			break;
+		case KVD__REQUEST__BODY_LIMITS:
+			rc = do_limits(s, c, id);
+			break;
+		case KVD__REQUEST__BODY_DRAIN:
+			rc = do_drain(s, c, id);
+			break;
+		case KVD__REQUEST__BODY_METRICS:
+			rc = do_metrics(s, c, id);
+			break;
 		default:
 			rc = kvd_ctl_send_error(c->fd, id, -KVD_EPROTO, "unknown request");
 			break;
 		}
 	}
+	kvd_metrics_control(s->metrics, (unsigned)rq->body_case, kvd_ctl_sent_code);
 	if (rc)
 		kvd_client_kick(s, c, "cannot reply on the control socket");
 }
@@ -549,6 +1044,7 @@ void kvd_control_event(struct kvd_server *s, struct client *c)
 			/* A malformed request is answered, not fatal (id 0 when it
 			 * did not even unpack). */
 			s->errors++;
+			kvd_metrics_control(s->metrics, 0, err.code);
 			if (kvd_ctl_send_error(c->fd, err.id, err.code, "%s", err.msg))
 				kvd_client_kick(s, c, "cannot reply on the control socket");
 			if (c->dead)

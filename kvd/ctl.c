@@ -285,6 +285,13 @@ const char *kvd_ctl_request_name(Kvd__Request__BodyCase c)
 	case KVD__REQUEST__BODY_SERVER_STATS:   return "server_stats";
 	case KVD__REQUEST__BODY_SEQ_OPEN:       return "seq_open";
 	case KVD__REQUEST__BODY_SEQ_EVICT:      return "seq_evict";
+	case KVD__REQUEST__BODY_CLIENTS:        return "clients";
+	case KVD__REQUEST__BODY_SEQ_LIST:       return "seq_list";
+	case KVD__REQUEST__BODY_SEQ_ADMIN:      return "seq_admin";
+	case KVD__REQUEST__BODY_PROFILES:       return "profiles";
+	case KVD__REQUEST__BODY_LIMITS:         return "limits";
+	case KVD__REQUEST__BODY_DRAIN:          return "drain";
+	case KVD__REQUEST__BODY_METRICS:        return "metrics";
 	default:                                return "unknown";
 	}
 }
@@ -311,12 +318,25 @@ static int check_hello(const Kvd__Hello *h, struct kvd_ctl_err *err)
 		return fail(err, -EINVAL,
 			    "hello slot_size %llu is not a multiple of 4096 in [%llu, %llu] (or 0)",
 			    (unsigned long long)h->slot_size, KVD_CTL_SLOT_MIN, KVD_CTL_SLOT_MAX);
+	if (h->control && (h->slots || h->slot_size || h->poll))
+		return fail(err, -EINVAL,
+			    "hello control with slots %u, slot_size %llu, poll %d: a control "
+			    "connection has no region (all must be 0)",
+			    h->slots, (unsigned long long)h->slot_size, (int)h->poll);
 	if (h->slots && h->slot_size) {
 		rc = kvd_ctl_check_arena(h->slots, h->slot_size, err);
 		if (rc)
 			return fail(err, rc, "hello slots %u x slot_size %llu above %llu bytes",
 				    h->slots, (unsigned long long)h->slot_size, KVD_CTL_ARENA_MAX);
 	}
+	return 0;
+}
+
+/* A listing's page size: 0 (the most) or up to KVD_CTL_LIST_MAX. */
+static int check_limit(uint32_t limit, const char *what, struct kvd_ctl_err *err)
+{
+	if (limit > KVD_CTL_LIST_MAX)
+		return fail(err, -EINVAL, "%s limit %u above %u", what, limit, KVD_CTL_LIST_MAX);
 	return 0;
 }
 
@@ -376,6 +396,43 @@ static int check_request(const Kvd__Request *r, struct kvd_ctl_err *err)
 			break;
 		if (!r->seq_evict->seq)
 			return fail(err, -EINVAL, "seq_evict seq is 0");
+		return 0;
+	case KVD__REQUEST__BODY_CLIENTS:
+		if (!r->clients)
+			break;
+		return check_limit(r->clients->limit, "clients", err);
+	case KVD__REQUEST__BODY_SEQ_LIST:
+		if (!r->seq_list)
+			break;
+		if (!r->seq_list->filter_uid && r->seq_list->uid)
+			return fail(err, -EINVAL, "seq_list uid %u without filter_uid",
+				    r->seq_list->uid);
+		return check_limit(r->seq_list->limit, "seq_list", err);
+	case KVD__REQUEST__BODY_SEQ_ADMIN:
+		if (!r->seq_admin)
+			break;
+		if (!r->seq_admin->seq)
+			return fail(err, -EINVAL, "seq_admin seq is 0");
+		if (r->seq_admin->op < KVD__SEQ_ADMIN_OP__SEQ_ADMIN_SHOW ||
+		    r->seq_admin->op > KVD__SEQ_ADMIN_OP__SEQ_ADMIN_FREE)
+			return fail(err, -EINVAL, "seq_admin op %u is not 1 (show), 2 (evict) or 3 (free)",
+				    r->seq_admin->op);
+		return 0;
+	case KVD__REQUEST__BODY_PROFILES:
+		if (!r->profiles)
+			break;
+		return check_limit(r->profiles->limit, "profiles", err);
+	case KVD__REQUEST__BODY_LIMITS:
+		if (!r->limits)
+			break;
+		return 0;
+	case KVD__REQUEST__BODY_DRAIN:
+		if (!r->drain)
+			break;
+		return 0;
+	case KVD__REQUEST__BODY_METRICS:
+		if (!r->metrics)
+			break;
 		return 0;
 	default:
 		return fail(err, -EOPNOTSUPP, "request %llu: unknown body %d",
@@ -437,6 +494,81 @@ static void sanitize(char *s, size_t cap)
 	}
 }
 
+/* A string from kvd for display: NULL becomes "" (protobuf-c gives the
+ * empty default anyway), cut to KVD_CTL_NAME_MAX bytes, made printable. */
+static void display_name(char *s)
+{
+	/* An absent string is protobuf-c's shared, read-only "". */
+	if (s && s[0])
+		sanitize(s, KVD_CTL_NAME_MAX + 1);
+}
+
+static int check_client_list(Kvd__ClientList *l, struct kvd_ctl_err *err)
+{
+	if (l->n_clients > KVD_CTL_LIST_MAX)
+		return fail(err, -KVD_EPROTO, "client list of %zu rows, above %u", l->n_clients,
+			    KVD_CTL_LIST_MAX);
+	for (size_t i = 0; i < l->n_clients; i++) {
+		Kvd__ClientInfo *c = l->clients[i];
+
+		if (!c || !c->client_id)
+			return fail(err, -KVD_EPROTO, "client list row %zu: client_id 0", i);
+		display_name(c->tenant);
+		display_name(c->name);
+	}
+	return 0;
+}
+
+static int check_seq_info(Kvd__SeqInfo *q, struct kvd_ctl_err *err)
+{
+	if (!q || !q->seq)
+		return fail(err, -KVD_EPROTO, "seq info: seq 0");
+	if (q->state > 4)
+		return fail(err, -KVD_EPROTO, "seq info %llu: state %u unknown",
+			    (unsigned long long)q->seq, q->state);
+	display_name(q->tenant);
+	display_name(q->profile);
+	return 0;
+}
+
+static int check_profile_list(Kvd__ProfileList *l, struct kvd_ctl_err *err)
+{
+	struct kvd_ctl_err why;
+
+	if (l->n_profiles > KVD_CTL_LIST_MAX)
+		return fail(err, -KVD_EPROTO, "profile list of %zu rows, above %u", l->n_profiles,
+			    KVD_CTL_LIST_MAX);
+	for (size_t i = 0; i < l->n_profiles; i++) {
+		Kvd__ProfileInfo *p = l->profiles[i];
+
+		if (!p || !p->profile_id || !p->profile)
+			return fail(err, -KVD_EPROTO, "profile list row %zu: no id or profile", i);
+		if (kvd_ctl_check_profile(p->profile, 1, &why))
+			return fail(err, -KVD_EPROTO, "profile list row %zu: %.200s", i, why.msg);
+		if (p->n_dense > p->profile->layers)
+			return fail(err, -KVD_EPROTO, "profile list row %zu: %u dense of %u layers", i,
+				    p->n_dense, p->profile->layers);
+	}
+	return 0;
+}
+
+static int check_limits_reply(Kvd__LimitsReply *l, struct kvd_ctl_err *err)
+{
+	if (l->n_rows > KVD_CTL_LIMIT_ROWS || l->n_uids > KVD_CTL_LIST_MAX)
+		return fail(err, -KVD_EPROTO, "limits reply of %zu rows and %zu uids, above %u and %u",
+			    l->n_rows, l->n_uids, KVD_CTL_LIMIT_ROWS, KVD_CTL_LIST_MAX);
+	for (size_t i = 0; i < l->n_rows; i++) {
+		if (!l->rows[i])
+			return fail(err, -KVD_EPROTO, "limits reply row %zu missing", i);
+		display_name(l->rows[i]->key);
+	}
+	for (size_t i = 0; i < l->n_uids; i++) {
+		if (!l->uids[i])
+			return fail(err, -KVD_EPROTO, "limits reply uid row %zu missing", i);
+	}
+	return 0;
+}
+
 static int check_response(Kvd__Response *r, uint64_t want_id, struct kvd_ctl_err *err)
 {
 	const Kvd__HelloReply *h;
@@ -470,6 +602,13 @@ static int check_response(Kvd__Response *r, uint64_t want_id, struct kvd_ctl_err
 				    h->version, KVD_CTL_VERSION);
 		if (!h->client_id)
 			return fail(err, -KVD_EPROTO, "hello reply client_id is 0");
+		if (h->control) {
+			if (h->region_size)
+				return fail(err, -KVD_EPROTO,
+					    "hello reply control with region_size %llu, expected 0",
+					    (unsigned long long)h->region_size);
+			return 0;
+		}
 		if (h->region_size < 4096 || h->region_size % 4096 ||
 		    h->region_size > KVD_CTL_REGION_MAX)
 			return fail(err, -KVD_EPROTO,
@@ -507,6 +646,43 @@ static int check_response(Kvd__Response *r, uint64_t want_id, struct kvd_ctl_err
 	case KVD__RESPONSE__BODY_OK:
 		if (!r->ok)
 			break;
+		return 0;
+	case KVD__RESPONSE__BODY_CLIENT_LIST:
+		if (!r->client_list)
+			break;
+		return check_client_list(r->client_list, err);
+	case KVD__RESPONSE__BODY_SEQ_LIST:
+		if (!r->seq_list)
+			break;
+		if (r->seq_list->n_seqs > KVD_CTL_LIST_MAX)
+			return fail(err, -KVD_EPROTO, "seq list of %zu rows, above %u",
+				    r->seq_list->n_seqs, KVD_CTL_LIST_MAX);
+		for (size_t i = 0; i < r->seq_list->n_seqs; i++) {
+			int rc = check_seq_info(r->seq_list->seqs[i], err);
+
+			if (rc)
+				return rc;
+		}
+		return 0;
+	case KVD__RESPONSE__BODY_SEQ_INFO:
+		if (!r->seq_info)
+			break;
+		return check_seq_info(r->seq_info, err);
+	case KVD__RESPONSE__BODY_PROFILE_LIST:
+		if (!r->profile_list)
+			break;
+		return check_profile_list(r->profile_list, err);
+	case KVD__RESPONSE__BODY_LIMITS:
+		if (!r->limits)
+			break;
+		return check_limits_reply(r->limits, err);
+	case KVD__RESPONSE__BODY_METRICS:
+		if (!r->metrics)
+			break;
+		/* Text for a terminal: nothing but printable ASCII and newlines. */
+		for (char *ch = r->metrics->text; ch && *ch; ch++)
+			if (*ch != '\n' && !printable((unsigned char)*ch))
+				*ch = '?';
 		return 0;
 	default:
 		return fail(err, -KVD_EPROTO, "response %llu: unknown body %d",
@@ -554,6 +730,8 @@ union cmsg_buf {
 	char buf[CMSG_SPACE(sizeof(int) * KVD_CTL_MAX_FDS)];
 };
 
+_Thread_local int kvd_ctl_sent_code;
+
 int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
 {
 	union cmsg_buf cb;
@@ -595,6 +773,12 @@ int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
 	while (w < 0 && errno == EINTR);
 	/* SEQPACKET sends all or nothing; a short count would be a kernel bug. */
 	rc = w < 0 ? -errno : (size_t)w == n ? 0 : -EIO;
+	if (msg->descriptor == &kvd__response__descriptor) {
+		const Kvd__Response *r = (const Kvd__Response *)msg;
+
+		kvd_ctl_sent_code = r->body_case == KVD__RESPONSE__BODY_ERROR && r->error ?
+				    r->error->code : 0;
+	}
 	if (buf != small)
 		free(buf);
 	return rc;

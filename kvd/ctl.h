@@ -21,7 +21,8 @@
  *  - names (tenant, client_name, profile name) are at most
  *    KVD_CTL_NAME_MAX bytes of printable ASCII (0x20..0x7e).
  *
- * Everything is thread-safe: no state beyond the arguments.
+ * Everything is thread-safe: no state beyond the arguments (and one
+ * thread-local, kvd_ctl_sent_code).
  */
 #ifndef KVD_CTL_H
 #define KVD_CTL_H
@@ -66,6 +67,12 @@ struct kvd_geom;
 #define KVD_CTL_SLOT_MAX    (256ull << 20)
 #define KVD_CTL_ARENA_MAX   (16ull << 30)       /* slots * slot_size */
 #define KVD_CTL_REGION_MAX  (KVD_CTL_ARENA_MAX + (1ull << 30))      /* arena + rings */
+/* Rows in one admin listing reply (ClientList, SeqList, ProfileList,
+ * LimitsReply.uids): a longer listing pages.  The largest row (a ClientInfo
+ * with two 64-byte strings) is under 300 bytes, so a page stays under
+ * 80 KiB, well inside one datagram and a client's 192 KiB buffer. */
+#define KVD_CTL_LIST_MAX    256u
+#define KVD_CTL_LIMIT_ROWS  16u         /* LimitsReply.rows */
 
 /* Why a decode or check failed. */
 struct kvd_ctl_err {
@@ -83,6 +90,9 @@ struct kvd_ctl_err {
  * [0, KVD_CTL_MAX_FDS]), -ENOMEM, or sendmsg's -errno (-EAGAIN on a
  * non-blocking socket whose peer's queue is full). */
 int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds);
+/* The Error code of the last Response this thread sent (0: not an Error),
+ * sent or not: the daemon counts control results by it (kvd/metrics.h). */
+extern _Thread_local int kvd_ctl_sent_code;
 
 /* Receives one datagram into buf[0..cap).  *nfds is in: the room in fds
  * (fds and nfds may be NULL: no room), out: how many fds arrived (close-on-
@@ -123,6 +133,11 @@ int kvd_ctl_send_ok(int fd, uint64_t id);
  *   SeqCreate      profile_id != 0, content_key <= KVD_CTL_KEY_MAX bytes
  *   SeqFree, SeqStatsReq  seq != 0
  *   ServerStatsReq nothing
+ *   Hello.control  slots, slot_size and poll all 0
+ *   ClientsReq, ProfilesReq  limit <= KVD_CTL_LIST_MAX
+ *   SeqListReq     limit <= KVD_CTL_LIST_MAX; uid 0 unless filter_uid
+ *   SeqAdmin       seq != 0; op SHOW, EVICT or FREE
+ *   LimitsReq, DrainReq  nothing
  * The Request is the caller's: kvd_ctl_free_request(). */
 Kvd__Request *kvd_ctl_decode_request(const void *buf, size_t len, struct kvd_ctl_err *err);
 void kvd_ctl_free_request(Kvd__Request *r);
@@ -141,6 +156,13 @@ void kvd_ctl_free_request(Kvd__Request *r);
  *   ProfileReply   profile_id != 0, kvd_ctl_check_profile(p, 1), w empty or
  *                  exactly head_dim * K * L * 4 bytes
  *   SeqReply       seq != 0
+ *   HelloReply.control  region_size 0 (and no fds: the caller's check)
+ *   ClientList, SeqList, ProfileList  at most KVD_CTL_LIST_MAX rows, none
+ *                  missing, ids != 0; strings (tenant, names) cut to
+ *                  KVD_CTL_NAME_MAX bytes and made printable in place
+ *   SeqInfo        seq != 0, strings as above
+ *   ProfileInfo    kvd_ctl_check_profile(p, 1), n_dense <= layers
+ *   LimitsReply    at most KVD_CTL_LIMIT_ROWS rows, KVD_CTL_LIST_MAX uids
  * The fds of a HelloReply are not the decoder's business: the caller checks
  * that exactly two came with it.  A successful decode may still be an Error:
  * look at body_case.  kvd_ctl_free_response() frees it. */

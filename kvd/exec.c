@@ -127,6 +127,7 @@ static void finish(struct kvd_server *s, struct client *c, int res, const char *
 	if (!c->poll)
 		shm_ring_wake(&c->r.cq);
 	s->requests++;
+	kvd_metrics_ring(s->metrics, j->e.op, res);
 	j->active = 0;
 	j->cqe = NULL;
 }
@@ -139,7 +140,7 @@ static int client_ready(struct kvd_server *s, struct client *c)
 {
 	int n;
 
-	if (!c->hello || c->dead)
+	if (!c->hello || c->control || c->dead)
 		return 0;
 	if (c->job.active)
 		return !c->parked;
@@ -448,6 +449,7 @@ static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 
 		memcpy(out, r->o, ob);
 		memcpy(out + KVD_ALIGN64(ob), r->lse, (size_t)g->q_heads * sizeof(float));
+		kvd_metrics_attend(s->metrics, dt);
 		if (++j->next == j->e.nseq)
 			finish(s, c, 0, NULL);
 	}
@@ -609,7 +611,7 @@ static void yield_to_loop(struct kvd_server *s)
 static void set_sleeping(struct kvd_server *s, int on)
 {
 	for (struct client *c = s->clients; c; c = c->next)
-		if (c->hello && !c->dead)
+		if (c->hello && !c->control && !c->dead)
 			shm_ring_set_sleeping(&c->r.sq, on);
 }
 

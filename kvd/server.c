@@ -165,6 +165,23 @@ void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why)
 	poke(s->sfd);
 }
 
+int kvd_peer_in_group(int fd, uint32_t gid, uint32_t pgid)
+{
+	gid_t g[256];
+	socklen_t len = sizeof g;
+
+	if (pgid == gid)
+		return 1;
+	/* Linux >= 4.13.  More than 256 groups, or an older kernel: not a
+	 * member (the safe answer). */
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &len))
+		return 0;
+	for (size_t i = 0; i < len / sizeof g[0]; i++)
+		if (g[i] == gid)
+			return 1;
+	return 0;
+}
+
 struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t seq)
 {
 	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
@@ -274,6 +291,8 @@ static void accept_clients(struct kvd_server *s)
 		c->pid = cred.pid;
 		c->uid = cred.uid;
 		c->ns = kvd_limits_namespace(s->limits, cred.uid);
+		c->admin = cred.uid == 0 || cred.uid == geteuid() ||
+			   (s->cfg->admin_group && kvd_peer_in_group(fd, s->cfg->admin_gid, cred.gid));
 		c->ev_ctl.kind = EV_CTL;
 		c->ev_ctl.c = c;
 		if (kvd_ep_add(s, fd, &c->ev_ctl)) {
@@ -307,7 +326,7 @@ void kvd_server_stats(const struct kvd_server *s, struct kvd_server_stats *st)
 	st->disconnects = s->disconnects;
 	for (const struct client *c = s->clients; c; c = c->next) {
 		st->mapped_bytes += c->map_size;
-		st->slots_in_use += c->hello ? c->r.geo.nslots : 0;
+		st->slots_in_use += c->hello && !c->control ? c->r.geo.nslots : 0;
 	}
 }
 
@@ -365,10 +384,12 @@ static void watchdog(struct kvd_server *s)
 	uint64_t beat = atomic_load_explicit(&s->exec_beat_ns, memory_order_relaxed);
 
 	if (atomic_load_explicit(&s->exec_idle, memory_order_relaxed) ||
-	    kvd_now_ns() - beat < s->watchdog_usec * 1000)
-		sd_notify(0, "WATCHDOG=1");
-	else
-		kvd_log(LOG_ERR, "executor silent for %llu ms: not pinging the watchdog",
+	    kvd_now_ns() - beat < s->watchdog_usec * 1000) {
+		kvd_metrics_watchdog(s->metrics, sd_notify(0, "WATCHDOG=1") > 0);
+		return;
+	}
+	kvd_metrics_watchdog(s->metrics, 0);
+	kvd_log(LOG_ERR, "executor silent for %llu ms: not pinging the watchdog",
 			(unsigned long long)((kvd_now_ns() - beat) / 1000000));
 }
 
@@ -411,6 +432,9 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 			break;
 		case EV_TIER:
 			tier_event(s);
+			break;
+		case EV_METRICS:
+			kvd_metrics_collect(s->metrics, s);
 			break;
 		}
 	}
@@ -565,7 +589,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	pthread_mutex_init(&s->mu, NULL);
 	pthread_cond_init(&s->handoff, NULL);
 	s->sync_init = 1;
-	if ((rc = kvd_exec_init(s)))
+	if ((rc = kvd_exec_init(s)) || (rc = kvd_metrics_create(&s->metrics)))
 		goto fail;
 	{
 		struct kvd_limits_cfg lc;
@@ -603,6 +627,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 		tc.io.block = cfg->spill_block;
 		tc.io.buffered = cfg->spill_buffered;
 		tc.io.fault = cfg->spill_fault_on ? cfg->spill_fault : NULL;
+		tc.metrics = s->metrics;
 		if ((rc = kvd_tier_create(&tc, s->store, &s->tier))) {
 			kvd_log(LOG_ERR, "spill: %s", kvd_strerror(rc));
 			goto fail;
@@ -623,6 +648,25 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	if (s->sfd < 0 || s->epfd < 0) {
 		rc = -errno;
 		goto fail;
+	}
+	/* The metrics endpoint's thread starts while the signals are blocked,
+	 * like the workers.  An address given explicitly must work; the
+	 * built-in default is best effort (another kvd may hold it). */
+	if (cfg->metrics_listen[0]) {
+		rc = kvd_metrics_listen(s->metrics, cfg->metrics_listen);
+		if (rc && cfg->metrics_listen_set) {
+			kvd_log(LOG_ERR, "[metrics] listen = %s: %s", cfg->metrics_listen,
+				kvd_strerror(rc));
+			goto fail;
+		}
+		if (rc)
+			kvd_log(LOG_WARNING, "metrics: cannot listen on %s (the default): %s; "
+				"no metrics endpoint ([metrics] listen)", cfg->metrics_listen,
+				kvd_strerror(rc));
+		else
+			kvd_log(LOG_INFO, "metrics: http://%s/metrics (port %u)", cfg->metrics_listen,
+				kvd_metrics_port(s->metrics));
+		rc = 0;
 	}
 	{
 		struct sigaction sa = { .sa_handler = on_signal };
@@ -645,6 +689,9 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 		goto fail;
 	s->ev_tier.kind = EV_TIER;
 	if (kvd_tier_fd(s->tier) >= 0 && (rc = kvd_ep_add(s, kvd_tier_fd(s->tier), &s->ev_tier)))
+		goto fail;
+	s->ev_metrics.kind = EV_METRICS;
+	if ((rc = kvd_ep_add(s, kvd_metrics_fd(s->metrics), &s->ev_metrics)))
 		goto fail;
 	if (sd_watchdog_enabled(0, &s->watchdog_usec) > 0) {
 		struct itimerspec it = { 0 };
@@ -689,6 +736,9 @@ void kvd_server_destroy(struct kvd_server *s)
 		close(s->tfd);
 	kvd_tier_destroy(s->tier);
 	kvd_store_destroy(s->store);
+	/* After the tier, which counts its last I/O into it.  A scrape in
+	 * flight stops waiting for the loop after KVD_METRICS_WAIT_MS. */
+	kvd_metrics_destroy(s->metrics);
 	for (unsigned i = 0; i < s->npools; i++) {
 		for (unsigned w = 0; s->scrs[i] && w < kvd_pool_size(s->pools[i]); w++)
 			kvd_attn_scratch_free(&s->scrs[i][w]);

@@ -17,6 +17,10 @@
  * and its CQ produced only by the executor (or by the loop while the
  * executor is stopped, during drain), so each ring keeps a single consumer
  * and a single producer.
+ *
+ * The metrics endpoint's thread (kvd/metrics.c, libmicrohttpd) never takes
+ * s->mu: it reads atomic counters and a snapshot of the gauges that the loop
+ * copies under the lock when a scrape asks.
  */
 #ifndef KVD_SERVER_INT_H
 #define KVD_SERVER_INT_H
@@ -28,6 +32,7 @@
 
 #include "attn.h"
 #include "kvd.pb-c.h"
+#include "metrics.h"
 #include "kvd_ring.h"
 #include "numa_nodes.h"
 #include "uidlimits.h"
@@ -36,7 +41,7 @@
 #include "wire.h"
 
 /* What an epoll event's data points at. */
-enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_TIER };
+enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_TIER, EV_METRICS };
 struct ev_tag {
 	int kind;
 	struct client *c;
@@ -77,6 +82,8 @@ struct client {
 	char tenant[KVD_NAME_MAX + 16]; /* "<uid>:<tenant>" */
 	char name[KVD_NAME_MAX + 1];
 	int hello, poll, dead;
+	int control;                    /* Hello.control: no region, no rings (kvctl) */
+	int admin;                      /* root, kvd's uid or [server] admin_group: sees every uid */
 	int parked;                     /* its job waits for a restore or for room */
 	int was_ready;
 	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
@@ -113,7 +120,10 @@ struct kvd_server {
 	int stopping;
 	uint64_t watchdog_usec;
 	void *rxbuf;
-	struct ev_tag ev_listen, ev_signal, ev_timer, ev_tier;
+	struct ev_tag ev_listen, ev_signal, ev_timer, ev_tier, ev_metrics;
+	/* Counters (atomics, any thread) and the gauge snapshot the loop
+	 * publishes for scrapes (kvd/metrics.h). */
+	struct kvd_metrics *metrics;
 
 	/* The state lock and the executor (exec.c). */
 	int sync_init;
@@ -151,6 +161,9 @@ int kvd_ep_add(struct kvd_server *s, int fd, void *tag);
  * a loop must not flood the log), with a count of those not logged.  Loop
  * thread only. */
 void kvd_log_refusal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Whether the peer is a member of gid (its primary group or a supplementary
+ * one, from SO_PEERCRED / SO_PEERGROUPS at accept). */
+int kvd_peer_in_group(int fd, uint32_t gid, uint32_t pgid);
 /* c's own sequence seq (NULL when it is not, or not c's). */
 struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t seq);
 /* The loop's side of the state lock. */

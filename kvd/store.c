@@ -592,6 +592,23 @@ struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char 
 	return q && !strcmp(q->tenant, tenant) ? q : NULL;
 }
 
+struct kvd_seqn *kvd_store_seq_any(struct kvd_store *s, uint64_t id)
+{
+	struct kvd_seqn *q = seq_find(s, id);
+
+	/* kvd_tier_free empties the tenant of one it frees later. */
+	return q && q->tenant[0] ? q : NULL;
+}
+
+void kvd_store_profile_each(struct kvd_store *s,
+			    void (*fn)(void *arg, const struct kvd_profile *p, uint32_t refs),
+			    void *arg)
+{
+	for (uint32_t b = 0; b < PROF_BUCKETS; b++)
+		for (struct prof *x = s->by_id[b]; x; x = x->next_id)
+			fn(arg, &x->p, x->refs);
+}
+
 void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg)
 {
 	for (uint32_t b = 0; b < SEQ_BUCKETS; b++) {

@@ -181,6 +181,14 @@ struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char 
 void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q);
 /* Calls fn on every sequence; fn may free the one it is given. */
 void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
+/* Any tenant's sequence (admin requests): NULL unless it exists and is not
+ * being freed. */
+struct kvd_seqn *kvd_store_seq_any(struct kvd_store *s, uint64_t id);
+/* Calls fn on every profile with its reference count; fn must not create,
+ * reference or free profiles. */
+void kvd_store_profile_each(struct kvd_store *s,
+			    void (*fn)(void *arg, const struct kvd_profile *p, uint32_t refs),
+			    void *arg);
 
 /* Tiering (kvd/tier.c).  drop frees every resident byte of a sequence but
  * keeps its identity and token counts (and its fixed bytes); the install

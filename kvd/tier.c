@@ -9,6 +9,7 @@
 
 #include "err.h"
 #include "log.h"
+#include "metrics.h"
 #include "tier.h"
 
 #define BACKOFF_NS (5ull * 1000000000ull)      /* after a failed write */
@@ -49,6 +50,7 @@ struct rec {
 					 * uid's KVD_RES_SPILL until the file goes */
 	uint64_t pend;                  /* WRITE with evict_after: counted in t->pending */
 	uint64_t backoff_until;
+	uint64_t io_t0;                 /* when the running write or restore was submitted */
 	char why[96];                   /* LOST: the reason */
 };
 
@@ -419,6 +421,7 @@ static int evict(struct kvd_tier *t, struct rec *r)
 			(unsigned long long)q->id);
 		drop(t, r);
 		t->drops++;
+		kvd_metrics_evict(t->cfg.metrics, 0);
 		return 0;
 	}
 	if (!kvd_store_spillable(q))
@@ -452,6 +455,7 @@ static int evict(struct kvd_tier *t, struct rec *r)
 		return rc;
 	}
 	r->busy = 1;
+	r->io_t0 = now_ns();
 	r->evict_after = 1;
 	q->state = KVD_SEQ_SPILLING;
 	r->pend = q->bytes;
@@ -485,6 +489,9 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	} else {
 		spill_unchg(t, r);      /* no file */
 	}
+	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_WRITE,
+			    j->res == 0 ? KVD_MX_OK : j->res == -ECANCELED ? KVD_MX_CANCELLED : KVD_MX_ERROR,
+			    j->disk_bytes, now_ns() - r->io_t0);
 	if (j->res && j->res != -ECANCELED) {
 		t->spill_errors++;
 		r->backoff_until = now_ns() + BACKOFF_NS;
@@ -500,8 +507,10 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	job_release(t, r);
 	if (r->has_file && r->file_gen != q->gen)
 		forget_file(t, r);      /* changed while being written */
-	else if (evict_now && !r->freeing)
+	else if (evict_now && !r->freeing) {
 		drop(t, r);
+		kvd_metrics_evict(t->cfg.metrics, 1);
+	}
 }
 
 /* ---- restore ------------------------------------------------------------ */
@@ -578,6 +587,7 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		return rc;
 	}
 	r->busy = 1;
+	r->io_t0 = now_ns();
 	q->state = KVD_SEQ_RESTORING;
 	q->ready = ready_after(r, 0);
 	kvd_log(LOG_DEBUG, "sequence %016llx: restoring %llu bytes", (unsigned long long)q->id,
@@ -598,6 +608,7 @@ static void lose(struct kvd_tier *t, struct rec *r, const char *why)
 	q->ready = 0;
 	snprintf(r->why, sizeof r->why, "%s", why);
 	t->lost++;
+	kvd_metrics_lost(t->cfg.metrics);
 	kvd_log(LOG_ERR, "sequence %016llx lost: %s", (unsigned long long)q->id, why);
 	forget_file(t, r);
 }
@@ -692,6 +703,13 @@ static void read_done(struct kvd_tier *t, struct rec *r)
 
 	kvd_log(LOG_DEBUG, "sequence %016llx: restore %s (%d, %u of %u extents)",
 		(unsigned long long)q->id, j->res ? "failed" : "done", j->res, j->done, j->next);
+	int how = KVD_MX_OK;
+
+	if (r->freeing || (q->state != KVD_SEQ_RESTORING && q->state != KVD_SEQ_LOST))
+		how = KVD_MX_CANCELLED;
+	else if (q->state == KVD_SEQ_LOST || j->res || j->done != j->next)
+		how = KVD_MX_ERROR;
+	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_READ, how, r->disk_bytes, now_ns() - r->io_t0);
 	if (q->state == KVD_SEQ_RESTORING) {
 		if (j->res == 0 && j->done == j->next) {
 			q->state = KVD_SEQ_RAM;

@@ -38,6 +38,7 @@ struct kvd_tier_cfg {
 	int spill;                      /* 0: no spill directories (budget only) */
 	int persist;
 	struct kvd_spill_cfg io;
+	struct kvd_metrics *metrics;    /* I/O, evictions and losses are counted here (NULL: not) */
 };
 
 struct kvd_tier;

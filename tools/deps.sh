@@ -3,10 +3,11 @@
 # they are all present (the check costs a few dpkg-query calls, so every make
 # target can afford to run it).
 set -eu
-pkgs="gcc make clang libclang-rt-14-dev pkg-config
+pkgs="gcc g++ make clang libclang-rt-14-dev pkg-config
       liburing-dev libnuma-dev libprotobuf-c-dev protobuf-c-compiler
       libcmocka-dev libinih-dev libsystemd-dev libisal-dev libxxhash-dev
-      systemd fio"
+      systemd fio libmicrohttpd-dev prometheus curl
+      python3-numpy python3-torch python3-pytest"
 missing=
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed' ||

@@ -53,6 +53,24 @@ static void request(const uint8_t *buf, size_t len)
 		    r->hello->slot_size % 4096 || r->hello->slot_size > KVD_CTL_SLOT_MAX ||
 		    strlen(r->hello->tenant) > KVD_CTL_NAME_MAX)
 			abort();
+		if (r->hello->control && (r->hello->slots || r->hello->slot_size || r->hello->poll))
+			abort();
+		break;
+	case KVD__REQUEST__BODY_CLIENTS:
+		if (r->clients->limit > KVD_CTL_LIST_MAX)
+			abort();
+		break;
+	case KVD__REQUEST__BODY_SEQ_LIST:
+		if (r->seq_list->limit > KVD_CTL_LIST_MAX || (!r->seq_list->filter_uid && r->seq_list->uid))
+			abort();
+		break;
+	case KVD__REQUEST__BODY_SEQ_ADMIN:
+		if (!r->seq_admin->seq || r->seq_admin->op < 1 || r->seq_admin->op > 3)
+			abort();
+		break;
+	case KVD__REQUEST__BODY_PROFILES:
+		if (r->profiles->limit > KVD_CTL_LIST_MAX)
+			abort();
 		break;
 	case KVD__REQUEST__BODY_PROFILE_CREATE: {
 		Kvd__Profile *p = r->profile_create->profile;
@@ -72,6 +90,25 @@ static void request(const uint8_t *buf, size_t len)
 		break;
 	}
 	kvd_ctl_free_request(r);
+}
+
+/* A string from kvd, after the decoder: at most a name's length, printable. */
+static void check_shown(const char *s)
+{
+	if (strlen(s) > KVD_CTL_NAME_MAX)
+		abort();
+	for (; *s; s++) {
+		if (*s < 0x20 || *s > 0x7e)
+			abort();
+	}
+}
+
+static void check_seq_info(const Kvd__SeqInfo *q)
+{
+	if (!q || !q->seq || q->state > 4)
+		abort();
+	check_shown(q->tenant);
+	check_shown(q->profile);
 }
 
 static void response(const uint8_t *buf, size_t len, uint64_t want)
@@ -112,8 +149,54 @@ static void response(const uint8_t *buf, size_t len, uint64_t want)
 		break;
 	}
 	case KVD__RESPONSE__BODY_HELLO:
-		if (!r->hello->client_id || r->hello->region_size % 4096)
+		if (!r->hello->client_id || r->hello->region_size % 4096 ||
+		    (r->hello->control && r->hello->region_size))
 			abort();
+		break;
+	case KVD__RESPONSE__BODY_CLIENT_LIST:
+		if (r->client_list->n_clients > KVD_CTL_LIST_MAX)
+			abort();
+		for (size_t i = 0; i < r->client_list->n_clients; i++) {
+			const Kvd__ClientInfo *c = r->client_list->clients[i];
+
+			if (!c || !c->client_id)
+				abort();
+			check_shown(c->tenant);
+			check_shown(c->name);
+		}
+		break;
+	case KVD__RESPONSE__BODY_SEQ_LIST:
+		if (r->seq_list->n_seqs > KVD_CTL_LIST_MAX)
+			abort();
+		for (size_t i = 0; i < r->seq_list->n_seqs; i++)
+			check_seq_info(r->seq_list->seqs[i]);
+		break;
+	case KVD__RESPONSE__BODY_SEQ_INFO:
+		check_seq_info(r->seq_info);
+		break;
+	case KVD__RESPONSE__BODY_PROFILE_LIST:
+		if (r->profile_list->n_profiles > KVD_CTL_LIST_MAX)
+			abort();
+		for (size_t i = 0; i < r->profile_list->n_profiles; i++) {
+			const Kvd__ProfileInfo *pi = r->profile_list->profiles[i];
+
+			if (!pi || !pi->profile_id || !pi->profile || pi->n_dense > pi->profile->layers)
+				abort();
+			check_profile(pi->profile, 1);
+		}
+		break;
+	case KVD__RESPONSE__BODY_LIMITS:
+		if (r->limits->n_rows > KVD_CTL_LIMIT_ROWS || r->limits->n_uids > KVD_CTL_LIST_MAX)
+			abort();
+		for (size_t i = 0; i < r->limits->n_rows; i++) {
+			if (!r->limits->rows[i])
+				abort();
+			check_shown(r->limits->rows[i]->key);
+		}
+		for (size_t i = 0; i < r->limits->n_uids; i++) {
+			if (!r->limits->uids[i])
+				abort();
+		}
 		break;
 	case KVD__RESPONSE__BODY__NOT_SET:
 		abort();

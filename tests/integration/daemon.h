@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,9 +48,16 @@ static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2
 	snprintf(d->sock, sizeof d->sock, "%s/kvd.sock", d->dir);
 	d->pid = fork();
 	if (d->pid == 0) {
+		/* A test that dies (an abort, a sanitizer report) takes its
+		 * daemon along: an orphan would hold the test's output pipe open
+		 * and hang whatever reads it. */
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		/* No metrics endpoint unless a test asks (--metrics-listen
+		 * among the extras, which come later and win): daemons of
+		 * concurrent tests must not fight over the default port. */
 		execl(bin, "kvd", "--foreground", "--socket", d->sock, "--threads", "2",
 		      "--log-level", getenv("KVD_TEST_LOG") ? "debug" : "warning",
-		      a1, a2, a3, a4, (char *)NULL);
+		      "--metrics-listen", "", a1, a2, a3, a4, (char *)NULL);
 		_exit(127);
 	}
 	for (int i = 0; i < 500; i++) {         /* up to 10 s, for sanitizer builds */

@@ -385,6 +385,8 @@ static void test_example_file(void **state)
 	if (kvd_config_load_file(&c, path, err, sizeof(err)))
 		print_error("%s\n", err);
 	memset(c.config_path, 0, sizeof(c.config_path));
+	assert_int_equal(c.metrics_listen_set, 1);
+	c.metrics_listen_set = 0;       /* given, not defaulted: the same address */
 	/* The commented values are the defaults. */
 	assert_memory_equal(&c, &d, sizeof(c));
 }
@@ -640,6 +642,56 @@ static void test_limits_keys(void **state)
 	}
 }
 
+/* [metrics] listen / --metrics-listen: default on loopback, "" off, IPv4 or
+ * [IPv6] with a port, anything else refused with the key in the message. */
+static void test_metrics_listen(void **state)
+{
+	struct kvd_config c;
+	char err[512];
+	char *off[] = { "kvd", "--metrics-listen", "", NULL };
+	char *v6[] = { "kvd", "--metrics-listen", "[::1]:0", NULL };
+	char *bad_flag[] = { "kvd", "--metrics-listen", "localhost:9464", NULL };
+	static const char *const bad[] = {
+		"[metrics]\nlisten = 127.0.0.1\n",            /* no port */
+		"[metrics]\nlisten = 127.0.0.1:65536\n",      /* port out of range */
+		"[metrics]\nlisten = 127.0.0.1:-1\n",
+		"[metrics]\nlisten = 127.0.0.1:94x\n",
+		"[metrics]\nlisten = 256.0.0.1:9464\n",
+		"[metrics]\nlisten = ::1:9464\n",              /* IPv6 without brackets */
+		"[metrics]\nlisten = localhost:9464\n",        /* names are not resolved */
+		"[metrics]\nport = 9464\n",                    /* unknown key */
+	};
+
+	kvd_config_defaults(&c);
+	assert_string_equal(c.metrics_listen, "127.0.0.1:9464");
+	assert_int_equal(c.metrics_listen_set, 0);
+	assert_int_equal(kvd_config_load_file(&c, write_conf("[metrics]\nlisten = 0.0.0.0:9100\n"),
+					      err, sizeof err), 0);
+	assert_string_equal(c.metrics_listen, "0.0.0.0:9100");
+	assert_int_equal(c.metrics_listen_set, 1);
+	assert_int_equal(kvd_config_load_file(&c, write_conf("[metrics]\nlisten =\n"), err,
+					      sizeof err), 0);
+	assert_string_equal(c.metrics_listen, "");
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		struct kvd_config d;
+
+		kvd_config_defaults(&d);
+		assert_int_equal(kvd_config_load_file(&d, write_conf(bad[i]), err, sizeof err), -EINVAL);
+		assert_non_null(strstr(err, "[metrics]"));
+		assert_string_equal(d.metrics_listen, "127.0.0.1:9464");        /* unchanged */
+	}
+	kvd_config_defaults(&c);
+	optind = 0;
+	assert_int_equal(kvd_config_parse_args(&c, 3, v6, err, sizeof err), 0);
+	assert_string_equal(c.metrics_listen, "[::1]:0");
+	optind = 0;
+	assert_int_equal(kvd_config_parse_args(&c, 3, off, err, sizeof err), 0);
+	assert_string_equal(c.metrics_listen, "");
+	optind = 0;
+	assert_int_equal(kvd_config_parse_args(&c, 3, bad_flag, err, sizeof err), -EINVAL);
+	assert_non_null(strstr(err, "--metrics-listen"));
+}
+
 static void test_usage(void **state)
 {
 	char *buf = NULL;
@@ -667,6 +719,7 @@ int main(void)
 		cmocka_unit_test(test_log_file),
 		cmocka_unit_test(test_spill_keys),
 		cmocka_unit_test(test_limits_keys),
+		cmocka_unit_test(test_metrics_listen),
 		cmocka_unit_test(test_usage),
 	};
 

@@ -424,10 +424,10 @@ static void test_no_body_and_unknown_fields(void **state)
 	uint8_t buf[256];
 	size_t n;
 	Kvd__Request *d;
-	/* field 100, varint 5; then field 20 (a body type this version does not
+	/* field 100, varint 5; then field 99 (a body type this version does not
 	 * know), length-delimited, empty. */
 	static const uint8_t unknown_field[] = { 0xa0, 0x06, 0x05 };
-	static const uint8_t unknown_body[] = { 0xa2, 0x01, 0x00 };
+	static const uint8_t unknown_body[] = { 0x9a, 0x06, 0x00 };
 
 	r.id = 9;
 	refused(&r, -EOPNOTSUPP, "no body");
@@ -738,6 +738,165 @@ static void test_prefixes(void **state)
 	assert_true(ok >= 7 && no > 7);
 }
 
+/* The admin requests (kvctl) and the control-only Hello: each field checked,
+ * the refusal naming it; what passes decodes to what was sent. */
+static void test_admin_requests(void **state)
+{
+	Kvd__Request r = KVD__REQUEST__INIT;
+	Kvd__Hello h = KVD__HELLO__INIT;
+	Kvd__ClientsReq cr = KVD__CLIENTS_REQ__INIT;
+	Kvd__SeqListReq sl = KVD__SEQ_LIST_REQ__INIT;
+	Kvd__SeqAdmin sa = KVD__SEQ_ADMIN__INIT;
+	Kvd__ProfilesReq pr = KVD__PROFILES_REQ__INIT;
+	Kvd__LimitsReq lq = KVD__LIMITS_REQ__INIT;
+	Kvd__DrainReq dr = KVD__DRAIN_REQ__INIT;
+	struct kvd_ctl_err e;
+	Kvd__Request *d;
+
+	r.id = 21;
+	h.version = KVD_CTL_VERSION;
+	h.control = 1;
+	r.body_case = KVD__REQUEST__BODY_HELLO;
+	r.hello = &h;
+	h.slots = 2;
+	refused(&r, -EINVAL, "control");
+	h.slots = 0;
+	h.slot_size = 1 << 20;
+	refused(&r, -EINVAL, "control");
+	h.slot_size = 0;
+	h.poll = 1;
+	refused(&r, -EINVAL, "poll 1");
+	h.poll = 0;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_true(d->hello->control);
+	kvd_ctl_free_request(d);
+
+	r.body_case = KVD__REQUEST__BODY_CLIENTS;
+	r.clients = &cr;
+	cr.limit = KVD_CTL_LIST_MAX + 1;
+	refused(&r, -EINVAL, "clients limit 257");
+	cr.limit = KVD_CTL_LIST_MAX;
+	cr.after = UINT64_MAX;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_int_equal(d->clients->after, UINT64_MAX);
+	kvd_ctl_free_request(d);
+
+	r.body_case = KVD__REQUEST__BODY_SEQ_LIST;
+	r.seq_list = &sl;
+	sl.uid = 1000;
+	refused(&r, -EINVAL, "uid 1000 without filter_uid");
+	sl.filter_uid = 1;
+	sl.limit = 1u << 31;
+	refused(&r, -EINVAL, "seq_list limit");
+	sl.limit = 0;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_int_equal(d->seq_list->uid, 1000);
+	kvd_ctl_free_request(d);
+
+	r.body_case = KVD__REQUEST__BODY_SEQ_ADMIN;
+	r.seq_admin = &sa;
+	sa.op = KVD__SEQ_ADMIN_OP__SEQ_ADMIN_FREE;
+	refused(&r, -EINVAL, "seq_admin seq is 0");
+	sa.seq = 5;
+	sa.op = 0;
+	refused(&r, -EINVAL, "seq_admin op 0");
+	sa.op = 4;
+	refused(&r, -EINVAL, "seq_admin op 4");
+	for (uint32_t op = 1; op <= 3; op++) {
+		sa.op = op;
+		d = decode_packed(&r, &e);
+		assert_non_null(d);
+		kvd_ctl_free_request(d);
+	}
+
+	r.body_case = KVD__REQUEST__BODY_PROFILES;
+	r.profiles = &pr;
+	pr.limit = UINT32_MAX;
+	refused(&r, -EINVAL, "profiles limit");
+
+	r.body_case = KVD__REQUEST__BODY_LIMITS;
+	r.limits = &lq;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_string_equal(kvd_ctl_request_name(d->body_case), "limits");
+	kvd_ctl_free_request(d);
+	r.body_case = KVD__REQUEST__BODY_DRAIN;
+	r.drain = &dr;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_string_equal(kvd_ctl_request_name(d->body_case), "drain");
+	kvd_ctl_free_request(d);
+}
+
+/* Replies to admin requests, as a client's decoder sees them. */
+static void test_admin_responses(void **state)
+{
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	Kvd__HelloReply h = KVD__HELLO_REPLY__INIT;
+	Kvd__SeqInfo si = KVD__SEQ_INFO__INIT, *sip = &si;
+	Kvd__SeqList sl = KVD__SEQ_LIST__INIT;
+	Kvd__ClientInfo ci = KVD__CLIENT_INFO__INIT, *cp = &ci;
+	Kvd__ClientList cl = KVD__CLIENT_LIST__INIT;
+	struct kvd_ctl_err e;
+	uint8_t buf[4096];
+	size_t n;
+	Kvd__Response *d;
+	char tenant[] = "t\x01x";
+
+	r.id = 3;
+	r.body_case = KVD__RESPONSE__BODY_HELLO;
+	r.hello = &h;
+	h.version = KVD_CTL_VERSION;
+	h.client_id = 1;
+	h.control = 1;
+	h.region_size = 4096;
+	n = kvd__response__pack(&r, buf);
+	assert_null(kvd_ctl_decode_response(buf, n, 3, &e));
+	assert_int_equal(e.code, -KVD_EPROTO);
+	h.region_size = 0;
+	n = kvd__response__pack(&r, buf);
+	d = kvd_ctl_decode_response(buf, n, 3, &e);
+	assert_non_null(d);
+	kvd_ctl_free_response(d);
+	h.control = 0;
+	n = kvd__response__pack(&r, buf);
+	assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* a data Hello needs a region */
+
+	r.body_case = KVD__RESPONSE__BODY_SEQ_LIST;
+	r.seq_list = &sl;
+	sl.n_seqs = 1;
+	sl.seqs = &sip;
+	n = kvd__response__pack(&r, buf);
+	assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* seq 0 */
+	si.seq = 7;
+	si.state = 5;
+	n = kvd__response__pack(&r, buf);
+	assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* unknown state */
+	si.state = 2;
+	si.tenant = tenant;
+	n = kvd__response__pack(&r, buf);
+	d = kvd_ctl_decode_response(buf, n, 3, &e);
+	assert_non_null(d);
+	assert_string_equal(d->seq_list->seqs[0]->tenant, "t?x");     /* made printable */
+	kvd_ctl_free_response(d);
+
+	r.body_case = KVD__RESPONSE__BODY_CLIENT_LIST;
+	r.client_list = &cl;
+	cl.n_clients = 1;
+	cl.clients = &cp;
+	n = kvd__response__pack(&r, buf);
+	assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* client_id 0 */
+	ci.client_id = 2;
+	n = kvd__response__pack(&r, buf);
+	d = kvd_ctl_decode_response(buf, n, 3, &e);
+	assert_non_null(d);
+	assert_string_equal(d->client_list->clients[0]->name, "");
+	kvd_ctl_free_response(d);
+}
+
 static void test_garbage(void **state)
 {
 	uint64_t x = 0x9e3779b97f4a7c15ull;
@@ -1003,6 +1162,8 @@ int main(void)
 		cmocka_unit_test(test_dense_layers),
 		cmocka_unit_test(test_profile_helpers),
 		cmocka_unit_test(test_prefixes),
+		cmocka_unit_test(test_admin_requests),
+		cmocka_unit_test(test_admin_responses),
 		cmocka_unit_test(test_garbage),
 		cmocka_unit_test(test_response_checks),
 		cmocka_unit_test_setup_teardown(test_recv_limits, sock_setup, sock_teardown),

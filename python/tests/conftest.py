@@ -1,0 +1,27 @@
+"""Fixtures: the package from this source tree, a real kvd per session.
+
+The library and the daemon: $KVD_LIBKVCLIENT and $KVD_BIN (make check-python
+sets both to its build dir), else the source tree's build/."""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import kvd  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    d = kvd.Daemon()
+    yield d
+    # a clean drain and exit is part of every run (as in the C tests)
+    rc = d.stop()
+    assert rc == 0, "kvd exited %s" % rc
+
+
+@pytest.fixture
+def sock(daemon):
+    return daemon.socket
