@@ -772,13 +772,26 @@ static void test_memlock_fallback(void **state)
 	kvd_spill_stats(sp, &st);
 	printf("memlock 64 KiB: buffers registered %llu, unregistered %llu\n",
 	       (unsigned long long)st.bufs_fixed, (unsigned long long)st.bufs_plain);
-	assert_true(st.bufs_plain >= 4);
+	/* Kernels that charge io_uring's rings to the user's locked memory
+	 * (shared by every process of the uid) can refuse the ring itself at
+	 * 64 KiB when other io_uring users run: the data still round-tripped
+	 * (above), through the synchronous backend, but registration was
+	 * never tried. */
+	int fell_back = strcmp(st.backend, "io_uring") != 0;
+
+	if (!fell_back)
+		assert_true(st.bufs_plain >= 4);
 	kvd_spill_destroy(sp);
 	assert_int_equal(setrlimit(RLIMIT_MEMLOCK, &old), 0);
 	if (had > 0)
 		ipc_lock_effective(1);
 	seq_free(&a);
 	seq_free(&ra);
+	if (fell_back) {
+		printf("SKIP: the io_uring ring itself was refused at 64 KiB of memlock (%s)\n",
+		       st.backend);
+		skip();
+	}
 }
 
 /* ---- the fake backend's faults ------------------------------------------ */
