@@ -1066,6 +1066,75 @@ static void test_scrape_during_prefill(void **state)
 
 /* ---- watchdog --------------------------------------------------------------- */
 
+/* A hostile local process holds every HTTP connection the endpoint allows,
+ * each with half a request, and floods garbage on more: the endpoint is
+ * its own thread with its own connection limit, so decoding clients and the
+ * control socket's MetricsReq are not held up, and once the process is
+ * gone a scrape answers again. */
+static void test_hostile_scrapers(void **state)
+{
+	struct kvd_synth w;
+	struct kvc *c = client("decoder");
+	struct kvc_seq *s = prefilled(c, &w, 11, 1500);
+	float o[8 * 128], lse[8];
+	double worst = 0;
+	struct raw x;
+	char *t;
+	int st;
+	pid_t kid = fork();
+
+	if (kid == 0) {
+		struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+					 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+
+		for (int i = 0; i < 200; i++) {
+			int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+			if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a))
+				continue;
+			if (i % 2)
+				(void)!write(fd, "GET /metr", 9);       /* and never the rest */
+			else
+				(void)!write(fd, "\x16\x03\x01garbage\r\n\r\n", 14);
+		}
+		pause();
+		_exit(0);
+	}
+	assert_true(kid > 0);
+	daemon_sleep_ms(300);                   /* the connections are held */
+	for (int i = 0; i < 20; i++) {
+		double t0 = now_ms();
+
+		for (uint32_t l = 1; l < LAYERS; l++)
+			assert_int_equal(kvc_attend_kvd(c, l, &s, 1, w.q, o, lse), 0);
+		worst = fmax(worst, now_ms() - t0);
+	}
+	assert_int_equal(raw_connect(&x, D.sock), 0);
+	assert_int_equal(raw_hello(&x, 1), 0);
+	t = raw_metrics(&x);
+	assert_non_null(t);
+	assert_non_null(strstr(t, "kvd_build_info"));
+	free(t);
+	raw_close(&x);
+	print_message("200 hostile HTTP connections: worst decode step %.1f ms\n", worst);
+	assert_true(worst < 250);
+	kill(kid, SIGKILL);
+	waitpid(kid, NULL, 0);
+	/* freed connections: the endpoint serves again */
+	t = NULL;
+	for (int i = 0; i < 50 && !t; i++) {
+		t = http_get(port, "/metrics", &st);
+		if (!t)
+			daemon_sleep_ms(100);
+	}
+	assert_non_null(t);
+	assert_int_equal(st, 200);
+	free(t);
+	assert_int_equal(kvc_seq_free(c, s), 0);
+	kvd_synth_free(&w);
+	kvc_close(c);
+}
+
 static void test_watchdog(void **state)
 {
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
@@ -1205,6 +1274,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_spill_faults, start_faulty, stop_spill),
 		cmocka_unit_test_setup_teardown(test_prometheus_scrapes, start, stop),
 		cmocka_unit_test_setup_teardown(test_scrape_during_prefill, start, stop),
+		cmocka_unit_test_setup_teardown(test_hostile_scrapers, start, stop),
 		cmocka_unit_test(test_watchdog),
 		cmocka_unit_test(test_off),
 	};
