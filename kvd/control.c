@@ -672,6 +672,28 @@ struct seq_pick {
 	uint32_t n, cap, total;
 };
 
+/* sel is a max-heap by id of the cap smallest ids past `after`: a page
+ * costs one walk and O(log cap) per sequence, not a sort of all of them
+ * (the loop holds the state lock meanwhile). */
+static void heap_down(struct kvd_seqn **h, uint32_t n, uint32_t i)
+{
+	for (;;) {
+		uint32_t l = 2 * i + 1, r = l + 1, m = i;
+
+		if (l < n && h[l]->id > h[m]->id)
+			m = l;
+		if (r < n && h[r]->id > h[m]->id)
+			m = r;
+		if (m == i)
+			return;
+		struct kvd_seqn *t = h[i];
+
+		h[i] = h[m];
+		h[m] = t;
+		i = m;
+	}
+}
+
 static void pick_seq(void *arg, struct kvd_seqn *q)
 {
 	struct seq_pick *p = arg;
@@ -679,13 +701,27 @@ static void pick_seq(void *arg, struct kvd_seqn *q)
 	if (!q->tenant[0] || !may_see(p->c, q->uid) || (p->m->filter_uid && q->uid != p->m->uid))
 		return;
 	p->total++;
-	if (q->id > p->m->after && p->n < p->cap)
-		p->sel[p->n++] = q;
+	if (q->id <= p->m->after)
+		return;
+	if (p->n < p->cap) {
+		uint32_t i = p->n++;
+
+		p->sel[i] = q;
+		while (i && p->sel[(i - 1) / 2]->id < p->sel[i]->id) {
+			struct kvd_seqn *t = p->sel[i];
+
+			p->sel[i] = p->sel[(i - 1) / 2];
+			p->sel[(i - 1) / 2] = t;
+			i = (i - 1) / 2;
+		}
+	} else if (q->id < p->sel[0]->id) {
+		p->sel[0] = q;
+		heap_down(p->sel, p->n, 0);
+	}
 }
 
 static int do_seq_list(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__SeqListReq *m)
 {
-	struct kvd_store_stats st;
 	uint32_t lim = page_limit(m->limit);
 	struct seq_pick p = { .c = c, .m = m };
 	Kvd__SeqList sl = KVD__SEQ_LIST__INIT;
@@ -694,8 +730,7 @@ static int do_seq_list(struct kvd_server *s, struct client *c, uint64_t id, cons
 	Kvd__SeqInfo **ptr;
 	int rc;
 
-	kvd_store_stats(s->store, &st);
-	p.cap = st.sequences + 1;
+	p.cap = lim + 1;                        /* one more: is there a next page */
 	p.sel = calloc(p.cap, sizeof *p.sel);
 	row = calloc(lim, sizeof *row);
 	ptr = calloc(lim, sizeof *ptr);
