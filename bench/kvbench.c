@@ -3,6 +3,7 @@
  *   kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]
  *                [--workload needle,dense,mixed] [--threads N] [--reps N]
  *                [--seed S] [--seg TOKENS] [--trace DIR] [--warm]
+ *                [--kv-dtype bf16,int8]
  *   kvbench trace-dump --workload W --ctx N DIR   (writes a synthetic layer as .npy)
  *   kvbench demo                                  (attn at a small size, as a table)
  *   kvbench load [--json] ...                     (many clients, noisy neighbours: bench/load.c)
@@ -16,6 +17,8 @@
  * twice the last-level cache before every rep (outside the timed region),
  * so no rep finds the previous rep's rows cached; warm figures (reps back to
  * back) are reported beside them, and `--warm` makes them the headline.
+ * Every configuration runs once per segment dtype (both by default), on the
+ * same data in the same run, so an int8 row carries its ratios to bf16.
  * docs/ARCHITECTURE.md explains every field.
  */
 #include <errno.h>
@@ -49,6 +52,7 @@ struct opts {
 	uint32_t seg;
 	const char *trace;
 	int warm;                       /* --warm: no sweep before the reps */
+	uint32_t dt[KVD_KV_DTYPE_MAX + 1], ndt;
 };
 
 /* One layer's raw input: what a model's attention would see. */
@@ -60,6 +64,7 @@ struct layer_in {
 
 struct probes {
 	double mem_read_gbps, gather_gbps;
+	double gather8_gbps;            /* rows of 128 B: an int8 row of d = 128 */
 	size_t llc;
 	struct bench_sweep *sw;         /* NULL with --warm */
 };
@@ -189,7 +194,7 @@ static double rel_err(const double *a, const double *b, size_t n)
 /* ---- one measured configuration --------------------------------------- */
 
 struct result {
-	uint32_t ctx, K, L, c, nseg;
+	uint32_t ctx, K, L, c, nseg, kv_dtype;
 	const char *workload, *isa;
 	double cand_frac, rows_frac, build_ms, seg_build_ms, hash_ms, sampled_ms, dense_ms;
 	double sampled_warm_ms, dense_warm_ms;
@@ -241,9 +246,10 @@ static double time_reps(const struct layer_call *c, int reps, struct bench_sweep
 }
 
 static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
-		       const struct probes *pr, uint32_t K, uint32_t L, struct result *res)
+		       const struct probes *pr, uint32_t K, uint32_t L, uint32_t dt,
+		       struct result *res)
 {
-	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c };
+	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c, dt };
 	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads;
 	unsigned nw = kvd_pool_size(pool);
 	const struct kvd_kern *kk = kvd_kern_get();
@@ -320,6 +326,7 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	res->K = K;
 	res->L = L;
 	res->c = op->c;
+	res->kv_dtype = dt;
 	res->nseg = p.nseg;
 	res->isa = kk->name;
 	res->workload = in->name;
@@ -328,7 +335,10 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	res->build_ms = p.tables_ms;
 	res->seg_build_ms = p.build_ms;
 	res->hash_ms = p.hash_ms;
-	res->bytes_touched = (double)st.rows * (2.0 * d * 2 + 4) + (double)st.bucket_ids * 2 +
+	/* A gathered row: K and V, 1/|k|, and for int8 its value scale. */
+	double row_bytes = dt == KVD_KV_INT8 ? 2.0 * d + 8 : 2.0 * d * 2 + 4;
+
+	res->bytes_touched = (double)st.rows * row_bytes + (double)st.bucket_ids * 2 +
 			     (double)nq * p.nseg * L * 4;
 	res->rel_err = rel_err(full, ref.exact, (size_t)nq * d);
 	res->topk_rel_err = rel_err(ref.topk, ref.exact, (size_t)nq * d);
@@ -353,43 +363,57 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	free(tab);
 }
 
+/* base: the bf16 row of the same configuration in this run, or NULL. */
 static void print_result(const struct opts *op, const struct layer_in *in, unsigned threads,
-			 const struct probes *pr, const struct result *r, int *header)
+			 const struct probes *pr, const struct result *r,
+			 const struct result *base, int *header)
 {
-	double floor_ms = r->bytes_touched / (pr->gather_gbps * 1e6);
-	double kv_bytes = (double)in->kv_heads * (in->n - SINKS - WINDOW) * in->d * 2.0 * 2.0;
+	int i8 = r->kv_dtype == KVD_KV_INT8;
+	double floor_ms = r->bytes_touched / ((i8 ? pr->gather8_gbps : pr->gather_gbps) * 1e6);
+	double kv_bytes = (double)in->kv_heads * (in->n - SINKS - WINDOW) * in->d * 2.0 *
+			  (i8 ? 1.0 : 2.0);
 	double dense_gbps = kv_bytes / (r->dense_ms * 1e6);
+	char vs[256] = "";
+
+	if (base && op->json)
+		snprintf(vs, sizeof vs,
+			 "\"sampled_vs_bf16\":%.3f,\"dense_vs_bf16\":%.3f,\"rel_err_vs_bf16\":%.5f,",
+			 r->sampled_ms / base->sampled_ms, r->dense_ms / base->dense_ms,
+			 r->rel_err - base->rel_err);
 
 	if (op->json) {
 		printf("{\"bench\":\"attn\",\"ctx\":%u,\"q_heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,"
 		       "\"K\":%u,\"L\":%u,\"c\":%u,\"threads\":%u,\"isa\":\"%s\",\"workload\":\"%s\","
 		       "\"segments\":%u,\"cand_frac\":%.5f,\"rows_frac\":%.5f,\"build_ms\":%.2f,\"seg_build_ms\":%.2f,"
-		       "\"hash_ms\":%.1f,\"timing\":\"%s\",\"llc_bytes\":%zu,\"kv_dtype\":\"bf16\","
+		       "\"hash_ms\":%.1f,\"timing\":\"%s\",\"llc_bytes\":%zu,\"kv_dtype\":\"%s\",%s"
 		       "\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"sampled_warm_ms\":%.3f,"
 		       "\"dense_warm_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
 		       "\"bytes_touched\":%.0f,\"gather_floor_ms\":%.3f,\"mem_read_gbps\":%.2f,"
-		       "\"gather_gbps\":%.2f,\"dense_gbps\":%.2f,\"rel_err\":%.5f,"
+		       "\"gather_gbps\":%.2f,\"dense_gbps\":%.2f,\"dense_vs_stream\":%.3f,"
+		       "\"floor_ratio\":%.3f,\"rel_err\":%.5f,"
 		       "\"topk_rel_err\":%.5f,\"bytes_per_token\":%.1f,\"cpu\":\"%s\"}\n",
 		       r->ctx, in->q_heads, in->kv_heads, in->d, r->K, r->L, r->c, threads, r->isa,
 		       r->workload, r->nseg, r->cand_frac, r->rows_frac, r->build_ms, r->seg_build_ms, r->hash_ms,
-		       pr->sw ? "cold" : "warm", pr->llc, r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
+		       pr->sw ? "cold" : "warm", pr->llc, kvd_kv_dtype_name(r->kv_dtype), vs,
+		       r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
 		       r->dense_warm_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
-		       floor_ms, pr->mem_read_gbps, pr->gather_gbps, dense_gbps, r->rel_err,
+		       floor_ms, pr->mem_read_gbps, i8 ? pr->gather8_gbps : pr->gather_gbps,
+		       dense_gbps, dense_gbps / pr->mem_read_gbps, r->sampled_ms / floor_ms, r->rel_err,
 		       r->topk_rel_err, r->bytes_per_token, bench_cpu_name());
 		fflush(stdout);
 		return;
 	}
 	if (!*header) {
-		printf("%-7s %-7s %-9s %6s %8s %9s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
-		       "workload", "cand%", "build_ms", "sampled", "s_warm", "dense", "speedup",
+		printf("%-7s %-7s %-9s %-5s %6s %8s %9s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
+		       "workload", "kv", "cand%", "build_ms", "sampled", "s_warm", "dense", "speedup",
 		       "floor_ms", "rel_err", "topk_err", "B/tok");
 		*header = 1;
 	}
 	char klc[32];
 
 	snprintf(klc, sizeof klc, "%u/%u/%u", r->K, r->L, r->c);
-	printf("%-7u %-7s %-9s %6.2f %8.1f %9.3f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx,
-	       klc, r->workload, 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->sampled_warm_ms,
+	printf("%-7u %-7s %-9s %-5s %6.2f %8.1f %9.3f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx,
+	       klc, r->workload, kvd_kv_dtype_name(r->kv_dtype), 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->sampled_warm_ms,
 	       r->dense_ms,
 	       r->dense_ms / r->sampled_ms, floor_ms, r->rel_err, r->topk_rel_err,
 	       r->bytes_per_token);
@@ -461,6 +485,7 @@ static void usage(void)
 		"usage: kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]\n"
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
 		"                    [--seed S] [--seg TOKENS] [--trace DIR] [--warm]\n"
+		"                    [--kv-dtype bf16,int8]\n"
 		"       kvbench trace-dump --workload W --ctx N DIR\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n");
@@ -526,6 +551,17 @@ static void parse(int argc, char **argv, struct opts *op)
 			op->seg = (uint32_t)atoi(v);
 		} else if (!strcmp(a, "--trace")) {
 			op->trace = v;
+		} else if (!strcmp(a, "--kv-dtype")) {
+			char buf[64], *save, *tok;
+
+			snprintf(buf, sizeof buf, "%s", v);
+			op->ndt = 0;
+			for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+				if (op->ndt > KVD_KV_DTYPE_MAX ||
+				    kvd_kv_dtype_parse(tok, &op->dt[op->ndt++]))
+					usage();
+			if (!op->ndt)
+				usage();
 		} else {
 			usage();
 		}
@@ -551,7 +587,27 @@ static void defaults(struct opts *op)
 	op->nwl = KVD_WL_COUNT;
 	op->reps = 15;
 	op->seed = 1;
+	op->dt[0] = KVD_KV_BF16;
+	op->dt[1] = KVD_KV_INT8;
+	op->ndt = 2;
 	op->seg = 32768;
+}
+
+/* One configuration for every dtype asked for; int8 rows compare with the
+ * bf16 row just measured. */
+static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
+		       const struct probes *pr, uint32_t K, uint32_t L, int *header)
+{
+	struct result r[KVD_KV_DTYPE_MAX + 1];
+	const struct result *base = NULL;
+
+	for (uint32_t i = 0; i < op->ndt; i++) {
+		run_config(op, pool, in, pr, K, L, op->dt[i], &r[i]);
+		print_result(op, in, kvd_pool_size(pool), pr, &r[i],
+			     op->dt[i] != KVD_KV_BF16 ? base : NULL, header);
+		if (op->dt[i] == KVD_KV_BF16)
+			base = &r[i];
+	}
 }
 
 static int cmd_attn(struct opts *op)
@@ -572,23 +628,21 @@ static int cmd_attn(struct opts *op)
 
 	pr.mem_read_gbps = bench_stream_read_gbps(pool, probe, 5);
 	pr.gather_gbps = bench_gather_gbps(pool, probe, 256, 3, pr.sw);
+	pr.gather8_gbps = bench_gather_gbps(pool, probe, 128, 3, pr.sw);
 	if (!op->json)
 		printf("kvbench attn: %s, %u threads, kernels %s; streaming read %.1f GB/s, "
-		       "random 256 B gathers %.1f GB/s; %s timing (LLC %zu MiB)\n",
+		       "random 256 B gathers %.1f GB/s, 128 B %.1f GB/s; %s timing (LLC %zu MiB)\n",
 		       bench_cpu_name(), kvd_pool_size(pool), kvd_kern_get()->name,
-		       pr.mem_read_gbps, pr.gather_gbps, pr.sw ? "cold" : "warm", pr.llc >> 20);
+		       pr.mem_read_gbps, pr.gather_gbps, pr.gather8_gbps, pr.sw ? "cold" : "warm",
+		       pr.llc >> 20);
 
 	if (op->trace) {
 		struct layer_in in;
 		float *bufs[3];
 
 		load_trace(op->trace, &in, bufs);
-		for (uint32_t c = 0; c < op->nkl; c++) {
-			struct result r;
-
-			run_config(op, pool, &in, &pr, op->K[c], op->L[c], &r);
-			print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
-		}
+		for (uint32_t c = 0; c < op->nkl; c++)
+			run_dtypes(op, pool, &in, &pr, op->K[c], op->L[c], &header);
 		for (int i = 0; i < 3; i++)
 			free(bufs[i]);
 	}
@@ -602,12 +656,8 @@ static int cmd_attn(struct opts *op)
 				die("workload", rc);
 			in = (struct layer_in){ kvd_wl_name(w.kind), w.n, w.q_heads, w.kv_heads, w.d,
 						w.k, w.v, w.q };
-			for (uint32_t c = 0; c < op->nkl; c++) {
-				struct result r;
-
-				run_config(op, pool, &in, &pr, op->K[c], op->L[c], &r);
-				print_result(op, &in, kvd_pool_size(pool), &pr, &r, &header);
-			}
+			for (uint32_t c = 0; c < op->nkl; c++)
+				run_dtypes(op, pool, &in, &pr, op->K[c], op->L[c], &header);
 			kvd_synth_free(&w);
 		}
 	}

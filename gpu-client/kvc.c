@@ -1,4 +1,5 @@
 /* libkvclient, CPU backend.  See kvc.h. */
+#include <assert.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdarg.h>
@@ -233,6 +234,17 @@ void kvc_close(struct kvc *c)
 	free(c);
 }
 
+/* kvc.h's numbers are the wire's and the engine's. */
+static_assert((int)KVC_KV_BF16 == (int)KVD_KV_BF16 && (int)KVC_KV_INT8 == (int)KVD_KV_INT8,
+	      "kvc_kv_dtype");
+
+static const char *dtype_name(uint32_t dt)
+{
+	const char *s = kvd_kv_dtype_name(dt);
+
+	return s ? s : "unknown";
+}
+
 int kvc_profile(struct kvc *c, const struct kvc_model *m)
 {
 	Kvd__Request rq = KVD__REQUEST__INIT;
@@ -251,6 +263,7 @@ int kvc_profile(struct kvc *c, const struct kvc_model *m)
 	p.k_bits = m->K;
 	p.tables = m->L;
 	p.min_collisions = m->c;
+	p.kv_dtype = m->kv_dtype;
 	p.sink_tokens = m->sink;
 	p.window_tokens = m->window;
 	p.n_dense_layers = m->n_dense;
@@ -271,6 +284,15 @@ int kvc_profile(struct kvc *c, const struct kvc_model *m)
 
 	const Kvd__Profile *got = r->profile->profile;
 
+	/* proto3 drops a field the peer does not know: an older kvd would
+	 * answer bf16 to an int8 request, silently. */
+	if (got->kv_dtype != m->kv_dtype) {
+		rc = fail(c, -EOPNOTSUPP, "kvd made profile '%s' kv_dtype %s, not %s as asked "
+			  "(a kvd without kv_dtype?)", got->name, dtype_name(got->kv_dtype),
+			  dtype_name(m->kv_dtype));
+		kvd_ctl_free_response(r);
+		return rc;
+	}
 	c->profile_id = r->profile->profile_id;
 	snprintf(c->mname, sizeof c->mname, "%s", got->name);
 	c->m = (struct kvc_model){
@@ -278,6 +300,7 @@ int kvc_profile(struct kvc *c, const struct kvc_model *m)
 		.kv_heads = got->kv_heads, .head_dim = got->head_dim, .K = got->k_bits,
 		.L = got->tables, .c = got->min_collisions, .sink = got->sink_tokens,
 		.window = got->window_tokens, .n_dense = (uint32_t)got->n_dense_layers,
+		.kv_dtype = got->kv_dtype,
 		.seed = got->seed, .segment_tokens = got->segment_tokens,
 		.seal_tokens = got->seal_tokens,
 	};

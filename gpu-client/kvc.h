@@ -49,6 +49,11 @@ struct kvc_opts {
 
 enum kvc_backend { KVC_BACKEND_CPU = 0, KVC_BACKEND_CUDA = 1, KVC_BACKEND_AUTO = 2 };
 
+/* How kvd stores the K and V rows of sealed segments (Profile.kv_dtype).
+ * The client's rows, its window and everything it sends stay bf16 either
+ * way: int8 is made by kvd when it seals a segment. */
+enum kvc_kv_dtype { KVC_KV_BF16 = 0, KVC_KV_INT8 = 1 };
+
 struct kvc_model {
 	const char *name;
 	uint32_t layers, q_heads, kv_heads, head_dim;
@@ -56,6 +61,10 @@ struct kvc_model {
 	uint32_t sink, window;          /* tokens kept by the client */
 	const uint32_t *dense_layers;   /* layers kvd holds nothing of */
 	uint32_t n_dense;
+	/* enum kvc_kv_dtype; 0: bf16.  It took what was padding in
+	 * libkvclient.so.1, whose callers may have left garbage there: hence
+	 * soname libkvclient.so.2. */
+	uint32_t kv_dtype;
 	uint64_t seed;                  /* of the projection matrix W */
 	uint32_t segment_tokens, seal_tokens;   /* 0: defaults */
 };
@@ -70,7 +79,9 @@ const char *kvc_last_error(const struct kvc *c);
 int kvc_backend(const struct kvc *c);
 
 /* Creates the profile, or opens it when kvd has it with the same fields.
- * Once per connection, before any sequence. */
+ * Once per connection, before any sequence.  -EOPNOTSUPP when kvd answers
+ * with another kv_dtype than asked for (a kvd that predates the field
+ * ignores it and stores bf16). */
 int kvc_profile(struct kvc *c, const struct kvc_model *m);
 /* The profile as kvd filled it in (defaults), and W ([head_dim][K*L]). */
 const struct kvc_model *kvc_model_of(const struct kvc *c);

@@ -31,10 +31,24 @@ struct kvd_pool;
 
 #define KVD_QHEADS_MAX 1024
 
+/* How a segment stores K and V.  The open tail and everything a client
+ * sends stay bf16; int8 is made when a segment is sealed. */
+enum kvd_kv_dtype {
+	KVD_KV_BF16 = 0,
+	KVD_KV_INT8 = 1,
+};
+#define KVD_KV_DTYPE_MAX KVD_KV_INT8
+
 struct kvd_geom {
 	uint32_t q_heads, kv_heads, d;  /* d: head_dim, multiple of 16, <= KVD_DMAX */
 	uint32_t K, L, c;               /* K <= 16 bits, L tables, c in {1, 2} */
+	uint32_t kv_dtype;              /* enum kvd_kv_dtype; 0 (bf16) when left out */
 };
+
+/* "bf16" / "int8"; NULL for an unknown value.  kvd_kv_dtype_parse: 0 and
+ * *out, or -EINVAL. */
+const char *kvd_kv_dtype_name(uint32_t dt);
+int kvd_kv_dtype_parse(const char *s, uint32_t *out);
 
 /* 0, or -KVD_EGEOM when a field is out of range (q_heads <= KVD_QHEADS_MAX)
  * or q_heads / kv_heads is not an integer <= KVD_GMAX. */
@@ -44,14 +58,23 @@ static inline uint32_t kvd_geom_group(const struct kvd_geom *g)
 	return g->q_heads / g->kv_heads;
 }
 
+/* bf16 segments set k and v; int8 segments set k8, v8 and the scales
+ * instead, with key e of row i = kfac[i] * kscale[e] * k8[i][e] (a scale per
+ * channel per segment head: centered keys have outlier channels, and a
+ * per-token scale alone would let them crush every other channel; then a
+ * per-row least-squares factor) and value e of row i = vscale[i] * v8[i][e].
+ * kinv is 1/|k| of the dequantized key, the key that is scored. */
 struct kvd_seg_head {
-	uint16_t *k, *v;                /* [n][d] */
+	uint16_t *k, *v;                /* [n][d] bf16 */
+	int8_t *k8, *v8;                /* [n][d] int8 */
+	float *kscale;                  /* [d] */
+	float *vscale, *kfac;           /* [n] */
 	float *kinv;                    /* [n] */
 	struct kvd_lsh_tables tab;
 };
 
 struct kvd_seg {
-	uint32_t n, kv_heads, d, K, L;
+	uint32_t n, kv_heads, d, K, L, kv_dtype;
 	size_t bytes;                   /* the io buffer: what this segment keeps resident */
 	double tables_ms;               /* time kvd_seg_build spent on the tables */
 	void *io;                       /* the io buffer: header page, then mem */
@@ -60,7 +83,11 @@ struct kvd_seg {
 };
 
 /* Builds a segment from centered rows k, v ([kv_heads][n][d] bf16) and the
- * keys' codes ([kv_heads][L][n]); copies everything it keeps.  Work is split
+ * keys' codes ([kv_heads][L][n]); copies (or, for g->kv_dtype int8,
+ * quantizes) everything it keeps.  Quantization is round to nearest with
+ * scales from the largest finite |x| (a channel of a head for keys, a row for
+ * values); infinities saturate and NaN becomes -127, so every scale and 1/|k|
+ * of a built segment is finite and kvd_seg_check accepts it.  Work is split
  * over the pool (NULL: the calling thread).  0, -KVD_EGEOM, -ENOMEM. */
 int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
@@ -75,11 +102,11 @@ void kvd_seg_free(struct kvd_seg *s);
  * a thread with a yield hook (kvd_pool_set_yield) answers other requests
  * between its slices. */
 
-/* Bytes of a segment's payload (rows, 1/|k|, tables of every kv head), as
+/* Bytes of a segment's payload (rows, scales, 1/|k|, tables of every kv head), as
  * kvd_seg_build lays it out; a SEG extent's payload_bytes. */
 size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n);
 
-/* Segment io buffers.  Of g only kv_heads, d, K and L count (q_heads and c
+/* Segment io buffers.  Of g only kv_heads, d, K, L and kv_dtype count (q_heads and c
  * are not part of a segment), each range-checked as by kvd_geom_check.
  *
  * kvd_seg_io_bytes: KVD_SEG_IO_PAGE + kvd_seg_bytes() rounded up to the
@@ -97,8 +124,8 @@ void kvd_seg_io_free(void *io, size_t bytes);
 
 /* Checks a segment payload of n tokens at mem (64-byte aligned,
  * kvd_seg_bytes() bytes) that did not come from kvd_seg_build -- a spill
- * file: for every kv head, 1/|k| is finite and >= 0 (what the kernels
- * compute) and the L tables pass kvd_lsh_tables_check().  A segment that
+ * file: for every kv head, 1/|k| and (int8) the scales are finite and >= 0
+ * (what a build computes) and the L tables pass kvd_lsh_tables_check().  A segment that
  * passes can never make retrieval or the kernels read outside its own rows
  * and tables, whatever its bytes.  One pass over the tables; pure and
  * thread-safe.  0, -KVD_EFORMAT, or -KVD_EGEOM / -EINVAL (bad g, n or
@@ -147,6 +174,9 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 void kvd_attn_dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		    const uint16_t *k, const uint16_t *v, size_t n, float *o, float *lse,
 		    float *s);
+/* The same over all rows of kv head h of a segment, bf16 or int8. */
+void kvd_attn_dense_seg(const struct kvd_kern *kk, const float *q, int G,
+			const struct kvd_seg *seg, uint32_t h, float *o, float *lse, float *s);
 #define KVD_ATTN_DENSE_SCRATCH (KVD_GMAX * 256)
 
 /* (o, lse) <- merge of (o, lse) and (o2, lse2), for G heads of d. */

@@ -163,6 +163,7 @@ static void profile_to_msg(const struct kvd_profile *p, Kvd__Profile *m, uint32_
 	m->k_bits = p->g.K;
 	m->tables = p->g.L;
 	m->min_collisions = p->g.c;
+	m->kv_dtype = p->g.kv_dtype;
 	m->sink_tokens = p->sink;
 	m->window_tokens = p->window;
 	for (uint32_t l = 0; l < p->layers; l++)

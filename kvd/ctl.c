@@ -19,6 +19,10 @@
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "kvd_ctl assumes a little-endian host");
 static_assert(KVD_CTL_VERSION == KVD__VERSION__VERSION_CURRENT, "KVD_CTL_VERSION");
 static_assert(KVD_CTL_LAYERS_MAX % 64 == 0, "dense layer bitmap");
+/* Profile.kv_dtype goes into kvd_geom.kv_dtype as it is. */
+static_assert((int)KVD__KV_DTYPE__KV_DTYPE_BF16 == (int)KVD_KV_BF16 &&
+	      (int)KVD__KV_DTYPE__KV_DTYPE_INT8 == (int)KVD_KV_INT8 &&
+	      KVD_KV_DTYPE_MAX == KVD_KV_INT8, "Profile.kv_dtype numbers");
 
 __attribute__((format(printf, 3, 4)))
 static int fail(struct kvd_ctl_err *err, int code, const char *fmt, ...)
@@ -148,6 +152,11 @@ int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err 
 	if (p->min_collisions != 1 && p->min_collisions != 2)
 		return fail(err, -KVD_EGEOM, "profile min_collisions %u is not 1 or 2",
 			    p->min_collisions);
+	/* A storage choice, not a shape: -EINVAL, though kvd_geom_check()
+	 * would say -KVD_EGEOM. */
+	if (p->kv_dtype > KVD_KV_DTYPE_MAX)
+		return fail(err, -EINVAL, "profile kv_dtype %u is not 0 (bf16) or 1 (int8)",
+			    p->kv_dtype);
 	rc = kvd_ctl_profile_to_geom(p, &g);
 	if (rc)
 		return fail(err, rc, "profile geometry refused by kvd_geom_check");
@@ -215,6 +224,7 @@ int kvd_ctl_profile_equal(const Kvd__Profile *a, const Kvd__Profile *b)
 	    a->k_bits != b->k_bits || a->tables != b->tables ||
 	    a->min_collisions != b->min_collisions || a->sink_tokens != b->sink_tokens ||
 	    a->window_tokens != b->window_tokens || a->seed != b->seed ||
+	    a->kv_dtype != b->kv_dtype ||
 	    seg_tokens(a) != seg_tokens(b) || seal_tokens(a) != seal_tokens(b))
 		return 0;
 	dense_set(a, da);
@@ -230,6 +240,7 @@ int kvd_ctl_profile_to_geom(const Kvd__Profile *p, struct kvd_geom *g)
 	g->K = p->k_bits;
 	g->L = p->tables;
 	g->c = p->min_collisions;
+	g->kv_dtype = p->kv_dtype;
 	return kvd_geom_check(g);
 }
 

@@ -122,8 +122,8 @@ int kvd_ctl_send_ok(int fd, uint64_t id);
  * unknown request type), -EPROTONOSUPPORT (Hello.version is not
  * KVD_CTL_VERSION: "protocol version N not supported, kvd speaks 1"),
  * -KVD_EGEOM (a Profile's heads, head_dim, K, L or c), -EINVAL (any other
- * field).  err->id is the request's id whenever it unpacked, so the reply
- * can carry it.  What is checked, per body:
+ * field, kv_dtype included).  err->id is the request's id whenever it
+ * unpacked, so the reply can carry it.  What is checked, per body:
  *   Hello          version; tenant, client_name; slots <= KVD_CTL_SLOTS_MAX;
  *                  slot_size 0 or a multiple of 4096 in [SLOT_MIN, SLOT_MAX];
  *                  both set: slots * slot_size <= KVD_CTL_ARENA_MAX (kvd
@@ -174,7 +174,8 @@ void kvd_ctl_free_response(Kvd__Response *r);
 
 /* 0, or -KVD_EGEOM / -EINVAL with *err filled (err may be NULL).  name:
  * 1..KVD_CTL_NAME_MAX printable bytes; layers 1..KVD_CTL_LAYERS_MAX; the
- * geometry as kvd_geom_check() (q_heads <= KVD_QHEADS_MAX); sink_tokens,
+ * geometry as kvd_geom_check() (q_heads <= KVD_QHEADS_MAX); kv_dtype
+ * KVD_KV_BF16 or KVD_KV_INT8 (0, the default, is bf16); sink_tokens,
  * window_tokens <= KVD_CTL_TOKENS_MAX; dense_layers: each < layers, no
  * duplicates; segment_tokens a power of two in [KVD_CTL_SEG_MIN,
  * KVD_SEG_MAX]; seal_tokens in [KVD_CTL_SEAL_MIN, segment_tokens].  Unless
@@ -191,7 +192,7 @@ void kvd_ctl_profile_defaults(Kvd__Profile *p);
  * it when this holds and is refused (-EEXIST) when it does not. */
 int kvd_ctl_profile_equal(const Kvd__Profile *a, const Kvd__Profile *b);
 
-/* The geometry of a profile; returns kvd_geom_check(g). */
+/* The geometry of a profile, kv_dtype included; returns kvd_geom_check(g). */
 int kvd_ctl_profile_to_geom(const Kvd__Profile *p, struct kvd_geom *g);
 
 /* W (head_dim * K * L floats, lsh.h's layout) of a decoded ProfileReply:

@@ -3,7 +3,10 @@
  * kern_scalar.c is the reference; kern_avx2.c (AVX2+FMA) and kern_avx512.c
  * (AVX-512 F/BW/VL/DQ; plus an "avx512bf16" variant whose qk uses
  * VDPBF16PS) must agree with it within bf16-level tolerance
- * (tests/unit/test_kern.c).
+ * (tests/unit/test_kern.c).  qk8 and pv8, on int8 rows, compute in f32 in
+ * every variant (elements converted exactly, f32 FMAs), so they agree with
+ * scalar as closely as the f32 qk and pv do; they use nothing beyond the
+ * table's ISA (no VNNI: kern_avx512.c says why).
  *
  * kvd_kern_get() picks avx512, else avx2, else scalar, once, unless the
  * environment says KVD_ISA=scalar|avx2|avx512|avx512bf16.  avx512bf16 is not
@@ -15,10 +18,10 @@
  * The kernels keep up to ~48 KiB on the stack (hash): worker threads need
  * 64 KiB or more.  Row bases 64-byte aligned save a prefetch per row.
  *
- * Rows are bf16, d elements, rows of one array contiguous: row i of `base` is
- * base + (idx ? idx[i] : i) * d.  d is a multiple of 16, at most KVD_DMAX.
- * G (q heads sharing a kv head) is at most KVD_GMAX.  All kernels are pure and
- * thread-safe; none allocates.
+ * Rows are bf16 (int8 for qk8 and pv8), d elements, rows of one array
+ * contiguous: row i of `base` is base + (idx ? idx[i] : i) * d.  d is a
+ * multiple of 16, at most KVD_DMAX.  G (q heads sharing a kv head) is at most
+ * KVD_GMAX.  All kernels are pure and thread-safe; none allocates.
  */
 #ifndef KVD_KERN_H
 #define KVD_KERN_H
@@ -60,6 +63,16 @@ struct kvd_kern {
 
 	/* out[i] = 1/|row_i| over n contiguous rows (0 where the row is zero). */
 	void (*kinv)(const uint16_t *rows, size_t n, int d, float *out);
+
+	/* qk and pv over int8 rows (kv_dtype int8): row i of base is
+	 * base + (idx ? idx[i] : i) * d bytes.  The kernels see integers only;
+	 * callers fold the scales in (per-channel key scales into q, per-row
+	 * value scales into w), so a variant may compute in any precision at
+	 * least as good as f32 accumulation of f32 products. */
+	void (*qk8)(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
+		    size_t m, float *s, size_t lds);
+	void (*pv8)(const float *w, size_t ldw, int G, int d, const int8_t *base,
+		    const uint32_t *idx, size_t m, float *o);
 };
 
 const struct kvd_kern *kvd_kern_get(void);

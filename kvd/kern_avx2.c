@@ -29,12 +29,12 @@
  * last line, for rows that are not 64-byte aligned. */
 INLINE void prefetch_chunk(const uint16_t *p, int c)
 {
-	_mm_prefetch((const char *)(p + 16 * c), _MM_HINT_T0);
+	_mm_prefetch((const char *)(p + 16 * c), _MM_HINT_T1);
 }
 
 INLINE void prefetch_last(const uint16_t *p, int d)
 {
-	_mm_prefetch((const char *)(p + d - 1), _MM_HINT_T0);
+	_mm_prefetch((const char *)(p + d - 1), _MM_HINT_T1);
 }
 
 /* ---- shared pieces ------------------------------------------------------ */
@@ -332,6 +332,256 @@ static void pv_avx2(const float *w, size_t ldw, int G, int d, const uint16_t *ba
 	}
 	for (int g = 0; g < G; g++)
 		interleave(o + (size_t)g * d, oa + g * d, d);
+}
+
+/* ---- int8 qk / pv ------------------------------------------------------- */
+
+/* int8 rows (qk8, pv8): walked, converted and prefetched as in
+ * kern_avx512.c (read its notes); a chunk is 16 elements, its two halves in
+ * natural order in place of the even and odd elements of the bf16 kernels. */
+#define PF8_HINT _MM_HINT_T1
+#define PF8_GATHER (2 * TILE)
+#define PF8_STREAM PF_STREAM
+
+static inline const int8_t *p8(const uint16_t *p)
+{
+	return (const int8_t *)p;
+}
+
+INLINE void prefetch8(const int8_t *p, int c)
+{
+	if (c % 4 == 0)
+		_mm_prefetch((const char *)(p + 16 * c), PF8_HINT);
+}
+
+/* 8 int8 elements as float, exactly. */
+INLINE __m256 i8_ps(const int8_t *p)
+{
+	return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* As qk_tile, the halves of a chunk in place of even and odd elements. */
+INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const struct tile *tl,
+		     __m256 *tmp, float *s, size_t lds, int pf)
+{
+	const int NR = GB == 1 ? 4 : GB == 2 ? 2 : 1;
+	const int d = 2 * w->d, nch = d / 16;
+
+	for (int r0 = 0; r0 < TILE; r0 += NR) {
+		const int j = r0 / 4, k0 = r0 % 4;
+		const int8_t *rp[4], *pp[4];
+		__m256 al[4][GB_MAX], ah[4][GB_MAX];
+
+		if (k0 >= tl->cnt[j]) {
+			for (int k = 0; k < NR; k++)
+				for (int g = 0; g < GB; g++)
+					tmp[g * TILE + r0 + k] = _mm256_setzero_ps();
+			continue;
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < NR; k++) {
+			rp[k] = p8(slot_row(w, tl, j, k0 + k));
+			pp[k] = pf ? p8(slot_pf(w, tl, j, k0 + k)) : NULL;
+			if (pf && w->odd)
+				_mm_prefetch((const char *)(pp[k] + d - 1), PF8_HINT);
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++)
+				al[k][g] = ah[k][g] = _mm256_setzero_ps();
+		}
+		for (int c = 0; c < nch; c++) {
+			__m256 xl[4], xh[4];
+
+#pragma GCC unroll 4
+			for (int k = 0; k < NR; k++) {
+				if (pf)
+					prefetch8(pp[k], c);
+				xl[k] = i8_ps(rp[k] + 16 * c);
+				xh[k] = i8_ps(rp[k] + 16 * c + 8);
+			}
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++) {
+				__m256 ql = _mm256_loadu_ps(q + g * d + 16 * c);
+				__m256 qh = _mm256_loadu_ps(q + g * d + 16 * c + 8);
+
+#pragma GCC unroll 4
+				for (int k = 0; k < NR; k++) {
+					al[k][g] = _mm256_fmadd_ps(ql, xl[k], al[k][g]);
+					ah[k][g] = _mm256_fmadd_ps(qh, xh[k], ah[k][g]);
+				}
+			}
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < NR; k++)
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++)
+				tmp[g * TILE + r0 + k] = _mm256_add_ps(al[k][g], ah[k][g]);
+	}
+	for (int g = 0; g < GB; g++) {
+		for (int h = 0; h < 2; h++) {
+			__m256 v = hsum8(tmp + g * TILE + 8 * h);
+
+			for (int j = 2 * h; j < 2 * h + 2; j++) {
+				__m128 x = j % 2 ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v);
+				float *out = s + g * lds + tl->pos[j];
+
+				if (tl->cnt[j] == 4)
+					_mm_storeu_ps(out, x);
+				else if (tl->cnt[j])
+					_mm_maskstore_ps(out, _mm_cmpgt_epi32(_mm_set1_epi32(tl->cnt[j]),
+									      _mm_setr_epi32(0, 1, 2, 3)), x);
+			}
+		}
+	}
+}
+
+typedef void qk8_fn(const float *q, const struct walk *w, const struct tile *tl, __m256 *tmp,
+		    float *s, size_t lds, int pf);
+#define QK8_TILE(GB)                                                                \
+	static __attribute__((noinline)) void qk8_tile_##GB(const float *q,         \
+		const struct walk *w, const struct tile *tl, __m256 *tmp, float *s,   \
+		size_t lds, int pf)                                                 \
+	{                                                                           \
+		qk8_tile(GB, q, w, tl, tmp, s, lds, pf);                            \
+	}
+BY_GB(QK8_TILE)
+static qk8_fn *const qk8_tiles[GB_MAX] = BY_GB_NAMES(qk8_tile);
+
+static void qk8_avx2(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
+		     size_t m, float *s, size_t lds)
+{
+	_Alignas(32) float qa[KVD_GMAX * KVD_DMAX];
+	_Alignas(32) __m256 tmp[GB_MAX * TILE];
+	int ng = (G + GB_MAX - 1) / GB_MAX;
+	struct walk w;
+	struct tile tl;
+
+	if (m == 0)
+		return;
+	/* Half the loads of q would straddle lines otherwise (Zen 4, rows in
+	 * L1, G = 4: 72 cycles a row instead of 56 with q 16 bytes off). */
+	if ((uintptr_t)q % 32) {
+		memcpy(qa, q, (size_t)G * d * sizeof *qa);
+		q = qa;
+	}
+	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);
+	w.pfd = w.part ? PF8_STREAM : PF8_GATHER;
+	for (size_t t = 0; t < w.ntiles; t++) {
+		tile_at(&w, t, &tl);
+		for (int k = 0, g0 = 0; k < ng; k++) {
+			int gb = (G - g0) / (ng - k);
+
+			qk8_tiles[gb - 1](q + (size_t)g0 * d, &w, &tl, tmp, s + g0 * lds, lds, k == 0);
+			g0 += gb;
+		}
+	}
+}
+
+/* As pv_pass, on o itself, the halves of a chunk in place of even and odd. */
+INLINE void pv8_pass(const int GB, const int CW, int c0, const float *w, size_t ldw, float *o,
+		     int d, int odd, const struct tile *tl, const int8_t *const *rp,
+		     const int8_t *const *pp)
+{
+	__m256 al[GB_MAX], ah[GB_MAX];
+
+#pragma GCC unroll 12
+	for (int k = 0; k < CW * GB; k++) {
+		al[k] = _mm256_loadu_ps(o + (k % GB) * d + 16 * (c0 + k / GB));
+		ah[k] = _mm256_loadu_ps(o + (k % GB) * d + 16 * (c0 + k / GB) + 8);
+	}
+	for (int r = 0; r < TILE; r++) {
+		const float *wr = w + tl->pos[r / 4] + r % 4;
+		const int8_t *p = rp[r] + 16 * c0;
+
+		if (r % 4 == tl->cnt[r / 4]) {
+			r |= 3;
+			continue;
+		}
+		if (pp) {
+#pragma GCC unroll 4
+			for (int cc = 0; cc < CW; cc++)
+				prefetch8(pp[r], c0 + cc);
+			if (c0 == 0 && odd)
+				_mm_prefetch((const char *)(pp[r] + d - 1), PF8_HINT);
+		}
+#pragma GCC unroll 4
+		for (int cc = 0; cc < CW; cc++) {
+			__m256 xl = i8_ps(p + 16 * cc), xh = i8_ps(p + 16 * cc + 8);
+
+#pragma GCC unroll 6
+			for (int g = 0; g < GB; g++) {
+				__m256 wv = _mm256_broadcast_ss(wr + g * ldw);
+
+				al[cc * GB + g] = _mm256_fmadd_ps(wv, xl, al[cc * GB + g]);
+				ah[cc * GB + g] = _mm256_fmadd_ps(wv, xh, ah[cc * GB + g]);
+			}
+		}
+	}
+#pragma GCC unroll 12
+	for (int k = 0; k < CW * GB; k++) {
+		_mm256_storeu_ps(o + (k % GB) * d + 16 * (c0 + k / GB), al[k]);
+		_mm256_storeu_ps(o + (k % GB) * d + 16 * (c0 + k / GB) + 8, ah[k]);
+	}
+}
+
+INLINE void pv8_tile(const int GB, const float *w, size_t ldw, float *o, const struct walk *wk,
+		     const struct tile *tl, int pf)
+{
+	const int CW = GB == 1 ? 4 : GB <= 3 ? 2 : 1;
+	const int d = 2 * wk->d, nch = d / 16;
+	const int8_t *rp[TILE], *pp[TILE];
+	int c0 = 0;
+
+	for (int r = 0; r < TILE; r++) {
+		rp[r] = p8(slot_row(wk, tl, r / 4, r % 4));
+		pp[r] = pf ? p8(slot_pf(wk, tl, r / 4, r % 4)) : NULL;
+	}
+	for (; c0 + CW <= nch; c0 += CW)
+		pv8_pass(GB, CW, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+	/* The rest in at most three passes (a pass costs a walk over the
+	 * tile's rows, more than its FMAs when it is narrow). */
+	if (CW > 4 && c0 + 4 <= nch) {
+		pv8_pass(GB, 4, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+		c0 += 4;
+	}
+	if (CW > 2 && c0 + 2 <= nch) {
+		pv8_pass(GB, 2, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+		c0 += 2;
+	}
+	if (c0 < nch)
+		pv8_pass(GB, 1, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+}
+
+typedef void pv8_fn(const float *w, size_t ldw, float *o, const struct walk *wk,
+		    const struct tile *tl, int pf);
+#define PV8_TILE(GB)                                                                \
+	static __attribute__((noinline)) void pv8_tile_##GB(const float *w, size_t ldw, \
+		float *o, const struct walk *wk, const struct tile *tl, int pf)       \
+	{                                                                           \
+		pv8_tile(GB, w, ldw, o, wk, tl, pf);                                \
+	}
+BY_GB(PV8_TILE)
+static pv8_fn *const pv8_tiles[GB_MAX] = BY_GB_NAMES(pv8_tile);
+
+static void pv8_avx2(const float *w, size_t ldw, int G, int d, const int8_t *base,
+		     const uint32_t *idx, size_t m, float *o)
+{
+	int ng = (G + GB_MAX - 1) / GB_MAX;
+	struct walk wk;
+	struct tile tl;
+
+	if (m == 0)
+		return;
+	walk_init(&wk, (const uint16_t *)base, idx, m, d / 2);
+	wk.pfd = wk.part ? PF8_STREAM : PF8_GATHER;
+	for (size_t t = 0; t < wk.ntiles; t++) {
+		tile_at(&wk, t, &tl);
+		for (int k = 0, g0 = 0; k < ng; k++) {
+			int gb = (G - g0) / (ng - k);
+
+			pv8_tiles[gb - 1](w + g0 * ldw, ldw, o + (size_t)g0 * d, &wk, &tl, k == 0);
+			g0 += gb;
+		}
+	}
 }
 
 /* ---- softmax pieces ------------------------------------------------------ */
@@ -705,4 +955,6 @@ const struct kvd_kern kvd_kern_avx2 = {
 	.expsum = expsum_avx2,
 	.logp = logp_avx2,
 	.kinv = kinv_avx2,
+	.qk8 = qk8_avx2,
+	.pv8 = pv8_avx2,
 };

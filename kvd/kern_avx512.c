@@ -34,12 +34,12 @@ static inline size_t round32(int d)
  * row that is not 64-byte aligned has beyond its d/32 chunk starts. */
 INLINE void prefetch_chunk(const uint16_t *p, int c)
 {
-	_mm_prefetch((const char *)(p + 32 * c), _MM_HINT_T0);
+	_mm_prefetch((const char *)(p + 32 * c), _MM_HINT_T1);
 }
 
 INLINE void prefetch_last(const uint16_t *p, int d)
 {
-	_mm_prefetch((const char *)(p + d - 1), _MM_HINT_T0);
+	_mm_prefetch((const char *)(p + d - 1), _MM_HINT_T1);
 }
 
 /* ---- shared pieces ------------------------------------------------------ */
@@ -474,6 +474,284 @@ static void pv_avx512(const float *w, size_t ldw, int G, int d, const uint16_t *
 		interleave(o + (size_t)g * d, oa + g * dp, d);
 }
 
+/* ---- int8 qk / pv ------------------------------------------------------- */
+
+/* int8 rows (qk8, pv8) are walked as in kern_walk.h, which counts in u16
+ * elements: a row of d bytes is d/2 of them, so walk_init(base, d/2) gives
+ * the same tiles and streams, and w->odd the right answer for byte rows (the
+ * u16 pointers are only offset, never read).  A chunk is 16 elements,
+ * converted exactly to f32 (VPMOVSXBD + VCVTDQ2PS), in natural order: q and
+ * o need no reordering.  A 64-byte line holds 4 chunks and is prefetched with
+ * the first of them.
+ *
+ * Prefetches go to L2 (T1), two tiles ahead when gathering: T0 prefetches
+ * find the L1 miss buffers full, and on Zen 4 a gather then ran at ~15 ns a
+ * row whatever the distance (8000 rows of d = 128 out of 64 MiB, G = 4:
+ * qk8 + pv8 in 426 us with T0, 226 us with T1 two tiles ahead; streams gain
+ * a few % as well).
+ *
+ * VPDPBUSD (AVX512_VNNI) was tried for qk8 and is not used: keeping q to
+ * ~23 bits takes three signed-byte limbs, so 3 instructions do what 4 FMAs
+ * do, and with the transposes, the per-call split of q (~1300 cycles at
+ * G = 4) and the reduction it did not pay (Zen 4, rows in L2: G = 1 slower,
+ * G = 4 and 8 even, G = 2 ~18% faster). */
+#define PF8_HINT _MM_HINT_T1
+#define PF8_GATHER (2 * TILE)
+#define PF8_STREAM PF_STREAM
+
+static inline const int8_t *p8(const uint16_t *p)
+{
+	return (const int8_t *)p;
+}
+
+INLINE void prefetch8(const int8_t *p, int c)
+{
+	if (c % 4 == 0)
+		_mm_prefetch((const char *)(p + 16 * c), PF8_HINT);
+}
+
+/* 16 int8 elements as float, exactly. */
+INLINE __m512 i8_ps(const int8_t *p)
+{
+	return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* qk8 takes heads in groups of up to QK8_GB, 4 rows at a time: 16
+ * accumulators, reduced and stored as soon as a group of 4 heads is done.
+ * Groups of 8 heads (2 rows at a time, as qk) ran gathered G = 8 at 3.4
+ * GB/s against 4.6 in two groups of 4, though each group converts the rows
+ * again (from L1). */
+#define QK8_GB 4
+
+/* acc[k][g] += q_g . chunk c of row k, for 4 rows and GB heads. */
+INLINE void qk8_chunk(const int GB, const float *q, int d, int c, const int8_t *const *rp,
+		      const int8_t *const *pp, __m512 (*acc)[QK8_GB])
+{
+	__m512 x[4];
+
+#pragma GCC unroll 4
+	for (int k = 0; k < 4; k++) {
+		if (pp[k])
+			prefetch8(pp[k], c);
+		x[k] = i8_ps(rp[k] + 16 * c);
+	}
+#pragma GCC unroll 4
+	for (int g = 0; g < GB; g++) {
+		__m512 qv = _mm512_loadu_ps(q + g * d + 16 * c);
+
+#pragma GCC unroll 4
+		for (int k = 0; k < 4; k++)
+			acc[k][g] = _mm512_fmadd_ps(qv, x[k], acc[k][g]);
+	}
+}
+
+/* As qk_tile, without reordering q: chunks are 16 elements, natural order.
+ * For GB <= 2 odd chunks go to ao: 8 chains or more. */
+INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const struct tile *tl,
+		     __m512 *tmp, float *s, size_t lds, int pf)
+{
+	const int SPLIT = GB <= 2, DIRECT = GB == 4;
+	const int d = 2 * w->d, nch = d / 16;
+
+	for (int j = 0; j < NRUN; j++) {
+		const int8_t *rp[4], *pp[4];
+		__m512 ae[4][QK8_GB], ao[4][QK8_GB];
+		int c = 0;
+
+		if (!tl->cnt[j]) {
+			for (int k = 0; k < 4 && !DIRECT; k++)
+				for (int g = 0; g < GB; g++)
+					tmp[g * TILE + 4 * j + k] = _mm512_setzero_ps();
+			continue;
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < 4; k++) {
+			rp[k] = p8(slot_row(w, tl, j, k));
+			pp[k] = pf ? p8(slot_pf(w, tl, j, k)) : NULL;
+			if (pf && w->odd)
+				_mm_prefetch((const char *)(pp[k] + d - 1), PF8_HINT);
+#pragma GCC unroll 4
+			for (int g = 0; g < GB; g++)
+				ae[k][g] = ao[k][g] = _mm512_setzero_ps();
+		}
+		for (; SPLIT && c + 2 <= nch; c += 2) {
+			qk8_chunk(GB, q, d, c, rp, pp, ae);
+			qk8_chunk(GB, q, d, c + 1, rp, pp, ao);
+		}
+		for (; c < nch; c++)
+			qk8_chunk(GB, q, d, c, rp, pp, ae);
+#pragma GCC unroll 4
+		for (int k = 0; k < 4; k++)
+#pragma GCC unroll 4
+			for (int g = 0; g < GB; g++)
+				ae[k][g] = SPLIT ? _mm512_add_ps(ae[k][g], ao[k][g]) : ae[k][g];
+		if (DIRECT) {
+			/* Lane 4g + k of h: head g, slot 4j + k. */
+			__mmask8 keep = (__mmask8)((1u << tl->cnt[j]) - 1);
+			float *out = s + tl->pos[j];
+			__m512 v[TILE];
+
+#pragma GCC unroll 4
+			for (int g = 0; g < 4; g++)
+#pragma GCC unroll 4
+				for (int k = 0; k < 4; k++)
+					v[4 * g + k] = ae[k][g];
+			__m512 h = hsum16(v);
+
+			_mm_mask_storeu_ps(out, keep, _mm512_castps512_ps128(h));
+			_mm_mask_storeu_ps(out + lds, keep, _mm512_extractf32x4_ps(h, 1));
+			_mm_mask_storeu_ps(out + 2 * lds, keep, _mm512_extractf32x4_ps(h, 2));
+			_mm_mask_storeu_ps(out + 3 * lds, keep, _mm512_extractf32x4_ps(h, 3));
+			continue;
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < 4; k++)
+#pragma GCC unroll 4
+			for (int g = 0; g < GB; g++)
+				tmp[g * TILE + 4 * j + k] = ae[k][g];
+	}
+	if (DIRECT)
+		return;
+	for (int g = 0; g < GB; g++) {
+		__m512 v = hsum16(tmp + g * TILE);
+
+		for (int j = 0; j < NRUN; j++)
+			if (tl->cnt[j])
+				_mm512_mask_storeu_ps(s + g * lds + tl->pos[j] - 4 * j,
+						      (__mmask16)(((1u << tl->cnt[j]) - 1) << 4 * j), v);
+	}
+}
+
+typedef void qk8_fn(const float *q, const struct walk *w, const struct tile *tl, __m512 *tmp,
+		    float *s, size_t lds, int pf);
+#define QK8_TILE(GB)                                                                	static __attribute__((noinline)) void qk8_tile_##GB(const float *q,         		const struct walk *w, const struct tile *tl, __m512 *tmp, float *s,   		size_t lds, int pf)                                                 	{                                                                           		qk8_tile(GB, q, w, tl, tmp, s, lds, pf);                            	}
+QK8_TILE(1) QK8_TILE(2) QK8_TILE(3) QK8_TILE(4)
+static qk8_fn *const qk8_tiles[QK8_GB] = { qk8_tile_1, qk8_tile_2, qk8_tile_3, qk8_tile_4 };
+
+static void qk8_avx512(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
+		       size_t m, float *s, size_t lds)
+{
+	_Alignas(64) __m512 tmp[QK8_GB * TILE];
+	int ng = (G + QK8_GB - 1) / QK8_GB;
+	struct walk w;
+	struct tile tl;
+
+	if (m == 0)
+		return;
+	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);
+	w.pfd = w.part ? PF8_STREAM : PF8_GATHER;
+	for (size_t t = 0; t < w.ntiles; t++) {
+		tile_at(&w, t, &tl);
+		for (int k = 0, g0 = 0; k < ng; k++) {
+			int gb = (G - g0) / (ng - k);
+
+			qk8_tiles[gb - 1](q + (size_t)g0 * d, &w, &tl, tmp, s + g0 * lds, lds, k == 0);
+			g0 += gb;
+		}
+	}
+}
+
+/* As pv_pass, on o itself (natural order): CW chunks of 16 from c0, CW * GB
+ * accumulators (8 to 16), each broadcast weight shared by CW chunks. */
+INLINE void pv8_pass(const int GB, const int CW, int c0, const float *w, size_t ldw, float *o,
+		     int d, int odd, const struct tile *tl, const int8_t *const *rp,
+		     const int8_t *const *pp)
+{
+	__m512 acc[16];
+
+#pragma GCC unroll 16
+	for (int k = 0; k < CW * GB; k++)
+		acc[k] = _mm512_loadu_ps(o + (k % GB) * d + 16 * (c0 + k / GB));
+	for (int r = 0; r < TILE; r++) {
+		const float *wr = w + tl->pos[r / 4] + r % 4;
+		__m512 wv[GB_MAX];
+
+		if (r % 4 == tl->cnt[r / 4]) {
+			r |= 3;
+			continue;
+		}
+		if (pp) {
+#pragma GCC unroll 8
+			for (int cc = 0; cc < CW; cc++)
+				prefetch8(pp[r], c0 + cc);
+			if (c0 == 0 && odd)
+				_mm_prefetch((const char *)(pp[r] + d - 1), PF8_HINT);
+		}
+#pragma GCC unroll 8
+		for (int g = 0; g < GB; g++)
+			wv[g] = _mm512_set1_ps(wr[g * ldw]);
+#pragma GCC unroll 8
+		for (int cc = 0; cc < CW; cc++) {
+			__m512 x = i8_ps(rp[r] + 16 * (c0 + cc));
+
+#pragma GCC unroll 8
+			for (int g = 0; g < GB; g++)
+				acc[cc * GB + g] = _mm512_fmadd_ps(wv[g], x, acc[cc * GB + g]);
+		}
+	}
+#pragma GCC unroll 16
+	for (int k = 0; k < CW * GB; k++)
+		_mm512_storeu_ps(o + (k % GB) * d + 16 * (c0 + k / GB), acc[k]);
+}
+
+INLINE void pv8_tile(const int GB, const float *w, size_t ldw, float *o, const struct walk *wk,
+		     const struct tile *tl, int pf)
+{
+	const int CW = GB == 1 ? 8 : GB <= 4 ? 4 : 2;
+	const int d = 2 * wk->d, nch = d / 16;
+	const int8_t *rp[TILE], *pp[TILE];
+	int c0 = 0;
+
+	for (int r = 0; r < TILE; r++) {
+		rp[r] = p8(slot_row(wk, tl, r / 4, r % 4));
+		pp[r] = pf ? p8(slot_pf(wk, tl, r / 4, r % 4)) : NULL;
+	}
+	for (; c0 + CW <= nch; c0 += CW)
+		pv8_pass(GB, CW, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+	/* The rest in at most three passes (a pass costs a walk over the
+	 * tile's rows, more than its FMAs when it is narrow). */
+	if (CW > 4 && c0 + 4 <= nch) {
+		pv8_pass(GB, 4, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+		c0 += 4;
+	}
+	if (CW > 2 && c0 + 2 <= nch) {
+		pv8_pass(GB, 2, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+		c0 += 2;
+	}
+	if (c0 < nch)
+		pv8_pass(GB, 1, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
+}
+
+typedef void pv8_fn(const float *w, size_t ldw, float *o, const struct walk *wk,
+		    const struct tile *tl, int pf);
+#define PV8_TILE(GB)                                                                \
+	static __attribute__((noinline)) void pv8_tile_##GB(const float *w, size_t ldw, \
+		float *o, const struct walk *wk, const struct tile *tl, int pf)       \
+	{                                                                           \
+		pv8_tile(GB, w, ldw, o, wk, tl, pf);                                \
+	}
+BY_GB(PV8_TILE)
+static pv8_fn *const pv8_tiles[GB_MAX] = BY_GB_NAMES(pv8_tile);
+
+static void pv8_avx512(const float *w, size_t ldw, int G, int d, const int8_t *base,
+		       const uint32_t *idx, size_t m, float *o)
+{
+	int g1 = G > GB_MAX ? (G + 1) / 2 : G;
+	struct walk wk;
+	struct tile tl;
+
+	if (m == 0)
+		return;
+	walk_init(&wk, (const uint16_t *)base, idx, m, d / 2);
+	wk.pfd = wk.part ? PF8_STREAM : PF8_GATHER;
+	for (size_t t = 0; t < wk.ntiles; t++) {
+		tile_at(&wk, t, &tl);
+		pv8_tiles[g1 - 1](w, ldw, o, &wk, &tl, 1);
+		if (G > g1)
+			pv8_tiles[G - g1 - 1](w + g1 * ldw, ldw, o + (size_t)g1 * d, &wk, &tl, 0);
+	}
+}
+
 /* ---- softmax pieces ------------------------------------------------------ */
 
 static inline __mmask16 tail_mask(size_t n)
@@ -819,6 +1097,8 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.expsum = expsum_avx512,
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
+	.qk8 = qk8_avx512,
+	.pv8 = pv8_avx512,
 };
 
 const struct kvd_kern kvd_kern_avx512bf16 = {
@@ -830,4 +1110,6 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.expsum = expsum_avx512,
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
+	.qk8 = qk8_avx512,
+	.pv8 = pv8_avx512,
 };

@@ -67,6 +67,44 @@ static void pv_scalar(const float *w, size_t ldw, int G, int d, const uint16_t *
 	}
 }
 
+static inline const int8_t *row8(const int8_t *base, const uint32_t *idx, size_t i, int d)
+{
+	return base + (idx ? idx[i] : i) * (size_t)d;
+}
+
+static void qk8_scalar(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
+		       size_t m, float *s, size_t lds)
+{
+	for (size_t i = 0; i < m; i++) {
+		const int8_t *r = row8(base, idx, i, d);
+
+		for (int g = 0; g < G; g++) {
+			const float *qg = q + (size_t)g * d;
+			float acc = 0.0f;
+
+			for (int e = 0; e < d; e++)
+				acc += qg[e] * (float)r[e];
+			s[(size_t)g * lds + i] = acc;
+		}
+	}
+}
+
+static void pv8_scalar(const float *w, size_t ldw, int G, int d, const int8_t *base,
+		       const uint32_t *idx, size_t m, float *o)
+{
+	for (size_t i = 0; i < m; i++) {
+		const int8_t *r = row8(base, idx, i, d);
+
+		for (int g = 0; g < G; g++) {
+			float wi = w[(size_t)g * ldw + i];
+			float *og = o + (size_t)g * d;
+
+			for (int e = 0; e < d; e++)
+				og[e] += wi * (float)r[e];
+		}
+	}
+}
+
 static float max_scalar(const float *x, size_t m)
 {
 	float mx = -INFINITY;
@@ -131,4 +169,6 @@ const struct kvd_kern kvd_kern_scalar = {
 	.expsum = expsum_scalar,
 	.logp = logp_scalar,
 	.kinv = kinv_scalar,
+	.qk8 = qk8_scalar,
+	.pv8 = pv8_scalar,
 };

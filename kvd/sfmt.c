@@ -44,7 +44,7 @@ static_assert(sizeof(((struct kvd_sfmt_hdr *)0)->tenant) > KVD_NAME_MAX, "tenant
 
 static_assert(offsetof(struct kvd_sfmt_profile_rec, q_heads) == 72, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, layers) == 96, "layout");
-static_assert(offsetof(struct kvd_sfmt_profile_rec, reserved0) == 116, "layout");
+static_assert(offsetof(struct kvd_sfmt_profile_rec, kv_dtype) == 116, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, seed) == 120, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, reserved) == 128, "layout");
 static_assert(sizeof(struct kvd_sfmt_profile_rec) == KVD_SFMT_PROFILE_REC, "record size");
@@ -142,6 +142,7 @@ static void rec_make(const struct kvd_profile *p, struct kvd_sfmt_profile_rec *r
 	r->seg_tokens = p->seg_tokens;
 	r->seal_tokens = p->seal_tokens;
 	r->seed = p->seed;
+	r->kv_dtype = p->g.kv_dtype;
 }
 
 uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p)
@@ -234,16 +235,16 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 		if (r->name[i] < 0x20 || r->name[i] > 0x7e)
 			return fail(msg, msglen, "PROFILE name has a non-printable byte 0x%02x at %zu",
 				    (unsigned char)r->name[i], i);
-	if (!all_zero((const uint8_t *)r->name + len, sizeof r->name - len) || r->reserved0 ||
+	if (!all_zero((const uint8_t *)r->name + len, sizeof r->name - len) ||
 	    !all_zero(r->reserved, sizeof r->reserved))
 		return fail(msg, msglen, "PROFILE record: name padding or reserved bytes not zero");
 
-	struct kvd_geom g = { r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c };
+	struct kvd_geom g = { r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c, r->kv_dtype };
 
 	if (kvd_geom_check(&g))
 		return fail(msg, msglen,
-			    "PROFILE geometry q_heads %u kv_heads %u head_dim %u K %u L %u c %u refused by kvd_geom_check",
-			    r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c);
+			    "PROFILE geometry q_heads %u kv_heads %u head_dim %u K %u L %u c %u kv_dtype %u refused by kvd_geom_check",
+			    r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c, r->kv_dtype);
 	if (r->layers < 1 || r->layers > KVD_CTL_LAYERS_MAX)
 		return fail(msg, msglen, "PROFILE layers %u out of range [1, %d]", r->layers,
 			    KVD_CTL_LAYERS_MAX);
@@ -302,7 +303,7 @@ int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile
 		return rc;
 	memcpy(out->name, r.name, KVD_NAME_MAX);
 	out->name[KVD_NAME_MAX] = 0;
-	out->g = (struct kvd_geom){ r.q_heads, r.kv_heads, r.d, r.K, r.L, r.c };
+	out->g = (struct kvd_geom){ r.q_heads, r.kv_heads, r.d, r.K, r.L, r.c, r.kv_dtype };
 	out->layers = r.layers;
 	out->sink = r.sink;
 	out->window = r.window;
@@ -362,6 +363,8 @@ void kvd_sfmt_hdr_init(struct kvd_sfmt_hdr *h, uint32_t kind, uint32_t index,
 	h->d = g->d;
 	h->K = g->K;
 	h->L = g->L;
+	if (kind == KVD_SFMT_SEG && g->kv_dtype == KVD_KV_INT8)
+		h->flags = KVD_SFMT_SF_INT8;
 	snprintf(h->tenant, sizeof h->tenant, "%s", tenant);
 }
 
@@ -374,12 +377,17 @@ void kvd_sfmt_seal(struct kvd_sfmt_hdr *h, const void *payload)
 	h->hdr_crc = hdr_crc(h);
 }
 
+uint32_t kvd_sfmt_seg_dtype(const struct kvd_sfmt_hdr *h)
+{
+	return h->kind == KVD_SFMT_SEG && (h->flags & KVD_SFMT_SF_INT8) ? KVD_KV_INT8 : KVD_KV_BF16;
+}
+
 /* q_heads and c are not part of what an extent stores: a group of 1 and
- * c = 1 let kvd_geom_check judge the four fields that are. */
+ * c = 1 let kvd_geom_check judge the fields that are. */
 static struct kvd_geom hdr_geom(const struct kvd_sfmt_hdr *h)
 {
 	return (struct kvd_geom){ .q_heads = h->kv_heads, .kv_heads = h->kv_heads, .d = h->d,
-				  .K = h->K, .L = h->L, .c = 1 };
+				  .K = h->K, .L = h->L, .c = 1, .kv_dtype = kvd_sfmt_seg_dtype(h) };
 }
 
 /* A token range [begin, end) of exactly n tokens, without wrapping. */
@@ -401,9 +409,9 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 		return fail(msg, msglen,
 			    "%s extent %u: geometry kv_heads %u d %u K %u L %u refused by kvd_geom_check",
 			    kn, h->index, h->kv_heads, h->d, h->K, h->L);
-	if (h->kind != KVD_SFMT_LAYER && h->flags)
-		return fail(msg, msglen, "%s extent %u: flags 0x%x, only LAYER has flags", kn,
-			    h->index, h->flags);
+	if (h->kind != KVD_SFMT_LAYER && h->kind != KVD_SFMT_SEG && h->flags)
+		return fail(msg, msglen, "%s extent %u: flags 0x%x, only LAYER and SEG have flags",
+			    kn, h->index, h->flags);
 
 	switch (h->kind) {
 	case KVD_SFMT_PROFILE: {
@@ -443,6 +451,10 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 				    "SEG extent %u: layer %u, %u tokens, tokens [%llu, %llu) out of range",
 				    h->index, h->layer, h->n, (unsigned long long)h->tok_begin,
 				    (unsigned long long)h->tok_end);
+		/* Version 1 wrote bf16 segments only. */
+		if (h->flags & ~(h->version >= 2 ? (uint32_t)KVD_SFMT_SF_INT8 : 0u))
+			return fail(msg, msglen, "SEG extent %u: unknown flags 0x%x for version %u",
+				    h->index, h->flags, h->version);
 		want = kvd_seg_bytes(&g, h->n);
 		if (h->payload_bytes != want)
 			return fail(msg, msglen,
@@ -479,9 +491,9 @@ int kvd_sfmt_check_hdr(const void *page, size_t len, struct kvd_sfmt_hdr *out, c
 	 * format, says so rather than "bad checksum". */
 	if (memcmp(h.magic, KVD_SFMT_MAGIC, sizeof h.magic))
 		return fail(msg, msglen, "extent header: bad magic, not a kvd spill extent");
-	if (h.version != KVD_SFMT_VERSION)
-		return fail(msg, msglen, "extent header: format version %u, kvd reads %u", h.version,
-			    KVD_SFMT_VERSION);
+	if (h.version < KVD_SFMT_VERSION_MIN || h.version > KVD_SFMT_VERSION)
+		return fail(msg, msglen, "extent header: format version %u, kvd reads %u to %u",
+			    h.version, KVD_SFMT_VERSION_MIN, KVD_SFMT_VERSION);
 	uint32_t c = hdr_crc(&h);
 
 	if (c != h.hdr_crc)
@@ -544,7 +556,7 @@ int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, const void *payload, ch
 				     h->index);
 		if (rc)
 			return fail(msg, msglen,
-				    "SEG extent %u (layer %u, tokens [%llu, %llu)): bucket tables or 1/|k| malformed",
+				    "SEG extent %u (layer %u, tokens [%llu, %llu)): bucket tables, scales or 1/|k| malformed",
 				    h->index, h->layer, (unsigned long long)h->tok_begin,
 				    (unsigned long long)h->tok_end);
 		return 0;

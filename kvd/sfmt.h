@@ -27,14 +27,20 @@
  *
  * Header fields by kind (kvd_sfmt_check_hdr enforces them):
  *   all      geometry (kv_heads, d, K, L) valid as kvd_geom_check wants it;
- *            END may instead leave all four 0.  flags 0 except LAYER's.
+ *            END may instead leave all four 0.  flags 0 except LAYER's and
+ *            SEG's.
  *            tenant NUL-terminated, printable ASCII.
  *   PROFILE  index 0; payload_bytes within what a profile of that geometry
  *            can take (exact only once the record is read).
  *   LAYER    layer < KVD_CTL_LAYERS_MAX; n <= KVD_SEG_MAX tail rows and
  *            tok_end - tok_begin == n; flags within KVD_SFMT_LF_*.
  *   SEG      layer < KVD_CTL_LAYERS_MAX; n in 1..KVD_SEG_MAX and
- *            tok_end - tok_begin == n.
+ *            tok_end - tok_begin == n; flags within KVD_SFMT_SF_* (none in
+ *            a version 1 file).
+ *
+ * Versions: 2 added int8 segments (KVD_SFMT_SF_INT8, the PROFILE record's
+ * kv_dtype).  Version 1 files, all bf16, read unchanged: their SEG flags and
+ * the field that is now kv_dtype were 0.  kvd writes version 2.
  *   END      payload_bytes 0; n == index.
  * Fields a kind does not mention are not checked (seq, gen, profile_fp:
  * the reader compares them with what it expects).
@@ -52,7 +58,8 @@
 #include "store.h"
 
 #define KVD_SFMT_PAGE 4096u
-#define KVD_SFMT_VERSION 1u
+#define KVD_SFMT_VERSION 2u
+#define KVD_SFMT_VERSION_MIN 1u
 #define KVD_SFMT_MAGIC "KVDSPILL"       /* 8 bytes, no NUL on disk */
 
 enum kvd_sfmt_kind {
@@ -64,6 +71,7 @@ enum kvd_sfmt_kind {
 
 #define KVD_SFMT_LF_MEAN 0x1            /* LAYER: the payload starts with the mean */
 #define KVD_SFMT_LF_SEALED 0x2          /* LAYER: prefill of this layer finished */
+#define KVD_SFMT_SF_INT8 0x1            /* SEG: int8 rows and scales (kvd_seg_head) */
 
 struct kvd_sfmt_hdr {
 	char magic[8];                  /* KVD_SFMT_MAGIC */
@@ -115,7 +123,7 @@ struct kvd_sfmt_profile_rec {
 	char name[72];                  /* 1..KVD_CTL_NAME_MAX printable chars, NUL-padded */
 	uint32_t q_heads, kv_heads, d, K, L, c;
 	uint32_t layers, sink, window, seg_tokens, seal_tokens;
-	uint32_t reserved0;             /* 0 */
+	uint32_t kv_dtype;              /* enum kvd_kv_dtype (0 before version 2) */
 	uint64_t seed;
 	uint8_t reserved[128];          /* 0 */
 };
@@ -141,10 +149,15 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
 
 /* Starts a header: zeroes it and fills what every extent of one file shares
  * (seq, gen, profile_fp, geometry, tenant) plus kind, index and
- * payload_bytes.  The caller adds layer, tokens, n and flags. */
+ * payload_bytes, and a SEG's dtype flag from g->kv_dtype.  The caller adds
+ * layer, tokens, n and LAYER flags. */
 void kvd_sfmt_hdr_init(struct kvd_sfmt_hdr *h, uint32_t kind, uint32_t index,
 		       uint64_t payload_bytes, uint64_t seq, uint64_t gen, uint64_t profile_fp,
 		       const struct kvd_geom *g, const char *tenant);
+
+/* The kv_dtype a checked header's payload is laid out for: a SEG's flag;
+ * bf16 for every other kind. */
+uint32_t kvd_sfmt_seg_dtype(const struct kvd_sfmt_hdr *h);
 
 /* Completes a header the caller filled (kind, payload_bytes, seq, gen,
  * profile_fp, index, layer, tokens, geometry, n, flags, tenant): writes

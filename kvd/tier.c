@@ -626,7 +626,8 @@ static int install(struct kvd_tier *t, struct rec *r, unsigned i)
 	/* The header was checked against seq, gen and index; its fields must
 	 * also be what this sequence expects. */
 	if (h->kind != e->kind || h->layer != e->layer || h->n != e->n ||
-	    h->kv_heads != g->kv_heads || h->d != g->d || h->K != g->K || h->L != g->L)
+	    h->kv_heads != g->kv_heads || h->d != g->d || h->K != g->K || h->L != g->L ||
+	    (h->kind == KVD_SFMT_SEG && kvd_sfmt_seg_dtype(h) != g->kv_dtype))
 		return -KVD_EFORMAT;
 	switch (e->kind) {
 	case KVD_SFMT_PROFILE:

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "args.h"
+#include "attn.h"
 
 void dec_args_default(struct dec_args *a)
 {
@@ -44,6 +45,7 @@ void dec_usage(FILE *f)
 	      "  --layers N            the first N of the 32 layers (default 32; for quick runs)\n"
 	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 150, 2)\n"
 	      "  --sink N --window N   tokens kept on the GPU in kvd mode (default 4, 64)\n"
+	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default bf16)\n"
 	      "  --slots N --slot-size BYTES   the shared arena (default 16 x 4M)\n"
 	      "  --socket PATH         use a running kvd (default: start build/kvd in a\n"
 	      "                        temporary directory, next to this binary)\n"
@@ -135,6 +137,14 @@ int dec_args_parse(struct dec_args *a, int argc, char **argv, char *msg, size_t 
 				a->attn = DEC_KVD;
 			else {
 				snprintf(msg, len, "--attn: gpu-dense or kvd, not %s", val ? val : "nothing");
+				return -EINVAL;
+			}
+			continue;
+		}
+		if (!strcmp(name, "--kv-dtype")) {
+			if (!val || kvd_kv_dtype_parse(val, &a->kv_dtype)) {
+				snprintf(msg, len, "--kv-dtype: bf16 or int8, not %s",
+					 val ? val : "nothing");
 				return -EINVAL;
 			}
 			continue;

@@ -56,6 +56,7 @@ class KvcModel(ctypes.Structure):
         ("window", ctypes.c_uint32),
         ("dense_layers", c_u32_p),
         ("n_dense", ctypes.c_uint32),
+        ("kv_dtype", ctypes.c_uint32),     # enum kvc_kv_dtype; in what was padding
         ("seed", ctypes.c_uint64),
         ("segment_tokens", ctypes.c_uint32),
         ("seal_tokens", ctypes.c_uint32),

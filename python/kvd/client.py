@@ -18,13 +18,18 @@ from .errors import KvdError
 APPEND_BATCH = 32
 
 BACKENDS = {"cpu": 0, "cuda": 1, "auto": 2}
+# Model.kv_dtype: how kvd stores sealed K/V (enum kvc_kv_dtype).
+KV_DTYPES = {"bf16": 0, "int8": 1}
 SEQ_STATES = ("ram", "spilling", "disk", "restoring", "lost")
 
 
 @dataclass(frozen=True)
 class Model:
     """A model profile (struct kvc_model).  Zero segment_tokens/seal_tokens:
-    kvd's defaults (read them back from ``Client.model``)."""
+    kvd's defaults (read them back from ``Client.model``).  kv_dtype: how
+    kvd stores the K/V rows of sealed segments, "bf16" or "int8" (what is
+    sent is the same either way; int8 takes about half the memory and is
+    approximate)."""
     name: str
     layers: int
     q_heads: int
@@ -39,6 +44,7 @@ class Model:
     seed: int = 0               # of the projection matrix W
     segment_tokens: int = 0
     seal_tokens: int = 0
+    kv_dtype: str = "bf16"
 
     @property
     def group(self):
@@ -101,6 +107,13 @@ class Timing:
     window_ms: float = 0.0
     h2d_ms: float = 0.0
     merge_ms: float = 0.0
+
+
+def _dtype_name(v):
+    for k, n in KV_DTYPES.items():
+        if n == v:
+            return k
+    return v
 
 
 def _from_struct(cls, st):
@@ -227,6 +240,12 @@ class Client:
             model = Model(**kw)
         elif kw:
             raise TypeError("profile(): a Model or keywords, not both")
+        dt = model.kv_dtype
+        if isinstance(dt, str):
+            if dt not in KV_DTYPES:
+                raise ValueError("kv_dtype: %r is not one of %s" % (dt, ", ".join(KV_DTYPES)))
+            dt = KV_DTYPES[dt]
+        # an int goes as it is: kvd judges it
         dense = (ctypes.c_uint32 * max(1, len(model.dense_layers)))(*model.dense_layers)
         name = model.name.encode()
         m = _lib.KvcModel(name=name, layers=model.layers, q_heads=model.q_heads,
@@ -234,7 +253,8 @@ class Client:
                           c=model.c, sink=model.sink, window=model.window,
                           dense_layers=ctypes.cast(dense, _lib.c_u32_p),
                           n_dense=len(model.dense_layers), seed=model.seed,
-                          segment_tokens=model.segment_tokens, seal_tokens=model.seal_tokens)
+                          segment_tokens=model.segment_tokens, seal_tokens=model.seal_tokens,
+                          kv_dtype=dt)
         with self._lock:
             self._call("kvc_profile", ctypes.byref(m))
             return self.model
@@ -252,7 +272,8 @@ class Client:
                     name=m.name.decode(), layers=m.layers, q_heads=m.q_heads,
                     kv_heads=m.kv_heads, head_dim=m.head_dim, K=m.K, L=m.L, c=m.c, sink=m.sink,
                     window=m.window, dense_layers=tuple(m.dense_layers[i] for i in range(m.n_dense)),
-                    seed=m.seed, segment_tokens=m.segment_tokens, seal_tokens=m.seal_tokens)
+                    seed=m.seed, segment_tokens=m.segment_tokens, seal_tokens=m.seal_tokens,
+                    kv_dtype=_dtype_name(m.kv_dtype))
             return self._model
 
     def _need_model(self):

@@ -12,6 +12,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import kvd  # noqa: E402
 
+# Load the library now, while $KVD_LIBKVCLIENT says which: a test that
+# unsets it (test_library_lookup_order) would otherwise make the first load
+# pick another tree's build/libkvclient.so, and every test would run
+# against that one.
+kvd._lib.load()
+
 
 @pytest.fixture(scope="session")
 def daemon():

@@ -1,4 +1,5 @@
 """The kvd Python package against a real kvd (started by conftest.py)."""
+import dataclasses
 import gc
 import math
 import os
@@ -192,6 +193,51 @@ def test_appends_reach_kvd(client):
             o, lse = s.attend(layer, q, centered=False)
             assert rel(o, ro) < 1e-2 and np.abs(lse - rl).max() < 1e-2
     assert s.freed
+
+
+def test_int8_profile(sock):
+    """kv_dtype="int8": kvd stores sealed K/V as int8.  The profile says so
+    when read back, kvd's part stays near exact attention (quantization
+    costs a little), and it is not the bf16 profile's answer to the same
+    rows: the option took effect.  Bad values are refused."""
+    rng = np.random.default_rng(9)
+    n0, steps = 1500, 300                           # two prompt segments, two tail seals
+    k, v = kv(rng, n0 + steps)
+    q = rng.standard_normal((Q, D)).astype(np.float32)
+    m8 = dataclasses.replace(NEAR_EXACT, name="py-exact-int8", kv_dtype="int8")
+    out = {}
+    for m in (NEAR_EXACT, m8):
+        with kvd.connect(sock, "py", "dtype-" + m.kv_dtype) as c:
+            got = c.profile(m)
+            assert got.kv_dtype == m.kv_dtype and got == m
+            with c.sequence() as s:
+                for layer in range(3):
+                    s.prefill(layer, k[:, :n0], v[:, :n0])
+                for t in range(n0, n0 + steps):
+                    for layer in range(3):
+                        s.append(layer, k[:, t], v[:, t])
+                a, b = s.kvd_range(1)
+                st = s.stats()
+                assert st.tokens == b - a and st.segments == (2 + 2) * 2     # layers 1, 2
+                o, lse = s.attend_kvd(1, q, centered=False)
+                po, pl = kvd.attend_exact(q, k[:, a:b], v[:, a:b])
+                out[m.kv_dtype] = (o, lse, rel(o, po), np.abs(lse - pl).max())
+    (o16, l16, e16, le16), (o8, l8, e8, le8) = out["bf16"], out["int8"]
+    assert e16 < 1e-2 and le16 < 1e-2
+    assert e8 < 3e-2 and le8 < 3e-2, (e8, le8)
+    assert not np.array_equal(o8, o16)
+    with kvd.connect(sock, "py", "dtype-hold") as h, kvd.connect(sock, "py", "dtype-bad") as c:
+        h.profile(m8)                               # a profile lives while someone holds it
+        # the int8 profile's name with other storage is another profile
+        with pytest.raises(kvd.KvdError, match="exists with other fields") as e:
+            c.profile(dataclasses.replace(m8, kv_dtype="bf16"))
+        assert e.value.name == "EEXIST"
+        with pytest.raises(kvd.KvdError, match="kv_dtype 7") as e:
+            c.profile(dataclasses.replace(m8, name="py-bad-dtype", kv_dtype=7))
+        assert e.value.name == "EINVAL"
+        with pytest.raises(ValueError, match="kv_dtype: 'fp8' is not one of bf16, int8"):
+            c.profile(dataclasses.replace(m8, kv_dtype="fp8"))
+        assert c.profile(m8).kv_dtype == "int8"    # the connection is still good
 
 
 # ---- the merge -----------------------------------------------------------

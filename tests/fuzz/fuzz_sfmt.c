@@ -115,7 +115,8 @@ static struct kvd_logp_tab tab;
 static void seg_query(const struct kvd_sfmt_hdr *h, const struct kvd_seg *s, struct knobs *kn)
 {
 	struct kvd_geom g = { .q_heads = h->kv_heads, .kv_heads = h->kv_heads, .d = h->d,
-			      .K = h->K, .L = h->L, .c = 1 + (knob(kn) & 1) };
+			      .K = h->K, .L = h->L, .c = 1 + (knob(kn) & 1),
+			      .kv_dtype = kvd_sfmt_seg_dtype(h) };
 	uint16_t qc[KVD_LSH_LMAX];
 	float q[KVD_DMAX], o[KVD_DMAX], lse;
 
@@ -144,7 +145,7 @@ static void seg_query(const struct kvd_sfmt_hdr *h, const struct kvd_seg *s, str
 static void seg(const struct kvd_sfmt_hdr *h, const uint8_t *pl, struct knobs *kn)
 {
 	const struct kvd_geom g = { .q_heads = h->kv_heads, .kv_heads = h->kv_heads, .d = h->d,
-				    .K = h->K, .L = h->L, .c = 1 };
+				    .K = h->K, .L = h->L, .c = 1, .kv_dtype = kvd_sfmt_seg_dtype(h) };
 	size_t bytes;
 	uint8_t *io = kvd_seg_io_alloc(&g, h->n, &bytes);
 	struct kvd_seg *s;

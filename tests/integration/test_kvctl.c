@@ -12,7 +12,8 @@
  *   test_seqs_and_show          seqs, seq show, a missing seq (exit 1)
  *   test_seq_evict_free         seq evict reaches disk, seq free frees
  *   test_paging                 a listing longer than one reply pages
- *   test_profiles_limits        profiles and limits, text and --json
+ *   test_profiles_limits        profiles (with their kv_dtype) and limits, text
+ *                               and --json
  *   test_visibility             uid B cannot see or touch uid A's things:
  *                               the same error as a missing seq; an admin
  *                               group sees everything; only admins drain
@@ -693,7 +694,8 @@ static void test_paging(void **state)
 
 static void test_profiles_limits(void **state)
 {
-	struct kvc *c = data_client("profiles", &model);
+	struct kvc *c = data_client("profiles", &model), *c8;
+	struct kvc_model m8 = model;
 
 	kvctl("profiles");
 	expect(0, "profiles");
@@ -715,6 +717,26 @@ static void test_profiles_limits(void **state)
 	expect_out("{\"key\":\"limits.connections\",\"cap\":1024,\"per_uid\":4,\"used\":2}",
 		   "limits --json");
 	expect_out("\"uids\":[{\"uid\":0,", "limits --json");
+
+	/* how each profile stores K/V: its own column and key */
+	m8.name = "kvctl-int8";
+	m8.kv_dtype = KVC_KV_INT8;
+	c8 = data_client("profiles-int8", &m8);
+	kvctl("profiles");
+	expect(0, "profiles");
+	expect_out(" KV ", "profiles");
+	expect_out(" bf16 ", "profiles");
+	expect_out(" int8 ", "profiles");
+	kvctl("--json", "profiles");
+	expect(0, "profiles --json");
+	assert_json(R.out, '[');
+	expect_out("\"name\":\"kvctl-test\",\"layers\":2,\"q_heads\":4,\"kv_heads\":2,"
+		   "\"head_dim\":16,\"k_bits\":4,\"tables\":8,\"min_collisions\":1,"
+		   "\"kv_dtype\":\"bf16\"", "profiles --json");
+	expect_out("\"name\":\"kvctl-int8\",\"layers\":2,\"q_heads\":4,\"kv_heads\":2,"
+		   "\"head_dim\":16,\"k_bits\":4,\"tables\":8,\"min_collisions\":1,"
+		   "\"kv_dtype\":\"int8\"", "profiles --json");
+	kvc_close(c8);
 	kvc_close(c);
 }
 

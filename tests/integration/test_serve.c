@@ -1,5 +1,6 @@
 /* The real daemon and real client processes: ATTEND through kvd equals the
- * in-process engine bit for bit (1 and 8 concurrent clients); bad input of
+ * in-process engine bit for bit (1 and 8 concurrent clients; an int8
+ * profile through prefill and decode steps, unlike bf16's); bad input of
  * every kind gets an error or a disconnect while another client keeps
  * getting correct answers; a client that dies releases what it owned;
  * SIGTERM drains and exits 0. */
@@ -31,6 +32,15 @@ static const struct kvc_model model = {
 	.name = "itest", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
 	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense_layers,
 	.n_dense = 1, .seed = 7, .segment_tokens = 4096, .seal_tokens = 256,
+};
+
+/* `model` with its sealed segments stored int8: same fields otherwise, so
+ * any difference in the answers is the storage's. */
+static const struct kvc_model model_int8 = {
+	.name = "itest-int8", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense_layers,
+	.n_dense = 1, .kv_dtype = KVC_KV_INT8, .seed = 7, .segment_tokens = 4096,
+	.seal_tokens = 256,
 };
 
 static struct daemon D;
@@ -81,7 +91,7 @@ static struct kvc *connect_client(const char *name)
 static int check_equal_to_engine(struct kvc *c, uint64_t seed, int verbose)
 {
 	const struct kvc_model *m = kvc_model_of(c);
-	struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c };
+	struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c, m->kv_dtype };
 	struct kvc_seq *s;
 	struct kvd_synth w[LAYERS];
 	float o[8 * 128], lse[8], ro[8 * 128], rl[8];
@@ -642,6 +652,239 @@ static void test_killed_client_releases(void **state)
 	good_teardown();
 }
 
+/* ---- kv_dtype ------------------------------------------------------------ */
+
+/* libkvclient sends tokens leaving the window this many at a time (kvc.c's
+ * APPEND_BATCH): the reference below cuts and hashes them the same way. */
+#define APPEND_BATCH 32
+
+/* A segment of rows [r0, r0 + n) of rows prepared as [H][E][d] with codes
+ * [H][L][E], built the way kvd seals its tail. */
+static struct kvd_seg *seal_rows(const struct kvd_geom *g, const uint16_t *k, const uint16_t *v,
+				 const uint16_t *codes, uint32_t E, uint32_t r0, uint32_t n)
+{
+	const size_t H = g->kv_heads, d = g->d, L = g->L;
+	uint16_t *sk = xmalloc(H * n * d * 2), *sv = xmalloc(H * n * d * 2);
+	uint16_t *sc = xmalloc(H * L * n * 2);
+	struct kvd_seg *seg;
+
+	for (size_t h = 0; h < H; h++) {
+		memcpy(sk + h * n * d, k + (h * E + r0) * d, n * d * 2);
+		memcpy(sv + h * n * d, v + (h * E + r0) * d, n * d * 2);
+		for (size_t t = 0; t < L; t++)
+			memcpy(sc + (h * L + t) * n, codes + (h * L + t) * E + r0, n * 2);
+	}
+	assert_int_equal(kvd_seg_build(g, n, sk, sv, sc, NULL, &seg), 0);
+	free(sk);
+	free(sv);
+	free(sc);
+	return seg;
+}
+
+/* Prefills the first n0 tokens of w into every layer of a new sequence,
+ * decodes the remaining `steps` tokens one by one, then checks kvd's part of
+ * ATTEND of every sparse layer against the engine run here on what kvd
+ * must hold: the prompt's segments (kvd_prep_layer), then the appended rows
+ * in seal_tokens segments and an open tail, with m's kv_dtype.  kvd's
+ * answers go to o, lse ([LAYERS][8 * 128], [LAYERS][8]); returns the number
+ * of layers that differ. */
+static int decode_equal_to_engine(struct kvc *c, const struct kvd_synth *w, uint32_t n0,
+				  uint32_t steps, float (*o)[8 * 128], float (*lse)[8])
+{
+	const struct kvc_model *m = kvc_model_of(c);
+	const struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c,
+				    m->kv_dtype };
+	const uint32_t n = n0 + steps, H = 2, d = 128, L = m->L, S = m->seal_tokens;
+	const uint32_t E = steps / APPEND_BATCH * APPEND_BATCH;    /* rows appended to kvd */
+	const uint32_t nseal = E / S, tn = E - nseal * S;
+	float *k0 = xmalloc((size_t)H * n0 * d * 4), *v0 = xmalloc((size_t)H * n0 * d * 4);
+	uint16_t *ak = xmalloc((size_t)H * (E + 1) * d * 2), *av = xmalloc((size_t)H * (E + 1) * d * 2);
+	uint16_t *ac = xmalloc((size_t)H * L * (E + 1) * 2);
+	uint16_t *tk = xmalloc((size_t)H * (tn + 1) * d * 2), *tv = xmalloc((size_t)H * (tn + 1) * d * 2);
+	uint16_t kb[2 * APPEND_BATCH * 128], vb[2 * APPEND_BATCH * 128], cb[2 * 60 * APPEND_BATCH];
+	float x[APPEND_BATCH * 128], kt[2 * 128], vt[2 * 128], ro[8 * 128], rl[8];
+	uint16_t qc[8 * 60];
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	struct kvd_attn_scratch scr[2];
+	struct kvd_pool *pool;
+	struct kvd_prep p;
+	struct kvc_seq_stats st;
+	struct kvc_seq *s;
+	int bad = 0;
+
+	assert_true(L <= 60 && m->kv_heads == H && m->head_dim == d && m->q_heads == 8);
+	for (uint32_t h = 0; h < H; h++) {
+		memcpy(k0 + (size_t)h * n0 * d, w->k + (size_t)h * n * d, (size_t)n0 * d * 4);
+		memcpy(v0 + (size_t)h * n0 * d, w->v + (size_t)h * n * d, (size_t)n0 * d * 4);
+	}
+	if (kvc_seq_create(c, &s))
+		fail_msg("seq: %s", kvc_last_error(c));
+	for (uint32_t l = 0; l < LAYERS; l++)
+		if (kvc_prefill(c, s, l, k0, v0, n0))
+			fail_msg("prefill: %s", kvc_last_error(c));
+	for (uint32_t t = n0; t < n; t++) {
+		for (uint32_t h = 0; h < H; h++) {
+			memcpy(kt + h * d, w->k + ((size_t)h * n + t) * d, d * 4);
+			memcpy(vt + h * d, w->v + ((size_t)h * n + t) * d, d * 4);
+		}
+		for (uint32_t l = 0; l < LAYERS; l++)
+			if (kvc_append(c, s, l, kt, vt))
+				fail_msg("append: %s", kvc_last_error(c));
+	}
+	/* what the reference assumes kvd holds: the prompt but sinks and
+	 * window, and every whole batch that left the window since */
+	assert_int_equal(kvc_seq_stats(c, s, &st), 0);
+	assert_int_equal(st.tokens, n0 - m->sink - m->window + E);
+	for (uint32_t l = 1; l < LAYERS; l++)
+		if (kvc_attend_kvd(c, l, &s, 1, w->q, o[l], lse[l]))
+			fail_msg("attend: %s", kvc_last_error(c));
+	if (kvc_seq_free(c, s))
+		fail_msg("free: %s", kvc_last_error(c));
+
+	/* The same rows prepared here: the prompt's segments, then the rows
+	 * that left the window, centered with the prompt's mean and hashed
+	 * batch by batch as the client did. */
+	assert_int_equal(kvd_prep_layer(&p, &g, kvc_w(c), k0, v0, n0, m->sink, n0 - m->window,
+					m->segment_tokens, NULL), 0);
+	assert_true(p.nseg >= 2);               /* the prompt alone sealed more than once */
+	for (uint32_t b = 0; b < E; b += APPEND_BATCH) {
+		kvd_prep_rows(&g, kvc_w(c), p.mean, w->k, w->v, n, n0 - m->window + b, APPEND_BATCH,
+			      kb, vb, cb, x);
+		for (uint32_t h = 0; h < H; h++) {
+			memcpy(ak + ((size_t)h * E + b) * d, kb + (size_t)h * APPEND_BATCH * d,
+			       (size_t)APPEND_BATCH * d * 2);
+			memcpy(av + ((size_t)h * E + b) * d, vb + (size_t)h * APPEND_BATCH * d,
+			       (size_t)APPEND_BATCH * d * 2);
+			for (uint32_t t = 0; t < L; t++)
+				memcpy(ac + ((size_t)h * L + t) * E + b,
+				       cb + ((size_t)h * L + t) * APPEND_BATCH, APPEND_BATCH * 2);
+		}
+	}
+	struct kvd_seg **seg = xmalloc((p.nseg + nseal) * sizeof *seg);
+
+	memcpy(seg, p.seg, p.nseg * sizeof *seg);
+	for (uint32_t j = 0; j < nseal; j++)
+		seg[p.nseg + j] = seal_rows(&g, ak, av, ac, E, j * S, S);
+	for (uint32_t h = 0; h < H; h++) {
+		memcpy(tk + (size_t)h * tn * d, ak + ((size_t)h * E + nseal * S) * d, (size_t)tn * d * 2);
+		memcpy(tv + (size_t)h * tn * d, av + ((size_t)h * E + nseal * S) * d, (size_t)tn * d * 2);
+	}
+	struct kvd_layer_view lv = {
+		.seg = (const struct kvd_seg *const *)seg, .nseg = p.nseg + nseal,
+		.tail_k = tk, .tail_v = tv, .tail_n = tn,
+	};
+
+	for (uint32_t i = 0; i < p.nseg + nseal; i++)
+		assert_int_equal(seg[i]->kv_dtype, m->kv_dtype);
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	for (int i = 0; i < 2; i++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[i], 4096), 0);
+	kvd_logp_tab_init(tab, (int)m->K, (int)m->L, (int)m->c);
+	kvd_prep_query_codes(&g, kvc_w(c), w->q, qc);
+	assert_int_equal(kvd_attn_layer(pool, scr, kvd_kern_get(), &g, tab, &lv, w->q, qc, ro, rl,
+					NULL), 0);
+	for (uint32_t l = 1; l < LAYERS; l++) {
+		if (memcmp(o[l], ro, sizeof ro) || memcmp(lse[l], rl, sizeof rl)) {
+			print_message("%s layer %u: daemon and engine differ (rel %.3g)\n", m->name, l,
+				      rel_err_ff(o[l], ro, sizeof ro / sizeof ro[0]));
+			bad++;
+		}
+	}
+	print_message("  %s: %u prompt segments, %u sealed from appends, tail %u: %s\n", m->name,
+		      p.nseg, nseal, tn, bad ? "DIFFERENT" : "bit for bit");
+
+	for (uint32_t j = 0; j < nseal; j++)
+		kvd_seg_free(seg[p.nseg + j]);
+	free(seg);
+	kvd_prep_free(&p);
+	for (int i = 0; i < 2; i++)
+		kvd_attn_scratch_free(&scr[i]);
+	kvd_pool_destroy(pool);
+	free(tab);
+	free(k0);
+	free(v0);
+	free(ak);
+	free(av);
+	free(ac);
+	free(tk);
+	free(tv);
+	return bad;
+}
+
+/* An int8 profile through a real kvd: prefill past a seal, decode steps
+ * sealing the tail twice, and kvd's answers equal the engine's on an int8
+ * geometry bit for bit (as bf16's do on bf16); the bf16 profile's answers to
+ * the same rows differ, so the option took effect, but not by much. */
+static void test_int8_equals_engine(void **state)
+{
+	const uint32_t n0 = 5000, steps = 600;
+	struct kvc *c8 = connect_model("int8", &model_int8), *c16 = connect_model("bf16", &model);
+	float o8[LAYERS][8 * 128], l8[LAYERS][8], o16[LAYERS][8 * 128], l16[LAYERS][8];
+	struct kvd_synth w;
+
+	assert_int_equal(kvc_model_of(c8)->kv_dtype, KVC_KV_INT8);
+	assert_int_equal(kvc_model_of(c16)->kv_dtype, KVC_KV_BF16);
+	assert_int_equal(kvd_synth_make(&w, KVD_WL_MIXED, n0 + steps, 8, 2, 128, 31), 0);
+	assert_int_equal(decode_equal_to_engine(c8, &w, n0, steps, o8, l8), 0);
+	assert_int_equal(decode_equal_to_engine(c16, &w, n0, steps, o16, l16), 0);
+	for (uint32_t l = 1; l < LAYERS; l++) {
+		double rel = rel_err_ff(o8[l], o16[l], 8 * 128);
+
+		print_message("  layer %u: int8 vs bf16 rel %.3g\n", l, rel);
+		assert_true(memcmp(o8[l], o16[l], sizeof o8[l]) != 0);
+		assert_true(rel > 0 && rel < 0.1);
+	}
+	/* the prompt alone too, through check_equal_to_engine's path */
+	assert_int_equal(check_equal_to_engine(c8, 3, 1), 0);
+	kvd_synth_free(&w);
+	kvc_close(c8);
+	kvc_close(c16);
+}
+
+/* A bad kv_dtype is refused like any bad field, naming it, and the
+ * connection stays usable; an existing name with another kv_dtype is
+ * another profile (-EEXIST); ProfileOpen answers the profile's kv_dtype. */
+static void test_kv_dtype_refusals(void **state)
+{
+	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = "dtype",
+			      .slots = 4, .slot_size = 1 << 20 };
+	struct kvc_model bad = model_int8;
+	struct kvc *c, *c8 = connect_model("int8", &model_int8);
+	struct raw x;
+	int rc;
+
+	assert_int_equal(kvc_connect(&o, &c), 0);
+	bad.kv_dtype = 7;
+	rc = kvc_profile(c, &bad);
+	assert_int_equal(rc, -EINVAL);
+	print_message("  kv_dtype 7: %s\n", kvc_last_error(c));
+	assert_non_null(strstr(kvc_last_error(c), "kv_dtype 7"));
+	bad.kv_dtype = KVC_KV_BF16;                    /* the int8 profile's name, as bf16 */
+	rc = kvc_profile(c, &bad);
+	assert_int_equal(rc, -EEXIST);
+	assert_non_null(strstr(kvc_last_error(c), "exists with other fields"));
+	assert_int_equal(kvc_profile(c, &model_int8), 0);      /* equal fields: opens it */
+	assert_int_equal(kvc_model_of(c)->kv_dtype, KVC_KV_INT8);
+	assert_int_equal(kvc_nop(c), 0);
+	kvc_close(c);
+
+	assert_int_equal(raw_connect(&x), 0);
+	raw_hello(&x);
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ProfileOpen po = KVD__PROFILE_OPEN__INIT;
+
+	po.name = "itest-int8";
+	rq.body_case = KVD__REQUEST__BODY_PROFILE_OPEN;
+	rq.profile_open = &po;
+	Kvd__Response *r = raw_call(&x, &rq, NULL, NULL);
+
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_PROFILE);
+	assert_int_equal(r->profile->profile->kv_dtype, KVD__KV_DTYPE__KV_DTYPE_INT8);
+	kvd_ctl_free_response(r);
+	raw_close(&x);
+	kvc_close(c8);
+}
+
 /* --log-file: kvd appends there; after a rotation, SIGHUP makes it write to
  * a fresh file of the same name. */
 static void test_sighup_reopens_log(void **state)
@@ -720,6 +963,8 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_eight_clients_equal_engine, start, stop),
 		cmocka_unit_test_setup_teardown(test_new_client_not_stalled, start, stop),
 		cmocka_unit_test_setup_teardown(test_decode_appends, start, stop),
+		cmocka_unit_test_setup_teardown(test_int8_equals_engine, start, stop),
+		cmocka_unit_test_setup_teardown(test_kv_dtype_refusals, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_control_messages, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_ring_entries, start, stop),
 		cmocka_unit_test_setup_teardown(test_killed_client_releases, start, stop),

@@ -1,5 +1,6 @@
 /* The memory budget and the spill tier, through the real daemon: a sequence
- * written out and read back answers ATTEND bit for bit as before; a budget
+ * written out and read back answers ATTEND bit for bit as before (bf16 and
+ * int8 profiles); a budget
  * smaller than the sessions evicts the coldest and brings them back; every
  * injected disk fault (fake I/O backend) keeps kvd serving and never gives
  * a wrong answer — data stays in RAM, or the request fails "sequence lost";
@@ -16,6 +17,7 @@
 #include "daemon.h"
 #include "err.h"
 #include "kvc.h"
+#include "sfmt.h"
 #include "synth.h"
 #include "testutil.h"
 
@@ -30,10 +32,19 @@ static const struct kvc_model model = {
 	.n_dense = 1, .seed = 11, .segment_tokens = 4096, .seal_tokens = 256,
 };
 
+/* `model` with sealed segments stored int8 (spill files version 2, SEG
+ * extents flagged int8). */
+static const struct kvc_model model_int8 = {
+	.name = "tier-int8", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense_layers,
+	.n_dense = 1, .kv_dtype = KVC_KV_INT8, .seed = 11, .segment_tokens = 4096,
+	.seal_tokens = 256,
+};
+
 static struct daemon D;
 static char spill[128];
 
-static struct kvc *client(const char *name)
+static struct kvc *client_of(const char *name, const struct kvc_model *m)
 {
 	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = name,
 			      .slots = 8, .slot_size = 1 << 20 };
@@ -41,9 +52,14 @@ static struct kvc *client(const char *name)
 
 	if (kvc_connect(&o, &c))
 		fail_msg("connect: %s", kvc_last_error(c));
-	if (kvc_profile(c, &model))
+	if (kvc_profile(c, m))
 		fail_msg("profile: %s", kvc_last_error(c));
 	return c;
+}
+
+static struct kvc *client(const char *name)
+{
+	return client_of(name, &model);
 }
 
 /* A session: the prompt of every layer, then APPENDS decoded tokens, and
@@ -310,6 +326,55 @@ static void test_spill_restore_bit_equal(void **state)
 	kvc_close(c);
 }
 
+/* The same round trip with an int8 profile: the int8 segments go to disk
+ * and come back answering bit for bit; the same rows under the bf16
+ * profile take more memory and answer differently, so int8 is what was
+ * stored and restored. */
+static void test_spill_restore_int8(void **state)
+{
+	struct kvc *c8, *c16;
+	struct session x, y;
+	struct kvc_seq_stats st, st16;
+
+	assert_int_equal(up(NULL, NULL), 0);
+	c8 = client_of("spill-int8", &model_int8);
+	c16 = client("spill-bf16");
+	assert_int_equal(build(c8, &x, 2), 0);
+	assert_int_equal(record(c8, &x), 0);
+	assert_int_equal(build(c16, &y, 2), 0);
+	assert_int_equal(record(c16, &y), 0);
+	st = seq_stats(c8, x.s);
+	st16 = seq_stats(c16, y.s);
+	print_message("  resident: int8 %llu bytes, bf16 %llu\n", (unsigned long long)st.bytes,
+		      (unsigned long long)st16.bytes);
+	assert_int_equal(st.tokens, st16.tokens);
+	assert_int_equal(st.segments, st16.segments);
+	assert_true(st.bytes < st16.bytes * 3 / 4);
+	for (uint32_t l = 1; l < LAYERS; l++)
+		assert_true(memcmp(x.o[l], y.o[l], sizeof x.o[l]) != 0);
+
+	assert_int_equal(kvc_seq_evict(c8, x.s), 0);
+	assert_int_equal(kvc_seq_evict(c16, y.s), 0);
+	st = wait_spilled(c8, x.s);
+	st16 = wait_spilled(c16, y.s);
+	assert_int_equal(st.state, KVC_SEQ_DISK);
+	assert_true(st.durable);
+	assert_int_equal(st16.state, KVC_SEQ_DISK);
+	print_message("  on disk: int8 %llu bytes, bf16 %llu\n", (unsigned long long)st.disk_bytes,
+		      (unsigned long long)st16.disk_bytes);
+	assert_true(st.disk_bytes < st16.disk_bytes);
+	assert_int_equal(same(c8, &x), 0);
+	assert_int_equal(same(c16, &y), 0);
+	assert_int_equal(wait_restored(c8, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(wait_restored(c16, y.s).state, KVC_SEQ_RAM);
+	assert_int_equal(stats(c8).lost, 0);
+	assert_int_equal(stats(c8).restores, 2);
+	drop_session(c8, &x);
+	drop_session(c16, &y);
+	kvc_close(c8);
+	kvc_close(c16);
+}
+
 /* Six sessions of ~15 MB under a 48 MiB budget: prefill evicts the coldest,
  * ATTEND brings them back, every answer as recorded while resident. */
 static void test_budget_evicts_and_restores(void **state)
@@ -468,6 +533,119 @@ static void test_persist_clean_restart(void **state)
 	kvc_close(c2);
 }
 
+/* --persist with an int8 profile: after a restart kvd has recreated the
+ * profile from the file as int8 (the same name as bf16 is another
+ * profile), and the sequence answers as before. */
+static void test_persist_int8_restart(void **state)
+{
+	struct kvc_opts o = { .tenant = "t", .name = "persist-int8b", .slots = 8,
+			      .slot_size = 1 << 20 };
+	struct kvc_model as_bf16 = model_int8;
+	struct kvc *c, *c2;
+	struct session x;
+	struct kvc_seq *s2;
+	uint64_t tokens;
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c = client_of("persist-int8", &model_int8);
+	assert_int_equal(build(c, &x, 23), 0);
+	assert_int_equal(record(c, &x), 0);
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	assert_true(wait_spilled(c, x.s).durable);
+	assert_int_equal(daemon_stop(&D), 0);
+	kvc_seq_free(c, x.s);           /* kvd is gone: this frees our handle only */
+	kvc_close(c);
+	assert_int_equal(count_files(spill, ".kvs"), 1);
+
+	assert_int_equal(up("--persist", NULL), 0);
+	o.socket_path = D.sock;
+	assert_int_equal(kvc_connect(&o, &c2), 0);
+	as_bf16.kv_dtype = KVC_KV_BF16;
+	assert_int_equal(kvc_profile(c2, &as_bf16), -EEXIST);
+	assert_int_equal(kvc_profile(c2, &model_int8), 0);
+	assert_int_equal(kvc_model_of(c2)->kv_dtype, KVC_KV_INT8);
+	assert_int_equal(kvc_seq_open(c2, x.id, &s2, &tokens), 0);
+	assert_true(tokens > N_TOK - 4 - 64 - 32 && tokens <= N_TOK - 4 - 64);
+	x.s = s2;
+	assert_int_equal(same(c2, &x), 0);
+	assert_int_equal(wait_restored(c2, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(stats(c2).lost, 0);
+	drop_session(c2, &x);
+	kvc_close(c2);
+}
+
+/* Rewrites every extent header of the one .kvs file in dir as format
+ * version 1 wrote it (bf16 files only differ in the version field); the
+ * number of extents rewritten. */
+static unsigned as_version1(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	char path[512] = "";
+	unsigned n = 0;
+
+	assert_non_null(d);
+	while ((e = readdir(d)))
+		if (strlen(e->d_name) > 4 && !strcmp(e->d_name + strlen(e->d_name) - 4, ".kvs"))
+			snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+	closedir(d);
+	assert_true(path[0] != 0);
+
+	int fd = open(path, O_RDWR);
+	struct kvd_sfmt_hdr h;
+
+	assert_true(fd >= 0);
+	for (off_t at = 0; pread(fd, &h, sizeof h, at) == (ssize_t)sizeof h; at += h.extent_bytes) {
+		assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, NULL, NULL, 0), 0);
+		assert_int_equal(h.version, KVD_SFMT_VERSION);
+		assert_int_equal(kvd_sfmt_seg_dtype(&h), KVD_KV_BF16);
+		h.version = 1;
+		h.hdr_crc = 0;
+		h.hdr_crc = kvd_sfmt_crc32c(&h, sizeof h);
+		assert_int_equal(pwrite(fd, &h, sizeof h, at), (ssize_t)sizeof h);
+		n++;
+		if (h.kind == KVD_SFMT_END)
+			break;
+	}
+	assert_int_equal(fsync(fd), 0);
+	close(fd);
+	return n;
+}
+
+/* A file written by format version 1 (bf16 only) is still found by
+ * --persist and answers bit for bit. */
+static void test_persist_version1_file(void **state)
+{
+	struct kvc *c, *c2;
+	struct session x;
+	struct kvc_seq *s2;
+	unsigned n;
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c = client("v1");
+	assert_int_equal(build(c, &x, 27), 0);
+	assert_int_equal(record(c, &x), 0);
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	assert_true(wait_spilled(c, x.s).durable);
+	assert_int_equal(daemon_stop(&D), 0);
+	kvc_seq_free(c, x.s);           /* kvd is gone: this frees our handle only */
+	kvc_close(c);
+	n = as_version1(spill);
+	print_message("  %u extents rewritten as version 1\n", n);
+	assert_true(n >= 2 + 2 * (LAYERS - 1));
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c2 = client("v1b");
+	assert_int_equal(stats(c2).on_disk, 1);
+	assert_int_equal(kvc_seq_open(c2, x.id, &s2, NULL), 0);
+	x.s = s2;
+	assert_int_equal(same(c2, &x), 0);
+	assert_int_equal(wait_restored(c2, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(stats(c2).lost, 0);
+	drop_session(c2, &x);
+	kvc_close(c2);
+}
+
 /* kill -9 in the middle of a burst of write-backs, restart with --persist:
  * every sequence kvd reported durable before the kill is found and answers
  * bit for bit; the others are gone or complete, never half there. */
@@ -596,6 +774,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_teardown(test_spill_restore_bit_equal, down),
+		cmocka_unit_test_teardown(test_spill_restore_int8, down),
 		cmocka_unit_test_teardown(test_budget_evicts_and_restores, down),
 		cmocka_unit_test_teardown(test_budget_without_spill, down),
 		cmocka_unit_test_teardown(test_fault_enospc, down),
@@ -606,6 +785,8 @@ int main(void)
 		cmocka_unit_test_teardown(test_fault_corrupt, down),
 		cmocka_unit_test_teardown(test_fault_eio_read, down),
 		cmocka_unit_test_teardown(test_persist_clean_restart, down),
+		cmocka_unit_test_teardown(test_persist_int8_restart, down),
+		cmocka_unit_test_teardown(test_persist_version1_file, down),
 		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),
 		cmocka_unit_test_teardown(test_persist_bad_file_quarantined, down),
 	};

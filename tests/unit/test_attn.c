@@ -109,10 +109,11 @@ struct layer_fix {
 	struct kvd_prep p;
 };
 
-static void fix_make(struct layer_fix *f, enum kvd_wl kind, uint32_t n, uint32_t seg_tokens,
-		     uint32_t K, uint32_t L, uint32_t c, uint64_t seed)
+static void fix_make_dt(struct layer_fix *f, enum kvd_wl kind, uint32_t n, uint32_t seg_tokens,
+			uint32_t K, uint32_t L, uint32_t c, uint64_t seed, uint32_t dt)
 {
-	f->g = (struct kvd_geom){ .q_heads = 8, .kv_heads = 2, .d = 128, .K = K, .L = L, .c = c };
+	f->g = (struct kvd_geom){ .q_heads = 8, .kv_heads = 2, .d = 128, .K = K, .L = L, .c = c,
+				  .kv_dtype = dt };
 	assert_int_equal(kvd_synth_make(&f->w, kind, n, 8, 2, 128, seed), 0);
 	f->W = xmalloc((size_t)128 * K * L * sizeof(float));
 	kvd_lsh_make_w(seed ^ 0x5eed, 128, (int)K, (int)L, f->W);
@@ -121,6 +122,31 @@ static void fix_make(struct layer_fix *f, enum kvd_wl kind, uint32_t n, uint32_t
 	/* tokens 0..3 are sinks and the last 64 the window: not kvd's */
 	assert_int_equal(kvd_prep_layer(&f->p, &f->g, f->W, f->w.k, f->w.v, n, 4, n - 64,
 					seg_tokens, NULL), 0);
+}
+
+static void fix_make(struct layer_fix *f, enum kvd_wl kind, uint32_t n, uint32_t seg_tokens,
+		     uint32_t K, uint32_t L, uint32_t c, uint64_t seed)
+{
+	fix_make_dt(f, kind, n, seg_tokens, K, L, c, seed, KVD_KV_BF16);
+}
+
+/* Head h's rows as the kernels see them: bf16 widened, or int8 dequantized
+ * exactly as documented in attn.h (the reference dequantizes the same way). */
+static void seg_rows_f32(const struct kvd_seg *seg, uint32_t h, float *kf, float *vf)
+{
+	const struct kvd_seg_head *sh = &seg->h[h];
+	size_t n = seg->n, d = seg->d;
+
+	if (seg->kv_dtype == KVD_KV_BF16) {
+		kvd_bf16_to_f32_n(kf, sh->k, n * d);
+		kvd_bf16_to_f32_n(vf, sh->v, n * d);
+		return;
+	}
+	for (size_t i = 0; i < n; i++)
+		for (size_t e = 0; e < d; e++) {
+			kf[i * d + e] = sh->kfac[i] * (sh->kscale[e] * sh->k8[i * d + e]);
+			vf[i * d + e] = sh->vscale[i] * sh->v8[i * d + e];
+		}
 }
 
 static void fix_free(struct layer_fix *f)
@@ -166,8 +192,7 @@ static void sampled_ref(const struct layer_fix *f, double *o, double *lse, uint6
 			for (uint32_t i = 0; i < m; i++)
 				idx[i] = cand[i];
 			qsort(idx, m, sizeof *idx, cmp_u32);
-			kvd_bf16_to_f32_n(kf, seg->h[h].k, (size_t)seg->n * d);
-			kvd_bf16_to_f32_n(vf, seg->h[h].v, (size_t)seg->n * d);
+			seg_rows_f32(seg, h, kf, vf);
 			kvd_ref_sampled(f->w.q + (size_t)qh * d, (int)d, kf, vf, idx, m, (int)g->K,
 					(int)g->L, (int)g->c, po, &pl);
 			kvd_ref_merge(oq, &lse[qh], po, pl, (int)d);
@@ -207,12 +232,14 @@ static void test_estimator_matches_double(void **state)
 	uint64_t ncand;
 
 	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
 	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
 		for (uint32_t c = 1; c <= 2; c++) {
-			fix_make(&f, (enum kvd_wl)wl, 6000, 4096, 10, c == 2 ? 150 : 40, c, 100 + wl);
+			fix_make_dt(&f, (enum kvd_wl)wl, 6000, 4096, 10, c == 2 ? 150 : 40, c, 100 + wl,
+				    dt);
 			sampled_ref(&f, ro, rlse, &ncand);
-			print_message("  %-6s c=%u: %.2f%% of keys sampled per q head\n",
-				      kvd_wl_name((enum kvd_wl)wl), c,
+			print_message("  %s %-6s c=%u: %.2f%% of keys sampled per q head\n",
+				      kvd_kv_dtype_name(dt), kvd_wl_name((enum kvd_wl)wl), c,
 				      100.0 * ncand / (8.0 * (f.p.hi - f.p.lo)));
 			assert_true(ncand > 0);
 			for (int i = 0; i < nkv; i++) {
@@ -224,8 +251,9 @@ static void test_estimator_matches_double(void **state)
 					double e = rel_err_fd(o + qh * 128, ro + qh * 128, 128);
 
 					if (e > 1e-3 || fabs(lse[qh] - rlse[qh]) > 1e-3)
-						fail_msg("%s %s c=%u head %d: rel %.2e, lse %.6f vs %.6f",
-							 kv[i]->name, kvd_wl_name((enum kvd_wl)wl), c,
+						fail_msg("%s %s %s c=%u head %d: rel %.2e, lse %.6f vs %.6f",
+							 kv[i]->name, kvd_kv_dtype_name(dt),
+							 kvd_wl_name((enum kvd_wl)wl), c,
 							 qh, e, lse[qh], rlse[qh]);
 				}
 			}
@@ -267,9 +295,10 @@ static void test_two_segments_equal_one(void **state)
  * Each draw's ratio X = exp(lse) / exact is recorded; the mean must be 1
  * within 4 standard errors (measured from the draws) — a biased estimator
  * (TopK, or a wrong probability) fails this by many standard errors. */
-static void test_unbiased_over_seeds(void **state)
+static void unbiased_over_seeds(uint32_t dt)
 {
-	const struct kvd_geom g = { .q_heads = 1, .kv_heads = 1, .d = 64, .K = 5, .L = 12, .c = 2 };
+	const struct kvd_geom g = { .q_heads = 1, .kv_heads = 1, .d = 64, .K = 5, .L = 12, .c = 2,
+				    .kv_dtype = dt };
 	const uint32_t n = 2048, draws = 600;
 	const int d = 64;
 	struct kvd_rng r = kvd_rng_make(77);
@@ -292,13 +321,25 @@ static void test_unbiased_over_seeds(void **state)
 		kvd_bf16_from_f32_n(k + (size_t)i * d, kf + (size_t)i * d, d);
 	}
 	fill_bf16(v, (size_t)n * d, &r, 0.5, 1.0);
+	/* The estimand is over the keys kvd scores: for int8 the dequantized
+	 * ones (codes still come from the client's keys, as in the daemon). */
+	float *kd = xmalloc((size_t)n * d * 4), *vd = xmalloc((size_t)n * d * 4);
+	struct kvd_seg *s0;
+
+	kvd_lsh_make_w(999, d, (int)g.K, (int)g.L, W);
+	kvd_lsh_hash(W, d, (int)g.K, (int)g.L, kf, d, n, codes, n);
+	assert_int_equal(kvd_seg_build(&g, n, k, v, codes, NULL, &s0), 0);
+	seg_rows_f32(s0, 0, kd, vd);
+	kvd_seg_free(s0);
 	for (uint32_t i = 0; i < n; i++) {
 		double s = 0;
 
 		for (int e = 0; e < d; e++)
-			s += (double)q[e] * kf[(size_t)i * d + e];
+			s += (double)q[e] * kd[(size_t)i * d + e];
 		exact += exp(s / sqrt(d));
 	}
+	free(kd);
+	free(vd);
 	kvd_logp_tab_init(tab, (int)g.K, (int)g.L, (int)g.c);
 	assert_int_equal(kvd_attn_scratch_init(&scr, n), 0);
 	for (uint32_t t = 0; t < draws; t++) {
@@ -318,8 +359,8 @@ static void test_unbiased_over_seeds(void **state)
 	double mean = sum / draws, sd = sqrt(sum2 / draws - mean * mean);
 	double se = sd / sqrt(draws);
 
-	print_message("  E[exp(lse)]/exact = %.4f +- %.4f (sd of one draw %.3f, %u draws)\n",
-		      mean, se, sd, draws);
+	print_message("  %s: E[exp(lse)]/exact = %.4f +- %.4f (sd of one draw %.3f, %u draws)\n",
+		      kvd_kv_dtype_name(dt), mean, se, sd, draws);
 	assert_true(sd > 0.01);         /* the test must actually sample */
 	assert_true(fabs(mean - 1.0) < 4 * se);
 	kvd_attn_scratch_free(&scr);
@@ -329,6 +370,12 @@ static void test_unbiased_over_seeds(void **state)
 	free(kf);
 	free(W);
 	free(tab);
+}
+
+static void test_unbiased_over_seeds(void **state)
+{
+	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
+		unbiased_over_seeds(dt);
 }
 
 /* The layer driver equals its parts merged by hand, tail included, and a
@@ -421,7 +468,8 @@ static void test_layer_dense_matches_double(void **state)
 	double ro[8 * 128], rlse[8];
 
 	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
-	fix_make(&f, KVD_WL_NEEDLE, 5000, 2048, 4, 4, 1, 9);
+	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++) {
+	fix_make_dt(&f, KVD_WL_NEEDLE, 5000, 2048, 4, 4, 1, 9, dt);
 	for (uint32_t qh = 0; qh < 8; qh++) {
 		double po[128], pl;
 
@@ -429,12 +477,13 @@ static void test_layer_dense_matches_double(void **state)
 		memset(ro + qh * 128, 0, 128 * sizeof(double));
 		for (uint32_t s = 0; s < f.p.nseg; s++) {
 			const struct kvd_seg *seg = f.p.seg[s];
-			uint16_t *kk = seg->h[qh / 4].k, *vv = seg->h[qh / 4].v;
-			float q[128];
+			float *kf = xmalloc((size_t)seg->n * 128 * 4), *vf = xmalloc((size_t)seg->n * 128 * 4);
 
-			memcpy(q, f.w.q + qh * 128, sizeof q);
-			dense_ref(q, 1, 128, kk, vv, seg->n, po, &pl);
+			seg_rows_f32(seg, qh / 4, kf, vf);
+			kvd_ref_dense(f.w.q + qh * 128, 128, kf, vf, NULL, seg->n, po, &pl);
 			kvd_ref_merge(ro + qh * 128, &rlse[qh], po, pl, 128);
+			free(kf);
+			free(vf);
 		}
 	}
 	for (int w = 0; w < 2; w++)
@@ -450,6 +499,7 @@ static void test_layer_dense_matches_double(void **state)
 	for (int w = 0; w < 2; w++)
 		kvd_attn_scratch_free(&scr[w]);
 	fix_free(&f);
+	}
 	kvd_pool_destroy(pool);
 }
 
@@ -471,8 +521,142 @@ static void test_bad_geometry(void **state)
 	g.K = 17;
 	assert_int_equal(kvd_geom_check(&g), -KVD_EGEOM);
 	g.K = 10;
+	g.kv_dtype = KVD_KV_DTYPE_MAX + 1;
+	assert_int_equal(kvd_geom_check(&g), -KVD_EGEOM);
+	g.kv_dtype = KVD_KV_INT8;
+	assert_int_equal(kvd_geom_check(&g), 0);
 	assert_int_equal(kvd_seg_build(&g, 0, NULL, NULL, NULL, NULL, &seg), -KVD_EGEOM);
 	assert_int_equal(kvd_seg_build(&g, KVD_SEG_MAX + 1, NULL, NULL, NULL, NULL, &seg), -KVD_EGEOM);
+}
+
+/* int8 segments: the quantization bounds the format promises, the scales
+ * per channel, non-finite input made finite, kvd_seg_check on corrupted
+ * scales, adopt, and the byte budget. */
+static void test_int8_segments(void **state)
+{
+	const struct kvd_geom g = { .q_heads = 8, .kv_heads = 2, .d = 128, .K = 8, .L = 20, .c = 1,
+				    .kv_dtype = KVD_KV_INT8 };
+	const uint32_t n = 3000, d = 128, H = 2;
+	struct kvd_rng r = kvd_rng_make(21);
+	uint16_t *k = xmalloc((size_t)H * n * d * 2), *v = xmalloc((size_t)H * n * d * 2);
+	uint16_t *codes = xmalloc((size_t)H * g.L * n * 2);
+	struct kvd_seg *seg, *ad;
+
+	/* channel 7 an outlier (x20), token norms spread over 100x */
+	for (size_t i = 0; i < (size_t)H * n; i++) {
+		double tn = exp(kvd_rng_normal(&r) * 1.2);
+
+		for (uint32_t e = 0; e < d; e++) {
+			double x = kvd_rng_normal(&r) * tn * (e == 7 ? 20.0 : 1.0);
+
+			k[i * d + e] = kvd_f32_to_bf16((float)x);
+			v[i * d + e] = kvd_f32_to_bf16((float)(0.5 + kvd_rng_normal(&r) * tn));
+		}
+	}
+	for (size_t i = 0; i < (size_t)H * g.L * n; i++)
+		codes[i] = (uint16_t)(kvd_rng_bits(&r) & 0xff);
+	assert_int_equal(kvd_seg_build(&g, n, k, v, codes, NULL, &seg), 0);
+	assert_int_equal(seg->kv_dtype, KVD_KV_INT8);
+	assert_int_equal(kvd_seg_check(&g, n, seg->mem), 0);
+
+	float *kf = xmalloc((size_t)n * d * 4), *vf = xmalloc((size_t)n * d * 4);
+
+	for (uint32_t h = 0; h < H; h++) {
+		const struct kvd_seg_head *sh = &seg->h[h];
+		float mx[128] = { 0 };
+
+		seg_rows_f32(seg, h, kf, vf);
+		for (uint32_t i = 0; i < n; i++)
+			for (uint32_t e = 0; e < d; e++)
+				mx[e] = fmaxf(mx[e], fabsf(kvd_bf16_to_f32(k[((size_t)h * n + i) * d + e])));
+		for (uint32_t e = 0; e < d; e++)
+			assert_true(sh->kscale[e] == mx[e] / 127.0f);
+		for (uint32_t i = 0; i < n; i++) {
+			const uint16_t *kr = k + ((size_t)h * n + i) * d, *vr = v + ((size_t)h * n + i) * d;
+			double err = 0, nn = 0, t = 0, bound = 0;
+
+			/* Each row is rounded on its own grid, t / 127 in units
+			 * of the channel scales, t its largest |k_e / kscale_e|;
+			 * the factor is a least-squares fit and that grid's own
+			 * scale is a candidate: never worse than half a step per
+			 * element, however small the row. */
+			for (uint32_t e = 0; e < d; e++)
+				t = fmax(t, fabs(kvd_bf16_to_f32(kr[e]) / sh->kscale[e]));
+			for (uint32_t e = 0; e < d; e++) {
+				double x = kvd_bf16_to_f32(kr[e]), y = kf[(size_t)i * d + e];
+				double half = sh->kscale[e] * t / 127 / 2;
+
+				err += (x - y) * (x - y);
+				nn += y * y;
+				bound += half * half;
+				double ve = fabs(kvd_bf16_to_f32(vr[e]) - vf[(size_t)i * d + e]);
+
+				if (ve > sh->vscale[i] * 0.5001)
+					fail_msg("head %u row %u: |v - v~| = %g above half a step %g", h, i,
+						 ve, sh->vscale[i] / 2);
+			}
+			if (err > bound * 1.0001 + 1e-30)
+				fail_msg("head %u row %u: |k - k~|^2 = %g above %g", h, i, err, bound);
+			if (fabs(sh->kinv[i] * sqrt(nn) - 1.0) > 1e-5)
+				fail_msg("head %u row %u: kinv %g, 1/|k~| %g", h, i, sh->kinv[i], 1 / sqrt(nn));
+		}
+	}
+
+	/* adopt: the same bytes answer the same */
+	size_t bytes;
+	void *io = kvd_seg_io_alloc(&g, n, &bytes);
+	float q[4 * 128], o1[4 * 128], l1[4], o2[4 * 128], l2[4], s[KVD_ATTN_DENSE_SCRATCH];
+
+	assert_non_null(io);
+	memcpy(io, seg->io, bytes);
+	assert_int_equal(kvd_seg_adopt(&g, n, io, bytes, &ad), 0);
+	fill_normal(q, sizeof q / sizeof q[0], &r, 0.0, 0.3);
+	for (int i = 0; i < nkv; i++) {
+		kvd_attn_dense_seg(kv[i], q, 4, seg, 1, o1, l1, s);
+		kvd_attn_dense_seg(kv[i], q, 4, ad, 1, o2, l2, s);
+		assert_memory_equal(o1, o2, sizeof o1);
+		assert_memory_equal(l1, l2, sizeof l1);
+	}
+
+	/* corrupted scales are refused, as a spill file's would be */
+	struct kvd_seg_head *sh = &ad->h[1];
+	float keep = sh->vscale[5];
+
+	sh->vscale[5] = NAN;
+	assert_int_equal(kvd_seg_check(&g, n, ad->mem), -KVD_EFORMAT);
+	sh->vscale[5] = keep;
+	keep = sh->kscale[3];
+	sh->kscale[3] = -1.0f;
+	assert_int_equal(kvd_seg_check(&g, n, ad->mem), -KVD_EFORMAT);
+	sh->kscale[3] = keep;
+	sh->kfac[n - 1] = INFINITY;
+	assert_int_equal(kvd_seg_check(&g, n, ad->mem), -KVD_EFORMAT);
+	kvd_seg_free(ad);
+	kvd_seg_free(seg);
+
+	/* non-finite input: built, every scale finite, checkable */
+	k[5] = kvd_f32_to_bf16(NAN);
+	k[d + 9] = kvd_f32_to_bf16(INFINITY);
+	v[2 * d + 1] = kvd_f32_to_bf16(-INFINITY);
+	for (uint32_t e = 0; e < d; e++)
+		k[3 * d + e] = kvd_f32_to_bf16(NAN);
+	assert_int_equal(kvd_seg_build(&g, n, k, v, codes, NULL, &seg), 0);
+	assert_int_equal(kvd_seg_check(&g, n, seg->mem), 0);
+	assert_true(seg->h[0].k8[d + 9] == 127 && seg->h[0].k8[5] == -127);
+	kvd_seg_free(seg);
+
+	/* the byte budget at the benchmark's geometry: <= 580 per token per kv head */
+	const struct kvd_geom big = { .q_heads = 32, .kv_heads = 8, .d = 128, .K = 10, .L = 150,
+				      .c = 2, .kv_dtype = KVD_KV_INT8 };
+	double bpt = (double)kvd_seg_io_bytes(&big, 32768) / (8.0 * 32768);
+
+	print_message("  int8 segment: %.1f bytes per token per kv head\n", bpt);
+	assert_true(bpt <= 580.0);
+	free(kf);
+	free(vf);
+	free(k);
+	free(v);
+	free(codes);
 }
 
 static int setup(void **state)
@@ -504,7 +688,7 @@ static void test_batched_layers_equal_alone(void **state)
 	for (unsigned w = 0; w < nw; w++)
 		assert_int_equal(kvd_attn_scratch_init(&scr[w], KVD_SEG_MAX), 0);
 	fix_make(&f[0], KVD_WL_DENSE, 5000, 2048, 10, 150, 2, 11);
-	fix_make(&f[1], KVD_WL_MIXED, 3000, 1024, 8, 40, 1, 12);
+	fix_make_dt(&f[1], KVD_WL_MIXED, 3000, 1024, 8, 40, 1, 12, KVD_KV_INT8);
 	fix_make(&f[2], KVD_WL_NEEDLE, 7000, 4096, 10, 100, 2, 13);
 	for (int i = 0; i < 3; i++) {
 		tab[i] = xmalloc(sizeof *tab[i]);
@@ -547,6 +731,7 @@ int main(void)
 		cmocka_unit_test(test_layer_parts_and_tail),
 		cmocka_unit_test(test_layer_dense_matches_double),
 		cmocka_unit_test(test_bad_geometry),
+		cmocka_unit_test(test_int8_segments),
 		cmocka_unit_test(test_batched_layers_equal_alone),
 	};
 

@@ -167,7 +167,7 @@ static void test_chunks_and_slots(void **state)
  * from 0.  Queries likewise against kvd_prep_query_codes. */
 static void test_pack_layout_matches_prep(void **state)
 {
-	const struct kvd_geom g = { 8, 2, 128, 10, 24, 2 };
+	const struct kvd_geom g = { 8, 2, 128, 10, 24, 2, KVD_KV_BF16 };
 	const uint32_t H = g.kv_heads, d = g.d, K = g.K, L = g.L, KL = K * L, n = 97;
 	float *W = xmalloc((size_t)d * KL * sizeof *W);
 	float *k = xmalloc((size_t)H * n * d * 4), *v = xmalloc((size_t)H * n * d * 4);
@@ -410,6 +410,14 @@ static void test_decode_args(void **state)
 	assert_int_equal(parse(&a, msg, NULL), 0);
 	assert_int_equal(a.attn, DEC_KVD);
 	assert_int_equal(a.layers, 32);
+	assert_int_equal(a.kv_dtype, KVD_KV_BF16);
+	assert_int_equal(parse(&a, msg, "--kv-dtype", "int8", NULL), 0);
+	assert_int_equal(a.kv_dtype, KVD_KV_INT8);
+	assert_int_equal(parse(&a, msg, "--kv-dtype=bf16", NULL), 0);
+	assert_int_equal(a.kv_dtype, KVD_KV_BF16);
+	assert_int_equal(parse(&a, msg, "--kv-dtype=fp8", NULL), -EINVAL);
+	assert_non_null(strstr(msg, "--kv-dtype: bf16 or int8, not fp8"));
+	assert_int_equal(parse(&a, msg, "--kv-dtype", NULL), -EINVAL);
 	assert_int_equal(parse(&a, msg, "--attn=gpu-dense", "--ctx", "96k", "--batch=8",
 			       "--steps", "10", "--K", "8", "--L=75", "--c", "1", "--json", NULL), 0);
 	assert_int_equal(a.attn, DEC_GPU_DENSE);

@@ -5,7 +5,9 @@
  * Tolerances: qk and pv errors are measured against the sum of |terms|, the
  * scale of float rounding in a dot product; the f32 variants differ from
  * scalar only in summation order and FMA, the bf16 one also in q's 16-bit
- * (hi + lo bf16) representation.
+ * (hi + lo bf16) representation.  qk8 and pv8 are f32 in every variant and
+ * held to the f32 tolerance, on inputs shaped like attn.c's: q with channel
+ * scales far apart, weights spanning e^-20 with zeros.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -262,6 +264,213 @@ static void test_pv(void **state)
 			check_pv(&r, 128, 4, m, 0);
 	}
 	report("pv", "worst |err| / (|o| + sum|w_i v_ij|) = %.2e");
+}
+
+/* ---- qk8 / pv8 --------------------------------------------------------- */
+
+/* int8 rows, every value -128..127 equally likely, and now and then a row
+ * of all -128 or all 127 (the largest sums). */
+static int8_t *rand_rows8(struct kvd_rng *r, size_t n, int d)
+{
+	size_t bytes = n * d;
+	int8_t *rows = bytes && bytes % 64 == 0 ? aligned_alloc(64, bytes) : xmalloc(bytes);
+	uint64_t bits = 0;
+
+	assert_non_null(rows);
+	for (size_t i = 0; i < n * d; i++) {
+		if (i % 8 == 0)
+			bits = kvd_rng_bits(r);
+		rows[i] = (int8_t)(bits & 0xff);
+		bits >>= 8;
+	}
+	for (size_t i = 0; i < n; i++) {
+		uint32_t u = kvd_rng_below(r, 8);
+
+		if (u < 2)
+			memset(rows + i * d, u ? 127 : -128, d);
+	}
+	return rows;
+}
+
+/* q as attn.c passes it: q times per-channel key scales, here spread over
+ * 2^-4 .. 2^4 on some calls, so channels differ widely in magnitude. */
+static float *rand_q8(struct kvd_rng *r, int G, int d)
+{
+	float *q = rand_f32(r, (size_t)G * d, 1.0);
+
+	if (kvd_rng_below(r, 2)) {
+		for (int e = 0; e < d; e++) {
+			float sc = (float)exp2(8.0 * kvd_rng_uniform(r) - 4.0);
+
+			for (int g = 0; g < G; g++)
+				q[g * d + e] *= sc;
+		}
+	}
+	return q;
+}
+
+static const int8_t *rowp8(const int8_t *base, const uint32_t *idx, size_t i, int d)
+{
+	return base + (idx ? idx[i] : i) * (size_t)d;
+}
+
+static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
+{
+	size_t nrows = gather ? m + 7 : m;
+	int8_t *rows = rand_rows8(r, nrows, d);
+	uint32_t *idx = gather ? rand_idx(r, m, nrows) : NULL;
+	float *q = rand_q8(r, G, d);
+	size_t lds = m + 3, ns = (G - 1) * lds + m;
+	float *s0 = xmalloc(ns * sizeof *s0), *s1 = xmalloc(ns * sizeof *s1);
+	float *mag = xmalloc(ns * sizeof *mag);
+
+	ref->qk8(q, G, d, rows, idx, m, s0, lds);
+	for (int g = 0; g < G; g++) {
+		for (size_t i = 0; i < m; i++) {
+			const int8_t *p = rowp8(rows, idx, i, d);
+			float a = 0.0f;
+
+			for (int j = 0; j < d; j++)
+				a += fabsf(q[g * d + j] * (float)p[j]);
+			mag[g * lds + i] = a;
+		}
+	}
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+		double tol = 2e-6;
+
+		for (size_t i = 0; i < ns; i++)
+			s1[i] = 12345.0f;
+		k->qk8(q, G, d, rows, idx, m, s1, lds);
+		for (int g = 0; g < G; g++) {
+			for (size_t i = 0; i < m; i++) {
+				size_t e = g * lds + i;
+				double dv = fabs((double)s1[e] - s0[e]), bound = tol * mag[e] + 1e-30;
+
+				note(v, dv * tol / bound);
+				if (!(dv <= bound))
+					fail_msg("%s qk8 d=%d G=%d m=%zu idx=%d: s[%d][%zu] = %g, scalar %g",
+						 k->name, d, G, m, gather, g, i, s1[e], s0[e]);
+			}
+			for (size_t i = m; g + 1 < G && i < lds; i++)
+				assert_true(s1[g * lds + i] == 12345.0f);
+		}
+	}
+	free(rows);
+	free(idx);
+	free(q);
+	free(s0);
+	free(s1);
+	free(mag);
+}
+
+/* Weights as attn.c passes them: softmax weights (many tiny, some zero)
+ * times per-row value scales, with random signs to make cancellation. */
+static float *rand_w8(struct kvd_rng *r, size_t n)
+{
+	float *w = xmalloc(n * sizeof *w);
+
+	for (size_t i = 0; i < n; i++) {
+		uint32_t u = kvd_rng_below(r, 16);
+
+		w[i] = u == 0 ? 0.0f : (float)(exp(-20.0 * kvd_rng_uniform(r)) * kvd_rng_normal(r));
+	}
+	return w;
+}
+
+static void check_pv8(struct kvd_rng *r, int d, int G, size_t m, int gather)
+{
+	size_t nrows = gather ? m + 7 : m, no = (size_t)G * d;
+	int8_t *rows = rand_rows8(r, nrows, d);
+	uint32_t *idx = gather ? rand_idx(r, m, nrows) : NULL;
+	size_t ldw = m + 2, nw = (G - 1) * ldw + m;
+	float *w = rand_w8(r, nw);
+	float *oi = rand_f32(r, no, 1.0);
+	float *o0 = xmalloc(no * sizeof *o0), *o1 = xmalloc(no * sizeof *o1);
+	float *mag = xmalloc(no * sizeof *mag);
+
+	memcpy(o0, oi, no * sizeof *o0);
+	ref->pv8(w, ldw, G, d, rows, idx, m, o0);
+	for (size_t i = 0; i < no; i++)
+		mag[i] = fabsf(oi[i]);
+	for (size_t i = 0; i < m; i++) {
+		const int8_t *p = rowp8(rows, idx, i, d);
+
+		for (int g = 0; g < G; g++)
+			for (int j = 0; j < d; j++)
+				mag[g * d + j] += fabsf(w[g * ldw + i] * (float)p[j]);
+	}
+	for (size_t v = 0; v < nvar; v++) {
+		const struct kvd_kern *k = var[v];
+		double tol = 2e-6;
+
+		memcpy(o1, oi, no * sizeof *o1);
+		k->pv8(w, ldw, G, d, rows, idx, m, o1);
+		for (size_t e = 0; e < no; e++) {
+			double dv = fabs((double)o1[e] - o0[e]), bound = tol * mag[e] + 1e-30;
+
+			note(v, dv * tol / bound);
+			if (!(dv <= bound))
+				fail_msg("%s pv8 d=%d G=%d m=%zu idx=%d: o[%zu][%zu] = %g, scalar %g",
+					 k->name, d, G, m, gather, e / d, e % d, o1[e], o0[e]);
+		}
+	}
+	free(rows);
+	free(idx);
+	free(w);
+	free(oi);
+	free(o0);
+	free(o1);
+	free(mag);
+}
+
+/* As test_qk, over d that are odd multiples of 16 and over 64, and every
+ * head-group size a variant specialises on (1..16) on the short grid. */
+static const int ds8[] = { 16, 48, 80, 128, 256 };
+static const int gs8[] = { 1, 2, 3, 4, 5, 8, 9, 16 };
+
+static void test_qk8(void **state)
+{
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0xa3);
+
+		for (size_t a = 0; a < N_OF(ds8); a++)
+			for (size_t b = 0; b < N_OF(gs8); b++)
+				for (size_t c = 0; c < N_OF(ms) - !!s; c++)
+					for (int gather = 0; gather < 2; gather++)
+						check_qk8(&r, ds8[a], gs8[b], ms[c], gather);
+		for (int G = 1; G <= KVD_GMAX; G++)
+			for (int gather = 0; gather < 2; gather++)
+				check_qk8(&r, G % 2 ? 48 : 80, G, 37, gather);
+		for (size_t m = 255; m < 4200 && s == 0; m = m * 2 + 1) {
+			check_qk8(&r, 128, 4, m, 0);
+			check_qk8(&r, 80, 1 + (int)(m % 7), m + 1, 0);
+		}
+	}
+	report("qk8", "worst |err| / sum|q_e k_e| = %.2e");
+}
+
+static void test_pv8(void **state)
+{
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0xa4);
+
+		for (size_t a = 0; a < N_OF(ds8); a++)
+			for (size_t b = 0; b < N_OF(gs8); b++)
+				for (size_t c = 0; c < N_OF(ms) - !!s; c++)
+					for (int gather = 0; gather < 2; gather++)
+						check_pv8(&r, ds8[a], gs8[b], ms[c], gather);
+		for (int G = 1; G <= KVD_GMAX; G++)
+			for (int gather = 0; gather < 2; gather++)
+				check_pv8(&r, G % 2 ? 48 : 80, G, 37, gather);
+		for (size_t m = 255; m < 4200 && s == 0; m = m * 2 + 1) {
+			check_pv8(&r, 128, 4, m, 0);
+			check_pv8(&r, 80, 1 + (int)(m % 7), m + 1, 0);
+		}
+	}
+	report("pv8", "worst |err| / (|o| + sum|w_i v_ij|) = %.2e");
 }
 
 /* ---- max / expsum ---------------------------------------------------------- */
@@ -616,6 +825,8 @@ int main(void)
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_qk),
 		cmocka_unit_test(test_pv),
+		cmocka_unit_test(test_qk8),
+		cmocka_unit_test(test_pv8),
 		cmocka_unit_test(test_max),
 		cmocka_unit_test(test_expsum),
 		cmocka_unit_test(test_logp),

@@ -241,7 +241,7 @@ static void test_profile_rejects(void **state)
 		case NAME_LONG: memset(r.name, 'a', sizeof r.name); break;
 		case NAME_CTRL: r.name[2] = '\n'; break;
 		case NAME_PAD: r.name[70] = 'x'; break;
-		case RESERVED0: r.reserved0 = 1; break;
+		case RESERVED0: r.kv_dtype = KVD_KV_DTYPE_MAX + 1; break;
 		case RESERVED: r.reserved[127] = 1; break;
 		case GEOM_D: r.d = 24; break;
 		case GEOM_G: r.kv_heads = 3; break;
@@ -467,9 +467,10 @@ static struct kvd_sfmt_hdr *seg_extent(struct kvd_seg *s, uint32_t index, uint64
 {
 	struct kvd_sfmt_hdr *h = s->io;
 	const struct kvd_geom g = { .q_heads = s->kv_heads, .kv_heads = s->kv_heads, .d = s->d,
-				    .K = s->K, .L = s->L, .c = 1 };
+				    .K = s->K, .L = s->L, .c = 1, .kv_dtype = s->kv_dtype };
 
 	hdr_base(h, KVD_SFMT_SEG, &g);
+	h->flags = s->kv_dtype == KVD_KV_INT8 ? KVD_SFMT_SF_INT8 : 0;
 	h->index = index;
 	h->layer = 1;
 	h->n = s->n;
@@ -647,7 +648,7 @@ done:;
 	fix_hdr_crc(&h);
 	expect_hdr_fail(&h, "magic");
 	h = x.h[2];
-	h.version = 2;
+	h.version = KVD_SFMT_VERSION + 1;
 	fix_hdr_crc(&h);
 	expect_hdr_fail(&h, "version");
 	h = x.h[2];
@@ -719,9 +720,10 @@ static void test_io_buffers(void **state)
 /* Spills every segment of a layer (header page sealed in place), "reads"
  * each extent into a fresh io buffer, checks and adopts it: the restored
  * layer answers exactly like the original, on every kernel. */
-static void test_seg_restore_attention(void **state)
+static void seg_restore_attention(uint32_t dt)
 {
-	const struct kvd_geom g = { .q_heads = 8, .kv_heads = 2, .d = 128, .K = 9, .L = 60, .c = 2 };
+	const struct kvd_geom g = { .q_heads = 8, .kv_heads = 2, .d = 128, .K = 9, .L = 60, .c = 2,
+				    .kv_dtype = dt };
 	const uint32_t n = 7000;
 	struct kvd_pool *pool;
 	struct kvd_synth w;
@@ -761,8 +763,16 @@ static void test_seg_restore_attention(void **state)
 			const struct kvd_seg_head *a = &s->h[hh], *b = &back[i]->h[hh];
 			ptrdiff_t ds = (uint8_t *)back[i]->io - (uint8_t *)s->io;
 
-			assert_true((uint8_t *)b->k - (uint8_t *)a->k == ds);
-			assert_true((uint8_t *)b->v - (uint8_t *)a->v == ds);
+			if (dt == KVD_KV_INT8) {
+				assert_true((uint8_t *)b->k8 - (uint8_t *)a->k8 == ds);
+				assert_true((uint8_t *)b->v8 - (uint8_t *)a->v8 == ds);
+				assert_true((uint8_t *)b->kscale - (uint8_t *)a->kscale == ds);
+				assert_true((uint8_t *)b->vscale - (uint8_t *)a->vscale == ds);
+				assert_true((uint8_t *)b->kfac - (uint8_t *)a->kfac == ds);
+			} else {
+				assert_true((uint8_t *)b->k - (uint8_t *)a->k == ds);
+				assert_true((uint8_t *)b->v - (uint8_t *)a->v == ds);
+			}
 			assert_true((uint8_t *)b->kinv - (uint8_t *)a->kinv == ds);
 			assert_true((uint8_t *)b->tab.off - (uint8_t *)a->tab.off == ds);
 			assert_true((uint8_t *)b->tab.ids - (uint8_t *)a->tab.ids == ds);
@@ -803,6 +813,114 @@ static void test_seg_restore_attention(void **state)
 	free(W);
 	free(qc);
 	kvd_pool_destroy(pool);
+}
+
+static void test_seg_restore_attention(void **state)
+{
+	seg_restore_attention(KVD_KV_BF16);
+	seg_restore_attention(KVD_KV_INT8);
+}
+
+/* ---- versions ----------------------------------------------------------- */
+
+/* Version 2 added int8 segments.  A version 1 file (bf16 only: no SEG flags,
+ * a zero where the profile record now keeps kv_dtype) still reads; the int8
+ * flag is refused in a version 1 header and unknown flags in any; a header
+ * whose flag disagrees with its payload's size is refused by size. */
+static void test_versions(void **state)
+{
+	const struct kvd_geom g8 = { .q_heads = 4, .kv_heads = 2, .d = 16, .K = 4, .L = 3, .c = 1,
+				     .kv_dtype = KVD_KV_INT8 };
+	struct kvd_geom g16 = g8;
+	struct kvd_seg *s8, *s16;
+	struct kvd_sfmt_hdr h, got;
+	char msg[256];
+
+	g16.kv_dtype = KVD_KV_BF16;
+	seg_random(&g8, 100, 3, &s8);
+	seg_random(&g16, 100, 3, &s16);
+	assert_true(kvd_seg_bytes(&g8, 100) < kvd_seg_bytes(&g16, 100));
+
+	/* what kvd writes: version 2, the flag from the geometry */
+	kvd_sfmt_hdr_init(&h, KVD_SFMT_SEG, 1, kvd_seg_bytes(&g8, 100), 1, 1, 2, &g8, "t");
+	h.layer = 1;
+	h.n = 100;
+	h.tok_end = 100;
+	assert_int_equal(h.flags, KVD_SFMT_SF_INT8);
+	seal_and_check(&h, s8->mem);
+	assert_int_equal(h.version, 2);
+	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
+	assert_int_equal(kvd_sfmt_seg_dtype(&got), KVD_KV_INT8);
+
+	struct kvd_sfmt_hdr bad = h;
+
+	bad.flags = KVD_SFMT_SF_INT8 | 0x4;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "unknown SEG flag");
+	bad = h;
+	bad.version = 1;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "int8 SEG in a version 1 file");
+	bad = h;
+	bad.flags = 0;                  /* a bf16 header over an int8 payload's size */
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "flag disagrees with payload_bytes");
+	bad = h;
+	bad.version = 3;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "version 3");
+	bad.version = 0;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "version 0");
+
+	/* a version 1 bf16 SEG reads, as bf16 */
+	kvd_sfmt_hdr_init(&h, KVD_SFMT_SEG, 1, kvd_seg_bytes(&g16, 100), 1, 1, 2, &g16, "t");
+	h.layer = 1;
+	h.n = 100;
+	h.tok_end = 100;
+	assert_int_equal(h.flags, 0);
+	kvd_sfmt_seal(&h, s16->mem);
+	h.version = 1;
+	fix_hdr_crc(&h);
+	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
+	assert_int_equal(kvd_sfmt_seg_dtype(&got), KVD_KV_BF16);
+	assert_int_equal(kvd_sfmt_check_payload(&got, s16->mem, msg, sizeof msg), 0);
+
+	/* the profile record: kv_dtype round-trips and is part of the profile */
+	struct prof x;
+	struct kvd_profile p16;
+	uint8_t *pl;
+
+	prof_make(&x, 64, 8, 10, 5);
+	x.p.g.kv_dtype = KVD_KV_INT8;
+	uint64_t fp8 = kvd_sfmt_profile_fp(&x.p);
+
+	pl = profile_payload(&x.p, &h);
+	seal_and_check(&h, pl);
+	if (kvd_sfmt_profile_get(pl, h.payload_bytes, &p16, msg, sizeof msg))
+		fail_msg("%s", msg);
+	assert_int_equal(p16.g.kv_dtype, KVD_KV_INT8);
+	free(p16.dense);
+	free(p16.W);
+	free(pl);
+	x.p.g.kv_dtype = KVD_KV_BF16;
+	assert_true(kvd_sfmt_profile_fp(&x.p) != fp8);
+	/* a version 1 PROFILE extent (kv_dtype 0 there) reads as bf16 */
+	pl = profile_payload(&x.p, &h);
+	kvd_sfmt_seal(&h, pl);
+	h.version = 1;
+	fix_hdr_crc(&h);
+	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
+	assert_int_equal(kvd_sfmt_check_payload(&got, pl, msg, sizeof msg), 0);
+	if (kvd_sfmt_profile_get(pl, h.payload_bytes, &p16, msg, sizeof msg))
+		fail_msg("%s", msg);
+	assert_int_equal(p16.g.kv_dtype, KVD_KV_BF16);
+	free(p16.dense);
+	free(p16.W);
+	free(pl);
+	prof_free(&x);
+	kvd_seg_free(s8);
+	kvd_seg_free(s16);
 }
 
 /* ---- table corruptions -------------------------------------------------- */
@@ -1059,6 +1177,16 @@ static void test_tiny_extents(void **state)
 		seg_from_codes(&g, 24, codes, 4, &s);
 		seal_and_check(seg_extent(s, 2, 0), s->mem);
 		seed_write(full ? "seg_full" : "seg", s->io, s->mem);
+		if (!full) {
+			struct kvd_geom g8 = g;
+			struct kvd_seg *s8;
+
+			g8.kv_dtype = KVD_KV_INT8;
+			seg_from_codes(&g8, 24, codes, 4, &s8);
+			seal_and_check(seg_extent(s8, 2, 0), s8->mem);
+			seed_write("seg_int8", s8->io, s8->mem);
+			kvd_seg_free(s8);
+		}
 		c = seg_copy(&g, s);
 		assert_int_equal(kvd_seg_check(&g, 24, c->mem), 0);
 		assert_int_equal(kvd_lsh_candidates(&c->h[0].tab, q, 1, &ls, out),
@@ -1114,6 +1242,7 @@ int main(void)
 		cmocka_unit_test(test_header_semantics),
 		cmocka_unit_test(test_io_buffers),
 		cmocka_unit_test(test_seg_restore_attention),
+		cmocka_unit_test(test_versions),
 		cmocka_unit_test(test_seg_corruptions),
 		cmocka_unit_test(test_seg_full_buckets),
 		cmocka_unit_test(test_tiny_extents),

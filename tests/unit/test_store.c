@@ -2,13 +2,17 @@
  * staging, means, segments are charged before they are allocated), profile
  * namespaces (no cross-uid lookups or name collisions, sharing groups),
  * profile references and ids that are never reused, the per-uid caps, and
- * the old API without limits. */
+ * the old API without limits.  Then the rows themselves: PREFILL staging
+ * sealed every seg_tokens and at LAST, the APPEND tail sealed at
+ * seal_tokens and starting over, every row in its place, and rows out of
+ * order refused without a change. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -34,7 +38,7 @@ static struct kvd_profile profile(const char *name, uint64_t seed)
 
 	memset(&p, 0, sizeof p);
 	snprintf(p.name, sizeof p.name, "%s", name);
-	p.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2 };
+	p.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2, KVD_KV_BF16 };
 	p.layers = LAYERS;
 	p.sink = 4;
 	p.window = 64;
@@ -400,6 +404,307 @@ static void test_no_limits(void **state)
 	kvd_store_destroy(s);
 }
 
+/* ---- staging and seal rules --------------------------------------------- */
+
+/* Rows whose every element says which head and token it is, so a row that
+ * lands in the wrong place (staging compaction, the tail's wrap) shows. */
+static uint16_t row_elem(uint32_t h, uint32_t tok, uint32_t e, uint32_t salt)
+{
+	uint32_t x = e == 0 ? tok & 0xff : e == 1 ? tok >> 8 : (h * 31 + e * 7 + salt) & 0xff;
+
+	/* a finite bf16 in [-2, -1] or [1, 2]: 8 bits of x */
+	return (uint16_t)(0x3f80 | (x & 0x7f) | ((x & 0x80) << 8));
+}
+
+static uint16_t code_of(uint32_t h, uint32_t t, uint32_t tok)
+{
+	return (uint16_t)((tok * 7 + t * 3 + h * 5) & ((1u << KB) - 1));
+}
+
+/* Tokens [t0, t0 + n) as a batch: k, v [KV][n][D], codes [KV][LT][n]. */
+struct batch {
+	uint16_t *k, *v, *c;
+	uint32_t n;
+};
+
+static struct batch batch_make(uint32_t t0, uint32_t n)
+{
+	struct batch b = { xmalloc((size_t)KV * n * D * 2), xmalloc((size_t)KV * n * D * 2),
+			   xmalloc((size_t)KV * LT * n * 2), n };
+
+	for (uint32_t h = 0; h < KV; h++) {
+		for (uint32_t i = 0; i < n; i++) {
+			for (uint32_t e = 0; e < D; e++) {
+				b.k[((size_t)h * n + i) * D + e] = row_elem(h, t0 + i, e, 1);
+				b.v[((size_t)h * n + i) * D + e] = row_elem(h, t0 + i, e, 2);
+			}
+			for (uint32_t t = 0; t < LT; t++)
+				b.c[((size_t)h * LT + t) * n + i] = code_of(h, t, t0 + i);
+		}
+	}
+	return b;
+}
+
+static void batch_free(struct batch *b)
+{
+	free(b->k);
+	free(b->v);
+	free(b->c);
+}
+
+/* PREFILL (append = 0) or APPEND of tokens [t0, t0 + n) into layer ly. */
+static int rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t ly, int is_append, int last,
+		int mean, uint32_t t0, uint32_t n, char *msg, size_t msglen)
+{
+	static float m[KV * D];
+	struct batch b = batch_make(t0, n);
+	int rc = kvd_store_rows(s, q, ly, is_append, last, mean ? m : NULL, b.k, b.v, b.c, n, msg,
+				msglen);
+
+	batch_free(&b);
+	return rc;
+}
+
+/* Segment j of the view holds tokens [t0, t0 + n) in order: rows, and every
+ * token in the bucket of its code in each table. */
+static void seg_holds(const struct kvd_layer_view *lv, uint32_t j, uint32_t t0, uint32_t n)
+{
+	const struct kvd_seg *sg;
+
+	assert_true(j < lv->nseg);
+	sg = lv->seg[j];
+	assert_int_equal(sg->n, n);
+	for (uint32_t h = 0; h < KV; h++) {
+		const struct kvd_lsh_tables *tb = &sg->h[h].tab;
+
+		for (uint32_t i = 0; i < n; i++) {
+			for (uint32_t e = 0; e < D; e++) {
+				if (sg->h[h].k[(size_t)i * D + e] != row_elem(h, t0 + i, e, 1) ||
+				    sg->h[h].v[(size_t)i * D + e] != row_elem(h, t0 + i, e, 2))
+					fail_msg("segment %u head %u row %u is not token %u", j, h, i,
+						 t0 + i);
+			}
+		}
+		assert_int_equal(tb->n, n);
+		for (uint32_t t = 0; t < LT; t++) {
+			const uint16_t *off = tb->off + (size_t)t * ((1u << KB) + 1);
+			uint32_t seen = 0;
+
+			for (uint32_t bk = 0; bk < (1u << KB); bk++) {
+				uint16_t len = (uint16_t)(off[bk + 1] - off[bk]);
+
+				for (uint16_t x = 0; x < len; x++) {
+					uint16_t id = tb->ids[(size_t)t * n + off[bk] + x];
+
+					assert_true(id < n);
+					if (code_of(h, t, t0 + id) != bk)
+						fail_msg("segment %u head %u table %u: token %u in bucket %u",
+							 j, h, t, t0 + id, bk);
+				}
+				seen += len;
+			}
+			assert_int_equal(seen, n);
+		}
+	}
+}
+
+/* The tail's rows [0, n) are tokens [t0, t0 + n). */
+static void tail_holds(const struct kvd_layer_view *lv, uint32_t t0, uint32_t n)
+{
+	assert_int_equal(lv->tail_n, n);
+	assert_int_equal(lv->tail_cap, 64);
+	for (uint32_t h = 0; h < KV; h++)
+		for (uint32_t i = 0; i < n; i++)
+			for (uint32_t e = 0; e < D; e++)
+				if (lv->tail_k[((size_t)h * lv->tail_cap + i) * D + e] !=
+				    row_elem(h, t0 + i, e, 1) ||
+				    lv->tail_v[((size_t)h * lv->tail_cap + i) * D + e] !=
+				    row_elem(h, t0 + i, e, 2))
+					fail_msg("tail head %u row %u is not token %u", h, i, t0 + i);
+}
+
+static uint64_t tokens_of(const struct kvd_seqn *q)
+{
+	uint64_t tokens;
+	uint32_t segs;
+
+	kvd_store_seq_stats(q, &tokens, &segs);
+	return tokens;
+}
+
+/* PREFILL goes to staging and seals a segment every seg_tokens (256 here),
+ * across chunk boundaries; LAST seals what is staged, and only then is the
+ * sequence spillable.  All of it charged, and given back. */
+static void test_prefill_staging_seals(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 4);
+	const struct kvd_profile *p;
+	struct kvd_layer_view lv;
+	struct kvd_seqn *q;
+	char msg[256];
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_spillable(q), 1);
+
+	/* 100 tokens: staged, nothing sealed, not spillable */
+	assert_int_equal(rows(s, q, 0, 0, 0, 1, 0, 100, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 0);
+	assert_int_equal(lv.nseg, 0);
+	assert_int_equal(lv.tail_n, 0);
+	assert_int_equal(tokens_of(q), 100);
+	assert_int_equal(kvd_store_spillable(q), 0);
+	assert_true(q->bytes > 0);
+	/* 500 more: segments at 256 and 512, 88 staged */
+	assert_int_equal(rows(s, q, 0, 0, 0, 0, 100, 500, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 0);
+	assert_int_equal(lv.nseg, 2);
+	seg_holds(&lv, 0, 0, 256);
+	seg_holds(&lv, 1, 256, 256);
+	assert_int_equal(tokens_of(q), 600);
+	assert_int_equal(kvd_store_spillable(q), 0);
+	/* LAST of no more tokens seals the 88 staged */
+	assert_int_equal(rows(s, q, 0, 0, 1, 0, 600, 0, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 0);
+	assert_int_equal(lv.nseg, 3);
+	seg_holds(&lv, 2, 512, 88);
+	assert_int_equal(lv.tail_n, 0);
+	assert_int_equal(tokens_of(q), 600);
+	assert_int_equal(kvd_store_spillable(q), 1);
+
+	/* layer 1: exactly one segment's worth with LAST seals no empty one */
+	assert_int_equal(rows(s, q, 1, 0, 1, 1, 0, 256, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 1);
+	assert_int_equal(lv.nseg, 1);
+	seg_holds(&lv, 0, 0, 256);
+	assert_int_equal(kvd_store_spillable(q), 1);
+	assert_int_equal(store_total(s), mem_total(l));
+
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+/* APPEND fills the tail and seals it into a segment at seal_tokens (64
+ * here), then starts over at the tail's row 0, also within one call. */
+static void test_append_tail_seals(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 5);
+	const struct kvd_profile *p;
+	struct kvd_layer_view lv;
+	struct kvd_seqn *q;
+	uint32_t tok = 300;
+	size_t bytes;
+	char msg[256];
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 1, 0, 1, 1, 0, tok, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 1);
+	assert_int_equal(lv.nseg, 2);           /* 256 + 44 */
+	assert_int_equal(lv.tail_n, 0);
+
+	/* one token at a time up to seal_tokens - 1: all in the tail */
+	for (uint32_t i = 0; i < 63; i++, tok++)
+		assert_int_equal(rows(s, q, 1, 1, 0, 0, tok, 1, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 1);
+	assert_int_equal(lv.nseg, 2);
+	tail_holds(&lv, 300, 63);
+	bytes = q->bytes;
+	/* the 64th seals the tail into a segment and empties it */
+	assert_int_equal(rows(s, q, 1, 1, 0, 0, tok++, 1, msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 1);
+	assert_int_equal(lv.nseg, 3);
+	seg_holds(&lv, 2, 300, 64);
+	assert_int_equal(lv.tail_n, 0);
+	assert_true(q->bytes > bytes);
+	/* 5 more start at the tail's row 0 */
+	assert_int_equal(rows(s, q, 1, 1, 0, 0, tok, 5, msg, sizeof msg), 0);
+	tok += 5;
+	lv = kvd_store_view(q, 1);
+	tail_holds(&lv, 364, 5);
+	/* 130 in one call: 59 fill the tail, 64 seal again, 7 stay */
+	assert_int_equal(rows(s, q, 1, 1, 0, 0, tok, 130, msg, sizeof msg), 0);
+	tok += 130;
+	lv = kvd_store_view(q, 1);
+	assert_int_equal(lv.nseg, 5);
+	seg_holds(&lv, 3, 364, 64);
+	seg_holds(&lv, 4, 428, 64);
+	tail_holds(&lv, 492, 7);
+	assert_int_equal(tokens_of(q), tok);
+	/* the other layer is untouched */
+	lv = kvd_store_view(q, 0);
+	assert_int_equal(lv.nseg, 0);
+	assert_int_equal(lv.tail_n, 0);
+	assert_int_equal(kvd_store_spillable(q), 1);
+	assert_int_equal(store_total(s), mem_total(l));
+
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+/* Rows out of order are refused with a message, and a refused call changes
+ * nothing: no bytes, no tokens, no generation. */
+static void test_row_order_refused(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 6);
+	static uint8_t dense1[LAYERS] = { 0, 1 };
+	const struct kvd_profile *p;
+	struct kvd_seqn *q;
+	char msg[256];
+
+	want.dense = dense1;
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+
+#define REFUSED(call, why) do {							\
+		size_t b0 = q->bytes;						\
+		uint64_t g0 = q->gen, t0 = tokens_of(q), m0 = mem_total(l);	\
+		msg[0] = 0;							\
+		assert_int_equal((call), -EINVAL);				\
+		if (!strstr(msg, (why)))					\
+			fail_msg("\"%s\" does not say \"%s\"", msg, (why));	\
+		assert_int_equal(q->bytes, b0);					\
+		assert_int_equal(q->gen, g0);					\
+		assert_int_equal(tokens_of(q), t0);				\
+		assert_int_equal(mem_total(l), m0);				\
+	} while (0)
+
+	REFUSED(rows(s, q, 0, 0, 0, 0, 0, 10, msg, sizeof msg), "first rows must carry the mean");
+	REFUSED(rows(s, q, 0, 1, 0, 1, 0, 10, msg, sizeof msg),
+		"APPEND before the prefill's last chunk");
+	REFUSED(rows(s, q, 1, 0, 0, 1, 0, 10, msg, sizeof msg), "dense");
+	REFUSED(rows(s, q, LAYERS, 0, 0, 1, 0, 10, msg, sizeof msg), "out of range");
+	assert_int_equal(rows(s, q, 0, 0, 0, 1, 0, 10, msg, sizeof msg), 0);
+	REFUSED(rows(s, q, 0, 0, 0, 1, 10, 10, msg, sizeof msg), "already has its mean");
+	REFUSED(rows(s, q, 0, 1, 0, 0, 10, 1, msg, sizeof msg),
+		"APPEND before the prefill's last chunk");
+	assert_int_equal(rows(s, q, 0, 0, 1, 0, 10, 10, msg, sizeof msg), 0);
+	REFUSED(rows(s, q, 0, 0, 0, 0, 20, 10, msg, sizeof msg), "PREFILL after the last chunk");
+	REFUSED(rows(s, q, 0, 0, 1, 0, 20, 0, msg, sizeof msg), "PREFILL after the last chunk");
+	REFUSED(rows(s, q, 0, 1, 0, 1, 20, 1, msg, sizeof msg), "already has its mean");
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 20, 1, msg, sizeof msg), 0);
+#undef REFUSED
+	assert_int_equal(tokens_of(q), 21);
+
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -421,6 +726,9 @@ int main(void)
 		cmocka_unit_test(test_profile_refs),
 		cmocka_unit_test(test_per_uid_caps),
 		cmocka_unit_test(test_no_limits),
+		cmocka_unit_test(test_prefill_staging_seals),
+		cmocka_unit_test(test_append_tail_seals),
+		cmocka_unit_test(test_row_order_refused),
 	};
 
 	return cmocka_run_group_tests(tests, setup, teardown);

@@ -35,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "attn.h"
 #include "config.h"
 #include "ctl.h"
 #include "err.h"
@@ -92,7 +93,7 @@ static void usage(FILE *f)
 		"  seq show ID         one sequence\n"
 		"  seq evict ID        write it to the spill tier and drop it from RAM\n"
 		"  seq free ID         free it (its client's next use of it fails)\n"
-		"  profiles            model profiles: geometry, references, bytes\n"
+		"  profiles            model profiles: geometry, K/V dtype, references, bytes\n"
 		"  limits              caps ([limits], memory, spill) and usage per uid\n"
 		"  drain [--no-wait]   stop kvd as SIGTERM does: stop accepting, answer what\n"
 		"                      clients queued, exit; waits until kvd has let go\n"
@@ -704,9 +705,9 @@ static int cmd_profiles(void)
 	if (json)
 		jarr_open(NULL);
 	else
-		printf("%-6s %-10s %-20s %6s %4s %4s %4s %3s %5s %2s %6s %6s %5s %5s %10s\n", "ID", "UID",
-		       "NAME", "LAYERS", "QH", "KVH", "D", "K", "L", "C", "SINK", "WINDOW", "DENSE",
-		       "REFS", "BYTES");
+		printf("%-6s %-10s %-20s %6s %4s %4s %4s %3s %5s %2s %-4s %6s %6s %5s %5s %10s\n",
+		       "ID", "UID", "NAME", "LAYERS", "QH", "KVH", "D", "K", "L", "C", "KV", "SINK",
+		       "WINDOW", "DENSE", "REFS", "BYTES");
 	do {
 		Kvd__Request rq = KVD__REQUEST__INIT;
 		Kvd__ProfilesReq pr = KVD__PROFILES_REQ__INIT;
@@ -722,6 +723,8 @@ static int cmd_profiles(void)
 		for (size_t i = 0; i < r->profile_list->n_profiles; i++) {
 			const Kvd__ProfileInfo *pi = r->profile_list->profiles[i];
 			const Kvd__Profile *p = pi->profile;
+			/* the decoder checked it: never NULL */
+			const char *dt = kvd_kv_dtype_name(p->kv_dtype);
 
 			if (json) {
 				jobj_open(NULL);
@@ -735,6 +738,7 @@ static int cmd_profiles(void)
 				ju("k_bits", p->k_bits);
 				ju("tables", p->tables);
 				ju("min_collisions", p->min_collisions);
+				js("kv_dtype", dt);
 				ju("sink_tokens", p->sink_tokens);
 				ju("window_tokens", p->window_tokens);
 				ju("dense_layers", pi->n_dense);
@@ -745,10 +749,10 @@ static int cmd_profiles(void)
 				ju("bytes", pi->bytes);
 				jobj_close();
 			} else {
-				printf("%-6u %-10u %-20s %6u %4u %4u %4u %3u %5u %2u %6u %6u %5u %5u %10s\n",
+				printf("%-6u %-10u %-20s %6u %4u %4u %4u %3u %5u %2u %-4s %6u %6u %5u %5u %10s\n",
 				       pi->profile_id, pi->uid, p->name, p->layers, p->q_heads, p->kv_heads,
-				       p->head_dim, p->k_bits, p->tables, p->min_collisions, p->sink_tokens,
-				       p->window_tokens, pi->n_dense, pi->refs, H(pi->bytes));
+				       p->head_dim, p->k_bits, p->tables, p->min_collisions, dt,
+				       p->sink_tokens, p->window_tokens, pi->n_dense, pi->refs, H(pi->bytes));
 			}
 		}
 		next = r->profile_list->next;
