@@ -238,9 +238,23 @@ build/fuzz/%: tests/fuzz/%.c $(FUZZ_OBJ)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer $< $(FUZZ_OBJ) $(FUZZ_LIBS) -o $@
 
-# `check` builds and runs the unit tests of the current variant.
+# `check` builds and runs the unit tests of the current variant.  T=NAME
+# (shm, test_shm, or a list: T="wire store") builds and runs only those
+# binaries, in any variant (SAN=..., B=...); the daemon and kvctl come too,
+# since the tests that start them look for them beside build/tests/.
+ifneq ($(T),)
+CHECK_BIN := $(foreach t,$(T),$(B)/tests/test_$(patsubst test_%,%,$(basename $(notdir $(t)))))
+ifneq ($(filter check,$(MAKECMDGOALS)),)
+ifneq ($(filter-out $(TEST_BIN),$(CHECK_BIN)),)
+$(error T=$(T): no test $(notdir $(filter-out $(TEST_BIN),$(CHECK_BIN))); there are: $(patsubst test_%,%,$(notdir $(TEST_BIN))))
+endif
+endif
+check: $(CHECK_BIN) $(B)/kvd $(B)/kvctl
+	$(Q)sh tests/run.sh $(B)/tests $(CHECK_BIN)
+else
 check: all
 	$(Q)sh tests/run.sh $(B)/tests $(TEST_BIN)
+endif
 
 ifeq ($(SAN),)
 test: deps

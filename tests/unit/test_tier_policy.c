@@ -1,0 +1,762 @@
+/* kvd_tier's policy without the daemon: a store with kvd_limits (as the
+ * daemon has), the tier over the spill engine's fake backend in a temporary
+ * directory, and the calls the executor makes (kvd_tier_begin per request,
+ * kvd_tier_want before a layer is used, rows through kvd_store_rows, which
+ * asks kvd_tier_room).  What tier.h promises:
+ *
+ *  - room beyond the limit evicts the least recently used sequences, never
+ *    one the current request touched, and the request waits (-EINPROGRESS)
+ *    for the write-back; a file that is current is dropped at once;
+ *  - above the high watermark the coldest are written out until used is at
+ *    or below the low one;
+ *  - a restore brings the layers back in order, reserving its room first,
+ *    and the data comes back bit for bit;
+ *  - -ENOMEM with a message when nothing can go (no spill, only the current
+ *    request's sequences, a prefill in progress), and -KVD_ELOST after a
+ *    restore that does not verify;
+ *  - every byte charged comes back when the sequences are freed, and their
+ *    files go. */
+#include <dirent.h>
+#include <errno.h>
+#include <poll.h>
+#include <sched.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "err.h"
+#include "pool.h"
+#include "rng.h"
+#include "store.h"
+#include "testutil.h"
+#include "tier.h"
+#include "uidlimits.h"
+
+#define KV 2
+#define D 16
+#define KB 4
+#define LT 8
+#define LAYERS 4                /* layer 0 is dense */
+#define SEAL 64
+#define TOK 300                 /* prefilled per sparse layer: segments of 256 and 44 */
+#define TAIL 10                 /* appended after the prefill */
+#define UID 1000
+#define MAXSEG 8
+
+static struct kvd_pool *pool;
+static char root[64];
+static unsigned ndirs;
+static uint8_t dense[LAYERS] = { 1, 0, 0, 0 };
+
+struct env {
+	struct kvd_limits *l;
+	struct kvd_store *s;
+	struct kvd_tier *t;
+	const struct kvd_profile *p;
+	char dir[96];
+};
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low, int spill,
+		     const char *fault)
+{
+	struct kvd_limits_cfg lc;
+	struct kvd_tier_cfg tc;
+	struct kvd_profile want;
+	char msg[200];
+
+	memset(e, 0, sizeof *e);
+	memset(&lc, 0, sizeof lc);
+	lc.cap[KVD_RES_MEMORY] = limit;         /* the wall is the budget, as in kvd */
+	lc.cap[KVD_RES_SEQUENCES] = 1024;
+	lc.cap[KVD_RES_PROFILES] = 16;
+	assert_int_equal(kvd_limits_create(&lc, &e->l), 0);
+	assert_int_equal(kvd_store_create(pool, &e->s), 0);
+	assert_int_equal(kvd_store_set_limits(e->s, e->l), 0);
+
+	snprintf(e->dir, sizeof e->dir, "%s/d%u", root, ndirs++);
+	memset(&tc, 0, sizeof tc);
+	tc.limit = limit;
+	tc.high = high;
+	tc.low = low;
+	tc.spill = spill;
+	tc.io.dirs[0] = e->dir;
+	tc.io.ndirs = 1;
+	tc.io.fault = fault;                    /* the fake backend: no io_uring needed */
+	assert_int_equal(kvd_tier_create(&tc, e->s, &e->t), 0);
+
+	memset(&want, 0, sizeof want);
+	snprintf(want.name, sizeof want.name, "tier-policy");
+	want.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2, KVD_KV_BF16 };
+	want.layers = LAYERS;
+	want.sink = 4;
+	want.window = 64;
+	want.seg_tokens = 256;
+	want.seal_tokens = SEAL;
+	want.seed = 3;
+	want.dense = dense;
+	assert_int_equal(kvd_store_profile_ns(e->s, kvd_limits_namespace(e->l, UID), UID, &want,
+					      &e->p, msg, sizeof msg), 0);
+}
+
+static uint64_t used(const struct env *e)
+{
+	struct kvd_tier_stats st;
+
+	kvd_tier_stats(e->t, &st);
+	return st.used;
+}
+
+static struct kvd_tier_stats stats(const struct env *e)
+{
+	struct kvd_tier_stats st;
+
+	kvd_tier_stats(e->t, &st);
+	return st;
+}
+
+/* Waits up to 100 ms for I/O results and reaps them. */
+static unsigned pump(struct env *e)
+{
+	struct pollfd pfd = { .fd = kvd_tier_fd(e->t), .events = POLLIN };
+
+	if (pfd.fd >= 0)
+		poll(&pfd, 1, 100);
+	return kvd_tier_poll(e->t);
+}
+
+#define WAIT_UNTIL(e, cond) do {						\
+		uint64_t t_end_ = now_ms() + 20000;				\
+		while (!(cond)) {						\
+			if (now_ms() > t_end_)					\
+				fail_msg("timed out waiting for %s", #cond);	\
+			pump(e);						\
+		}								\
+	} while (0)
+
+static unsigned files(const struct env *e)
+{
+	DIR *d = opendir(e->dir);
+	struct dirent *de;
+	unsigned n = 0;
+
+	if (!d)
+		return 0;
+	while ((de = readdir(d)))
+		n += strstr(de->d_name, ".kvs") != NULL;
+	closedir(d);
+	return n;
+}
+
+static void count_seq(void *arg, struct kvd_seqn *q)
+{
+	(*(unsigned *)arg)++;
+}
+
+static unsigned sequences(struct env *e)
+{
+	unsigned n = 0;
+
+	kvd_store_each(e->s, count_seq, &n);
+	return n;
+}
+
+static void free_one(void *arg, struct kvd_seqn *q)
+{
+	struct env *e = arg;
+
+	if (q->tenant[0])               /* not one already being freed */
+		kvd_tier_free(e->t, q);
+}
+
+/* Frees every sequence and the profile: every byte charged comes back,
+ * and the files go. */
+static void env_close(struct env *e)
+{
+	struct kvd_limits_usage u;
+
+	kvd_store_each(e->s, free_one, e);
+	WAIT_UNTIL(e, sequences(e) == 0);
+	kvd_limits_total(e->l, &u);
+	assert_int_equal(u.n[KVD_RES_MEMORY], kvd_store_profile_bytes(e->p));
+	assert_int_equal(u.n[KVD_RES_SPILL], 0);
+	assert_int_equal(stats(e).reserved, 0);
+	kvd_store_profile_unref(e->s, e->p);
+	kvd_limits_total(e->l, &u);
+	assert_int_equal(u.n[KVD_RES_MEMORY], 0);
+	assert_int_equal(used(e), 0);
+	WAIT_UNTIL(e, files(e) == 0);
+	kvd_tier_destroy(e->t);
+	kvd_store_destroy(e->s);
+	assert_int_equal(kvd_limits_uids(e->l), 0);
+	kvd_limits_destroy(e->l);
+	rmdir(e->dir);
+}
+
+/* ---- sequences ---------------------------------------------------------- */
+
+/* Rows of layer ly as the executor would put them: the layer wanted first,
+ * then the rows; both may say "wait for I/O" (-EINPROGRESS), and then the
+ * request runs again.  *waits counts those. */
+static int rows(struct env *e, struct kvd_seqn *q, uint32_t ly, int is_append, int last,
+		uint32_t n, uint64_t seed, unsigned *waits, char *msg, size_t msglen)
+{
+	struct kvd_rng r = kvd_rng_make(seed);
+	float mean[KV * D];
+	uint16_t *k = xmalloc((size_t)KV * n * D * 2), *v = xmalloc((size_t)KV * n * D * 2);
+	uint16_t *c = xmalloc((size_t)KV * LT * n * 2);
+	uint64_t t_end = now_ms() + 20000;
+	int rc;
+
+	fill_normal(mean, KV * D, &r, 0, 0.1);
+	fill_bf16(k, (size_t)KV * n * D, &r, 0, 1);
+	fill_bf16(v, (size_t)KV * n * D, &r, 0, 1);
+	for (size_t i = 0; i < (size_t)KV * LT * n; i++)
+		c[i] = (uint16_t)kvd_rng_below(&r, 1u << KB);
+	for (;;) {
+		rc = kvd_tier_want(e->t, q, ly, msg, msglen);
+		if (!rc)
+			rc = kvd_store_rows(e->s, q, ly, is_append, last,
+					    is_append || q->ly[ly].mean ? NULL : mean, k, v, c, n,
+					    msg, msglen);
+		if (rc != -EINPROGRESS)
+			break;
+		if (waits)
+			(*waits)++;
+		if (now_ms() > t_end)
+			fail_msg("rows of layer %u still waiting", ly);
+		pump(e);
+	}
+	if (!rc)
+		kvd_tier_changed(e->t, q);
+	free(k);
+	free(v);
+	free(c);
+	return rc;
+}
+
+/* A new sequence with TOK prefilled and TAIL appended tokens in every
+ * sparse layer, as one request. */
+static struct kvd_seqn *seq_full(struct env *e, uint64_t seed, unsigned *waits)
+{
+	struct kvd_seqn *q;
+	char msg[200];
+	int rc;
+
+	kvd_tier_begin(e->t);
+	assert_int_equal(kvd_store_seq_create_uid(e->s, e->p, UID, "1000:t", 1, &q, msg, sizeof msg),
+			 0);
+	for (uint32_t ly = 1; ly < LAYERS; ly++) {
+		if ((rc = rows(e, q, ly, 0, 1, TOK, seed * 100 + ly, waits, msg, sizeof msg)) ||
+		    (rc = rows(e, q, ly, 1, 0, TAIL, seed * 100 + 50 + ly, waits, msg, sizeof msg)))
+			fail_msg("sequence %llu layer %u: %d %s", (unsigned long long)seed, ly, rc, msg);
+	}
+	return q;
+}
+
+/* One request using q (marks it most recently used). */
+static void touch(struct env *e, struct kvd_seqn *q)
+{
+	char msg[200];
+
+	kvd_tier_begin(e->t);
+	assert_int_equal(kvd_tier_want(e->t, q, 1, msg, sizeof msg), 0);
+}
+
+/* Until every layer of q is resident again, as requests that wait. */
+static void restore(struct env *e, struct kvd_seqn *q)
+{
+	char msg[200];
+	int rc;
+
+	WAIT_UNTIL(e, (rc = kvd_tier_want(e->t, q, UINT32_MAX, msg, sizeof msg)) != -EINPROGRESS);
+	if (rc)
+		fail_msg("restore: %d %s", rc, msg);
+	assert_int_equal(q->state, KVD_SEQ_RAM);
+}
+
+static uint64_t tokens_of(const struct kvd_seqn *q)
+{
+	uint64_t tokens;
+	uint32_t segs;
+
+	kvd_store_seq_stats(q, &tokens, &segs);
+	return tokens;
+}
+
+/* What a sequence holds, to compare after a round trip through the disk. */
+struct snap {
+	size_t bytes;
+	uint64_t tokens[LAYERS];
+	uint32_t nseg[LAYERS], tn[LAYERS];
+	void *seg[LAYERS][MAXSEG];
+	size_t segb[LAYERS][MAXSEG];
+	uint16_t tk[LAYERS][KV * SEAL * D], tv[LAYERS][KV * SEAL * D], tc[LAYERS][KV * LT * SEAL];
+	float mean[LAYERS][KV * D];
+};
+
+static void snap_take(const struct kvd_seqn *q, struct snap *s)
+{
+	memset(s, 0, sizeof *s);
+	s->bytes = q->bytes;
+	for (uint32_t ly = 1; ly < LAYERS; ly++) {
+		struct kvd_layer_view lv = kvd_store_view(q, ly);
+		const struct kvd_layer_state *l = &q->ly[ly];
+
+		assert_true(lv.nseg <= MAXSEG);
+		s->tokens[ly] = l->tokens;
+		s->nseg[ly] = lv.nseg;
+		s->tn[ly] = lv.tail_n;
+		for (uint32_t j = 0; j < lv.nseg; j++) {
+			s->segb[ly][j] = kvd_seg_bytes(&q->p->g, lv.seg[j]->n);
+			s->seg[ly][j] = xmalloc(s->segb[ly][j]);
+			memcpy(s->seg[ly][j], lv.seg[j]->mem, s->segb[ly][j]);
+		}
+		assert_non_null(l->mean);
+		memcpy(s->mean[ly], l->mean, sizeof s->mean[ly]);
+		assert_int_equal(lv.tail_cap, SEAL);
+		memcpy(s->tk[ly], lv.tail_k, sizeof s->tk[ly]);
+		memcpy(s->tv[ly], lv.tail_v, sizeof s->tv[ly]);
+		memcpy(s->tc[ly], l->tc, sizeof s->tc[ly]);
+	}
+}
+
+/* Layer ly of q holds what s recorded: every segment byte for byte, the
+ * tail's rows and codes, the mean, the token count. */
+static void snap_layer_equal(const struct kvd_seqn *q, const struct snap *s, uint32_t ly)
+{
+	struct kvd_layer_view lv = kvd_store_view(q, ly);
+	const struct kvd_layer_state *l = &q->ly[ly];
+
+	assert_int_equal(l->tokens, s->tokens[ly]);
+	assert_int_equal(lv.nseg, s->nseg[ly]);
+	assert_int_equal(lv.tail_n, s->tn[ly]);
+	for (uint32_t j = 0; j < lv.nseg; j++) {
+		assert_int_equal(kvd_seg_bytes(&q->p->g, lv.seg[j]->n), s->segb[ly][j]);
+		assert_memory_equal(lv.seg[j]->mem, s->seg[ly][j], s->segb[ly][j]);
+	}
+	assert_non_null(l->mean);
+	assert_memory_equal(l->mean, s->mean[ly], sizeof s->mean[ly]);
+	for (uint32_t h = 0; h < KV; h++) {
+		size_t o = (size_t)h * SEAL * D;
+
+		assert_memory_equal(lv.tail_k + o, s->tk[ly] + o, (size_t)lv.tail_n * D * 2);
+		assert_memory_equal(lv.tail_v + o, s->tv[ly] + o, (size_t)lv.tail_n * D * 2);
+		for (uint32_t t = 0; t < LT; t++)
+			assert_memory_equal(l->tc + (h * LT + t) * SEAL,
+					    s->tc[ly] + (h * LT + t) * SEAL, (size_t)lv.tail_n * 2);
+	}
+}
+
+static void snap_equal(const struct kvd_seqn *q, const struct snap *s)
+{
+	for (uint32_t ly = 1; ly < LAYERS; ly++)
+		snap_layer_equal(q, s, ly);
+	assert_int_equal(q->bytes, s->bytes);
+}
+
+static void snap_free(struct snap *s)
+{
+	for (uint32_t ly = 0; ly < LAYERS; ly++)
+		for (uint32_t j = 0; j < MAXSEG; j++)
+			free(s->seg[ly][j]);
+}
+
+/* The budget a profile takes (base) and one sequence (per), measured. */
+static void measure(uint64_t *base, uint64_t *per)
+{
+	struct env e;
+
+	env_open(&e, 0, 0, 0, 0, NULL);
+	*base = used(&e);
+	seq_full(&e, 1, NULL);
+	*per = used(&e) - *base;
+	env_close(&e);
+}
+
+/* ---- the tests ---------------------------------------------------------- */
+
+/* Room beyond the limit: the coldest sequence is written out and dropped,
+ * the request waits for it; a restore makes room the same way. */
+static void test_evicts_coldest_first(void **state)
+{
+	uint64_t base, per, limit;
+	struct kvd_seqn *q[4];
+	struct snap *s1 = xmalloc(sizeof *s1);
+	unsigned waits = 0;
+	struct env e;
+
+	measure(&base, &per);
+	print_message("  profile %llu bytes, sequence %llu bytes\n", (unsigned long long)base,
+		      (unsigned long long)per);
+	limit = base + 4 * per - 1;             /* three fit, not four */
+	env_open(&e, limit, limit, limit, 1, "");
+	for (int i = 0; i < 3; i++)
+		q[i] = seq_full(&e, 10 + (uint64_t)i, &waits);
+	assert_int_equal(waits, 0);
+	assert_int_equal(used(&e), base + 3 * per);
+	snap_take(q[1], s1);
+	/* coldest first: q1, q0, q2 */
+	touch(&e, q[1]);
+	touch(&e, q[0]);
+	touch(&e, q[2]);
+
+	q[3] = seq_full(&e, 13, &waits);
+	assert_true(waits > 0);                 /* it waited for the write-back */
+	assert_int_equal(q[1]->state, KVD_SEQ_DISK);
+	assert_int_equal(q[1]->bytes, 0);
+	assert_int_equal(tokens_of(q[1]), TOK + TAIL);
+	assert_int_equal(q[0]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[2]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[3]->state, KVD_SEQ_RAM);
+	assert_int_equal(stats(&e).spills, 1);
+	assert_int_equal(stats(&e).on_disk, 1);
+	/* q1 keeps only its struct and record */
+	assert_true(used(&e) <= limit);
+	assert_true(used(&e) > base + 3 * per && used(&e) < base + 3 * per + per / 8);
+	assert_int_equal(files(&e), 1);
+
+	/* q1 comes back: now q0 is the coldest and makes the room */
+	kvd_tier_begin(e.t);
+	restore(&e, q[1]);
+	snap_equal(q[1], s1);
+	assert_int_equal(q[0]->state, KVD_SEQ_DISK);
+	assert_int_equal(q[2]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[3]->state, KVD_SEQ_RAM);
+	assert_int_equal(stats(&e).spills, 2);
+	assert_int_equal(stats(&e).restores, 1);
+	assert_int_equal(stats(&e).reserved, 0);
+	assert_true(used(&e) <= limit);
+	assert_true(used(&e) > base + 3 * per && used(&e) < base + 3 * per + per / 8);
+	snap_free(s1);
+	free(s1);
+	env_close(&e);
+}
+
+/* Above the high watermark, kvd_tier_balance writes the coldest out until
+ * used, minus what is being written, is at or below the low watermark;
+ * never those the current request uses. */
+static void test_watermarks(void **state)
+{
+	uint64_t base, per, high, low;
+	struct kvd_seqn *q[5];
+	struct env e;
+
+	measure(&base, &per);
+	high = base + 7 * per / 2;
+	low = base + 5 * per / 2;
+	env_open(&e, base + 10 * per, high, low, 1, "");
+	for (int i = 0; i < 5; i++)
+		q[i] = seq_full(&e, 20 + (uint64_t)i, NULL);
+	/* coldest first: q2, q0, q3, q1, q4 */
+	touch(&e, q[2]);
+	touch(&e, q[0]);
+	touch(&e, q[3]);
+	touch(&e, q[1]);
+	touch(&e, q[4]);
+	kvd_tier_begin(e.t);
+	kvd_tier_balance(e.t);
+	/* 5 resident, low at 2.5: the three coldest go */
+	assert_int_equal(q[2]->state, KVD_SEQ_SPILLING);
+	assert_int_equal(q[0]->state, KVD_SEQ_SPILLING);
+	assert_int_equal(q[3]->state, KVD_SEQ_SPILLING);
+	assert_int_equal(q[1]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[4]->state, KVD_SEQ_RAM);
+	WAIT_UNTIL(&e, q[2]->state == KVD_SEQ_DISK && q[0]->state == KVD_SEQ_DISK &&
+		       q[3]->state == KVD_SEQ_DISK);
+	assert_true(used(&e) <= low);
+	assert_true(used(&e) > base + 2 * per);
+	assert_int_equal(stats(&e).spills, 3);
+	assert_int_equal(stats(&e).on_disk, 3);
+	/* below the high watermark nothing more happens */
+	kvd_tier_begin(e.t);
+	kvd_tier_balance(e.t);
+	assert_int_equal(q[1]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[4]->state, KVD_SEQ_RAM);
+
+	/* one request brings the three back, above the high watermark again;
+	 * balancing now may take only the two it did not use, and stops there
+	 * although used stays above low */
+	kvd_tier_begin(e.t);
+	restore(&e, q[2]);
+	restore(&e, q[0]);
+	restore(&e, q[3]);
+	assert_true(used(&e) > high);
+	kvd_tier_balance(e.t);
+	assert_int_equal(q[1]->state, KVD_SEQ_SPILLING);
+	assert_int_equal(q[4]->state, KVD_SEQ_SPILLING);
+	assert_int_equal(q[2]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[0]->state, KVD_SEQ_RAM);
+	assert_int_equal(q[3]->state, KVD_SEQ_RAM);
+	WAIT_UNTIL(&e, q[1]->state == KVD_SEQ_DISK && q[4]->state == KVD_SEQ_DISK);
+	assert_true(used(&e) > low);
+	assert_int_equal(stats(&e).spills, 5);
+	assert_int_equal(stats(&e).restores, 3);
+	assert_int_equal(stats(&e).drops, 0);
+	env_close(&e);
+}
+
+/* A restore: the room reserved first, the layers in file order (dense
+ * layer 0 needs nothing), each complete before it is served, and the data
+ * bit for bit.  Evicting again while the file is current only drops; a
+ * change makes the file stale and the next eviction writes again. */
+static void test_restore_in_order(void **state)
+{
+	struct snap *s = xmalloc(sizeof *s);
+	struct kvd_seqn *q;
+	uint64_t used0, last;
+	char msg[200], seen[64];
+	size_t ns = 0;
+	struct env e;
+	int rc;
+
+	env_open(&e, 0, 0, 0, 1, "");
+	q = seq_full(&e, 30, NULL);
+	snap_take(q, s);
+	used0 = used(&e);
+	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
+	assert_int_equal(q->state, KVD_SEQ_SPILLING);
+	WAIT_UNTIL(&e, q->state == KVD_SEQ_DISK);
+	assert_int_equal(q->bytes, 0);
+	assert_int_equal(tokens_of(q), TOK + TAIL);
+	assert_int_equal(used(&e), used0 - s->bytes);
+
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_want(e.t, q, 1, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(q->state, KVD_SEQ_RESTORING);
+	/* nothing reaped yet: the room is reserved, layer 0 (dense) usable */
+	assert_int_equal(q->ready, 1);
+	assert_true(stats(&e).reserved >= s->bytes);
+	assert_true(used(&e) >= used0);
+	assert_int_equal(kvd_tier_want(e.t, q, 0, msg, sizeof msg), 0);
+	assert_int_equal(kvd_tier_want(e.t, q, LAYERS - 1, msg, sizeof msg), -EINPROGRESS);
+	last = q->ready;
+	seen[ns++] = (char)('0' + q->ready);
+	/* reaped as soon as posted, without waiting, to catch the layers
+	 * arriving one by one */
+	for (uint64_t t_end = now_ms() + 20000; q->state == KVD_SEQ_RESTORING;) {
+		if (now_ms() > t_end)
+			fail_msg("restore did not end");
+		if (!kvd_tier_poll(e.t)) {
+			sched_yield();
+			continue;
+		}
+		assert_true(q->ready >= last);
+		if (q->ready != last && ns < sizeof seen - 1)
+			seen[ns++] = (char)('0' + q->ready);
+		last = q->ready;
+		if (q->state != KVD_SEQ_RESTORING)
+			break;
+		for (uint32_t ly = 1; ly < LAYERS; ly++) {
+			rc = kvd_tier_want(e.t, q, ly, msg, sizeof msg);
+			if (ly < q->ready) {
+				assert_int_equal(rc, 0);
+				snap_layer_equal(q, s, ly);
+			} else {
+				assert_int_equal(rc, -EINPROGRESS);
+			}
+		}
+	}
+	seen[ns] = 0;
+	print_message("  layers ready as the restore went: %s\n", seen);
+	assert_int_equal(q->state, KVD_SEQ_RAM);
+	assert_int_equal(q->ready, LAYERS);
+	assert_int_equal(stats(&e).reserved, 0);
+	assert_int_equal(stats(&e).restores, 1);
+	snap_equal(q, s);
+	assert_int_equal(used(&e), used0);
+
+	/* its file is current: evicting again drops it at once */
+	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
+	assert_int_equal(q->state, KVD_SEQ_DISK);
+	assert_int_equal(q->bytes, 0);
+	assert_int_equal(stats(&e).drops, 1);
+	assert_int_equal(stats(&e).spills, 1);
+	kvd_tier_begin(e.t);
+	restore(&e, q);
+	snap_equal(q, s);
+
+	/* a token more: the file is stale, goes, and the next eviction writes */
+	assert_int_equal(rows(&e, q, 2, 1, 0, 1, 99, NULL, msg, sizeof msg), 0);
+	{
+		int durable;
+		uint64_t disk;
+
+		kvd_tier_seq_info(e.t, q, &durable, &disk);
+		assert_int_equal(durable, 0);
+	}
+	WAIT_UNTIL(&e, (rc = kvd_tier_evict(e.t, q, msg, sizeof msg)) != -EAGAIN);
+	assert_int_equal(rc, 0);
+	assert_int_equal(q->state, KVD_SEQ_SPILLING);
+	WAIT_UNTIL(&e, q->state == KVD_SEQ_DISK);
+	assert_int_equal(stats(&e).spills, 2);
+	assert_int_equal(stats(&e).drops, 1);
+	assert_int_equal(tokens_of(q), TOK + TAIL + 1);
+	snap_free(s);
+	free(s);
+	env_close(&e);
+}
+
+/* Nothing can be evicted: -ENOMEM with the budget in the message, and
+ * nothing changed by the refused request. */
+static void test_refused_when_nothing_can_go(void **state)
+{
+	uint64_t base, per, limit, need;
+	struct kvd_seqn *q0, *q1;
+	char msg[200];
+	size_t bytes;
+	struct env e;
+	int rc;
+
+	measure(&base, &per);
+	limit = base + 3 * per / 2;
+
+	/* no spill directory: the budget is a wall */
+	env_open(&e, limit, limit, limit, 0, NULL);
+	q0 = seq_full(&e, 40, NULL);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_store_seq_create_uid(e.s, e.p, UID, "1000:t", 1, &q1, msg, sizeof msg), 0);
+	rc = 0;
+	for (uint32_t ly = 1; ly < LAYERS && !rc; ly++) {
+		bytes = q1->bytes;
+		rc = rows(&e, q1, ly, 0, 1, TOK, 41, NULL, msg, sizeof msg);
+	}
+	assert_int_equal(rc, -ENOMEM);
+	assert_non_null(strstr(msg, "memory budget"));
+	assert_int_equal(q1->bytes, bytes);
+	assert_int_equal(q0->state, KVD_SEQ_RAM);
+	assert_true(used(&e) <= limit);
+	assert_int_equal(kvd_tier_evict(e.t, q0, msg, sizeof msg), -EOPNOTSUPP);
+	assert_non_null(strstr(msg, "no spill directory"));
+	kvd_tier_begin(e.t);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -ENOMEM);
+	assert_non_null(strstr(msg, "memory budget"));
+	env_close(&e);
+
+	/* the only candidate is in the current request */
+	env_open(&e, limit, limit, limit, 1, "");
+	q0 = seq_full(&e, 42, NULL);
+	touch(&e, q0);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -ENOMEM);
+	assert_non_null(strstr(msg, "memory budget"));
+	assert_int_equal(q0->state, KVD_SEQ_RAM);
+	assert_int_equal(stats(&e).spills, 0);
+	/* the next request may evict it: wait for the write, then room */
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(q0->state, KVD_SEQ_SPILLING);
+	WAIT_UNTIL(&e, (rc = kvd_tier_room(e.t, per, msg, sizeof msg)) != -EINPROGRESS);
+	assert_int_equal(rc, 0);
+	assert_int_equal(q0->state, KVD_SEQ_DISK);
+
+	/* a restore that does not fit beside the current request's sequence
+	 * is refused before it starts */
+	q1 = seq_full(&e, 43, NULL);
+	touch(&e, q1);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), -ENOMEM);
+	assert_non_null(strstr(msg, "memory budget"));
+	assert_int_equal(q0->state, KVD_SEQ_DISK);
+	assert_int_equal(stats(&e).reserved, 0);
+	/* in a new request q1 goes and q0 comes back */
+	kvd_tier_begin(e.t);
+	restore(&e, q0);
+	assert_int_equal(q1->state, KVD_SEQ_DISK);
+	env_close(&e);
+
+	/* a sequence with a prefill in progress cannot be written out */
+	env_open(&e, limit, limit, limit, 1, "");
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_store_seq_create_uid(e.s, e.p, UID, "1000:t", 1, &q0, msg, sizeof msg), 0);
+	assert_int_equal(rows(&e, q0, 1, 0, 0, TOK, 44, NULL, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_spillable(q0), 0);
+	kvd_tier_begin(e.t);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_evict(e.t, q0, msg, sizeof msg), -EBUSY);
+	assert_non_null(strstr(msg, "prefill is in progress"));
+	assert_int_equal(kvd_tier_room(e.t, limit - used(&e) + 1, msg, sizeof msg), -ENOMEM);
+	assert_int_equal(q0->state, KVD_SEQ_RAM);
+	/* its last chunk makes it spillable */
+	assert_int_equal(rows(&e, q0, 1, 0, 1, 0, 45, NULL, msg, sizeof msg), 0);
+	kvd_tier_begin(e.t);
+	need = limit - used(&e) + 1;
+	WAIT_UNTIL(&e, (rc = kvd_tier_room(e.t, need, msg, sizeof msg)) != -EINPROGRESS);
+	assert_int_equal(rc, 0);
+	assert_int_equal(q0->state, KVD_SEQ_DISK);
+	env_close(&e);
+}
+
+/* A restore that does not verify (every read corrupted) leaves the
+ * sequence LOST: every use fails -KVD_ELOST, nothing stays reserved. */
+static void test_lost(void **state)
+{
+	struct kvd_seqn *q;
+	char msg[200];
+	struct env e;
+
+	env_open(&e, 0, 0, 0, 1, "corrupt@*");
+	q = seq_full(&e, 50, NULL);
+	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, q->state == KVD_SEQ_DISK);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_want(e.t, q, 1, msg, sizeof msg), -EINPROGRESS);
+	WAIT_UNTIL(&e, q->state == KVD_SEQ_LOST);
+	WAIT_UNTIL(&e, stats(&e).reserved == 0);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_want(e.t, q, 1, msg, sizeof msg), -KVD_ELOST);
+	assert_non_null(strstr(msg, "sequence lost, prefill again"));
+	assert_int_equal(kvd_tier_prefetch(e.t, q, msg, sizeof msg), -KVD_ELOST);
+	assert_int_equal(q->bytes, 0);
+	assert_int_equal(stats(&e).lost, 1);
+	assert_int_equal(stats(&e).restores, 0);
+	env_close(&e);
+}
+
+static int setup(void **state)
+{
+	return kvd_pool_create(2, 0, &pool);
+}
+
+static int teardown(void **state)
+{
+	kvd_pool_destroy(pool);
+	return 0;
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_evicts_coldest_first),
+		cmocka_unit_test(test_watermarks),
+		cmocka_unit_test(test_restore_in_order),
+		cmocka_unit_test(test_refused_when_nothing_can_go),
+		cmocka_unit_test(test_lost),
+	};
+	int rc;
+
+	snprintf(root, sizeof root, "/tmp/kvd-tier-policy-XXXXXX");
+	if (!mkdtemp(root)) {
+		perror("mkdtemp");
+		return 1;
+	}
+	rc = cmocka_run_group_tests(tests, setup, teardown);
+	rmdir(root);
+	return rc;
+}
