@@ -31,7 +31,8 @@ CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ish
 LDLIBS  += -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 ifneq ($(SAN),)
-CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
+# KVD_INVARIANTS: a broken ALWAYS()/NEVER() aborts (kvd/invariant.h).
+CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all -DKVD_INVARIANTS
 LDFLAGS += -fsanitize=$(SAN)
 endif
 
@@ -216,7 +217,7 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 # flags, as in every other build, so a fuzz target runs on any x86-64 and
 # dispatch picks the kernels the CPU has.
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ishm -Iproto -Igpu-client -Ibuild/proto \
-	-fsanitize=fuzzer-no-link,address,undefined
+	-fsanitize=fuzzer-no-link,address,undefined -DKVD_INVARIANTS
 FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
 FUZZ_LIBS := -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 

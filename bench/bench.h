@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include "kvc.h"
+#include "tests/integration/daemon.h"
 
 struct kvd_pool;
 
@@ -57,17 +58,12 @@ int bench_demo_main(int argc, char **argv);
 int bench_serve_main(int argc, char **argv);
 
 /* Helpers of bench/serve.c that kvbench load shares. */
-struct srv {
-	pid_t pid;
-	char dir[64], sock[108];
-};
-/* Starts build/.../kvd (next to kvbench) in a temporary run directory with a
- * written configuration (memory, extra: more INI text, or NULL) and waits
- * for its socket; with WATCHDOG_USEC in the environment the child also gets
- * WATCHDOG_PID = its pid.  srv_stop: SIGTERM, wait, clean up; kvd's exit
+/* Starts the kvd next to kvbench with the tests' harness
+ * (tests/integration/daemon.h), in a temporary run directory with a written
+ * configuration (memory, extra: more INI text, or NULL), and waits for its
+ * socket.  daemon_stop() stops it: SIGTERM, wait, clean up; kvd's exit
  * status. */
-int srv_start_conf(struct srv *s, const char *memory, const char *extra);
-int srv_stop(struct srv *s);
+int srv_start_conf(struct daemon *s, const char *memory, const char *extra);
 /* Llama-3.1-8B geometry (32 q / 8 kv heads, d = 128, K = 10, L = 150, c = 2,
  * 4 sinks, 64-token window); `layers` != 32: that many layers, all sparse. */
 struct kvc_model llama(uint32_t layers);

@@ -40,6 +40,7 @@ int bench_gpu_main(int argc, char **argv)
 #include "bf16.h"
 #include "decode/args.h"
 #include "decode/run.h"
+#include "kvd_ring.h"
 #include "kvg_kern.h"
 #include "kvg_plan.h"
 #include "lsh.h"
@@ -150,14 +151,13 @@ static int kernels(const struct gopts *o, const char *dev)
 	float *part = NULL, *rec = NULL;
 	uint16_t *codes = NULL, *wk = NULL, *wv = NULL, *ck = NULL, *cv = NULL;
 	struct kvg_rows *rows = calloc(B, sizeof *rows);
-	struct kvg_attend_layout lay;
+	const struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, L);
 	struct kvg_code_layout klay = { chunk, L * chunk, chunk, 1 }, qlay = { 1, L, 1, 0 };
 	uint32_t rows_max;
 	char err[128];
 	double ms;
 	int rc = 1;
 
-	kvg_attend_layout(Hq, d, L, &lay);
 	W = malloc((size_t)d * KL * 4);
 	if (!W || !rows)
 		goto out;

@@ -47,13 +47,12 @@
 #include "err.h"
 #include "kvc.h"
 #include "kvd_ring.h"
-#include "kvg.h"
+#include "kvt.h"
 #include "lsh.h"
 #include "pool.h"
 #include "prep.h"
 #include "rng.h"
 #include "synth.h"
-#include "wire.h"
 
 #define MAXC    16              /* decode clients */
 #define MAXN    8               /* entries of --clients */
@@ -342,10 +341,10 @@ static double inproc(struct cfg *cf, struct kvd_pool *pool)
 
 /* ---- the clients (forked) ----------------------------------------------- */
 
-static int kid_fail(struct cfg *cf, uint32_t i, struct kvc *c, const char *what)
+static int kid_fail(struct cfg *cf, uint32_t i, struct kvt *c, const char *what)
 {
 	snprintf(cf->sh->err[i], sizeof cf->sh->err[i], "%s: %s", what,
-		 c ? kvc_last_error(c) : "connect");
+		 c ? kvt_error(c) : "connect");
 	fstore(&cf->sh->failed, 1);
 	return 1;
 }
@@ -377,7 +376,7 @@ static void copy_rows(const struct cfg *cf, const struct rows *r, uint32_t t0, u
 
 /* Prefills r into `layer` of sequence `seq` in slot-sized PREFILL chunks
  * (fire and forget; the caller drains).  stop: checked between chunks. */
-static int prefill_layer(const struct cfg *cf, struct kvc *c, uint64_t seq, uint32_t layer,
+static int prefill_layer(const struct cfg *cf, struct kvt *c, uint64_t seq, uint32_t layer,
 			 const struct rows *r, _Atomic uint32_t *stop, uint32_t gen,
 			 uint64_t *tokens, _Atomic uint32_t **started)
 {
@@ -390,24 +389,22 @@ static int prefill_layer(const struct cfg *cf, struct kvc *c, uint64_t seq, uint
 
 		if (stop && atomic_load(stop) == gen)
 			return 1;
-		slot = kvci_slot_get(c, 1);
+		slot = kvt_slot_get(c, 1);
 		if (slot < 0)
 			return slot;
-		char *base = kvci_slot(c, (uint32_t)slot);
-		uint64_t mb = first ? KVD_ALIGN64((uint64_t)H * d * 4) : 0;
-		uint64_t rb = KVD_ALIGN64((uint64_t)H * cnt * d * 2);
+		char *base = kvt_slot(c, (uint32_t)slot);
+		const struct kvd_rows_layout lay = kvd_rows_layout(H, d, L, cnt, first);
 		struct kvd_sqe e = {
 			.op = KVD_OP_PREFILL, .layer = (uint16_t)layer, .slot = (uint32_t)slot,
-			.user_data = (uint64_t)slot, .seq = seq,
-			.len = (uint32_t)kvd_rows_bytes(H, d, L, cnt, first), .ntok = cnt,
+			.user_data = (uint64_t)slot, .seq = seq, .len = (uint32_t)lay.bytes, .ntok = cnt,
 			.flags = (uint8_t)((first ? KVD_RF_MEAN : 0) | (last ? KVD_RF_LAST : 0)),
 		};
 
 		if (first)
 			memcpy(base, r->mean, (size_t)H * d * sizeof(float));
-		copy_rows(cf, r, t, cnt, (uint16_t *)(base + mb), (uint16_t *)(base + mb + rb),
-			  (uint16_t *)(base + mb + 2 * rb));
-		int rc = kvci_submit(c, &e);
+		copy_rows(cf, r, t, cnt, (uint16_t *)(base + lay.k), (uint16_t *)(base + lay.v),
+			  (uint16_t *)(base + lay.codes));
+		int rc = kvt_submit(c, &e);
 
 		if (rc)
 			return rc;
@@ -424,80 +421,81 @@ static int prefill_layer(const struct cfg *cf, struct kvc *c, uint64_t seq, uint
 /* One ATTEND of `nrec` records of sequence seq, layer l, record j asking
  * query (qi, l, s0 + j mod steps); waits, then compares every answer with
  * the reference.  *ms: submit -> completion; *mism: answers that differ. */
-static int attend(const struct cfg *cf, struct kvc *c, uint64_t seq, uint32_t l, uint32_t qi,
+static int attend(const struct cfg *cf, struct kvt *c, uint64_t seq, uint32_t l, uint32_t qi,
 		  uint32_t s0, uint32_t nrec, double *ms, uint32_t *mism, _Atomic uint32_t **started)
 {
 	const uint32_t Hq = cf->g.q_heads, d = cf->g.d, L = cf->g.L;
-	uint64_t in = kvd_attend_in_bytes(Hq, d, L), out = kvd_attend_out_bytes(Hq, d);
-	int slot = kvci_slot_get(c, 0);
+	const struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, L);
+	int slot = kvt_slot_get(c, 0);
 	int32_t res;
 	const char *msg;
 	int rc;
 
 	if (slot < 0)
 		return slot;
-	char *base = kvci_slot(c, (uint32_t)slot);
+	char *base = kvt_slot(c, (uint32_t)slot);
 
 	for (uint32_t j = 0; j < nrec; j++) {
-		char *rec = base + j * in;
+		char *rec = base + j * lay.in;
 		size_t at = qidx(cf, qi, l, (s0 + j) % cf->steps);
 
-		memset(rec, 0, 64);
+		memset(rec, 0, KVD_ATTEND_HDR);
 		memcpy(rec, &seq, sizeof seq);
-		memcpy(rec + 64, cf->q + at * Hq * d, (size_t)Hq * d * 4);
-		memcpy(rec + 64 + KVD_ALIGN64((uint64_t)Hq * d * 4), cf->qc + at * Hq * L,
-		       (size_t)Hq * L * 2);
+		memcpy(rec + lay.q_off, cf->q + at * Hq * d, (size_t)Hq * d * 4);
+		memcpy(rec + lay.codes_off, cf->qc + at * Hq * L, (size_t)Hq * L * 2);
 	}
 	struct kvd_sqe e = {
 		.op = KVD_OP_ATTEND, .layer = (uint16_t)l, .slot = (uint32_t)slot,
-		.user_data = (uint64_t)slot, .len = (uint32_t)(nrec * in), .nseq = nrec,
-		.out_off = (uint32_t)KVD_ALIGN64(nrec * in), .out_len = (uint32_t)(nrec * out),
+		.user_data = (uint64_t)slot, .len = (uint32_t)(nrec * lay.in), .nseq = nrec,
+		.out_off = (uint32_t)kvd_attend_out_off(&lay, nrec),
+		.out_len = (uint32_t)(nrec * lay.out),
 	};
 	double t = bench_now_ms();
 
-	rc = kvci_submit(c, &e);
+	rc = kvt_submit(c, &e);
 	if (!rc && started && *started) {
 		fbump(*started);
 		*started = NULL;
 	}
-	if (rc || (rc = kvci_wait_slot(c, (uint32_t)slot, &res, &msg))) {
-		kvci_slot_put(c, (uint32_t)slot);
+	if (rc || (rc = kvt_wait_slot(c, (uint32_t)slot, &res, &msg))) {
+		kvt_slot_put(c, (uint32_t)slot);
 		return rc;
 	}
 	*ms = bench_now_ms() - t;
 	if (res < 0) {
-		kvci_fail(c, res, "attend: kvd: %s", msg);
-		kvci_slot_put(c, (uint32_t)slot);
+		kvt_fail(c, res, "attend: kvd: %s", msg);
+		kvt_slot_put(c, (uint32_t)slot);
 		return res;
 	}
 	const char *o = base + e.out_off;
 
 	for (uint32_t j = 0; j < nrec; j++) {
 		size_t at = qidx(cf, qi, l, (s0 + j) % cf->steps);
-		const char *r = o + j * out;
+		const char *r = o + j * lay.out;
 
 		*mism += memcmp(r, cf->ro + at * Hq * d, (size_t)Hq * d * 4) != 0 ||
-			 memcmp(r + KVD_ALIGN64((uint64_t)Hq * d * 4), cf->rl + at * Hq,
-				(size_t)Hq * 4) != 0;
+			 memcmp(r + lay.lse_off, cf->rl + at * Hq, (size_t)Hq * 4) != 0;
 	}
-	kvci_slot_put(c, (uint32_t)slot);
+	kvt_slot_put(c, (uint32_t)slot);
 	return 0;
 }
 
 /* Connects, opens the profile, makes a sequence and prefills rows r into
- * every layer. */
+ * every layer.  The clients speak the ring protocol themselves, on
+ * libkvclient's transport (kvt.h) without a backend. */
 static int kid_setup(struct cfg *cf, uint32_t i, const char *name, uint64_t slot_size,
-		     const struct rows *r, struct kvc **cp, struct kvc_seq **sp)
+		     const struct rows *r, struct kvt **cp, uint64_t *sp)
 {
 	struct kvc_opts o = { .socket_path = cf->sock, .tenant = "load", .name = name,
 			      .slot_size = slot_size, .slots = slot_size ? 2 : 0 };
 
-	if (kvc_connect(&o, cp) || kvc_profile(*cp, &cf->m) || kvc_seq_create(*cp, sp))
+	if (!(*cp = kvt_new()) || kvt_connect(*cp, &o) || kvt_profile(*cp, &cf->m) ||
+	    kvt_seq_create(*cp, sp))
 		return kid_fail(cf, i, *cp, "setup");
 	for (uint32_t l = 0; r && l < cf->layers; l++)
-		if (prefill_layer(cf, *cp, kvc_seq_id(*sp), l, r, NULL, 0, NULL, NULL))
+		if (prefill_layer(cf, *cp, *sp, l, r, NULL, 0, NULL, NULL))
 			return kid_fail(cf, i, *cp, "prefill");
-	if (r && kvci_drain(*cp, "prefill"))
+	if (r && kvt_drain(*cp, "prefill"))
 		return kid_fail(cf, i, *cp, "prefill");
 	return 0;
 }
@@ -505,8 +503,8 @@ static int kid_setup(struct cfg *cf, uint32_t i, const char *name, uint64_t slot
 static int decode_kid(struct cfg *cf, uint32_t i)
 {
 	struct shared *sh = cf->sh;
-	struct kvc *c = NULL;
-	struct kvc_seq *s;
+	struct kvt *c = NULL;
+	uint64_t s;
 	char name[32];
 	uint32_t gen = 0;
 
@@ -532,7 +530,7 @@ static int decode_kid(struct cfg *cf, uint32_t i)
 			for (uint32_t l = 0; l < cf->layers; l++) {
 				double ms, t = bench_now_ms();
 
-				if (attend(cf, c, kvc_seq_id(s), l, i, step, 1, &ms, &pr->mism, NULL)) {
+				if (attend(cf, c, s, l, i, step, 1, &ms, &pr->mism, NULL)) {
 					kid_fail(cf, i, c, "attend");
 					goto out;
 				}
@@ -543,9 +541,9 @@ static int decode_kid(struct cfg *cf, uint32_t i)
 			}
 		fbump(&sh->done);
 	}
-	kvc_seq_free(c, s);
+	kvt_seq_free(c, s);
 out:
-	kvc_close(c);
+	kvt_close(c);
 	return atomic_load(&sh->failed) != 0;
 }
 
@@ -555,20 +553,21 @@ static int noise_kid(struct cfg *cf, uint32_t i, int role)
 	struct shared *sh = cf->sh;
 	const uint32_t Hq = cf->g.q_heads, d = cf->g.d, L = cf->g.L;
 	uint64_t need = 0;
-	struct kvc *c = NULL;
-	struct kvc_seq *s;
+	struct kvt *c = NULL;
+	uint64_t s;
 	uint32_t gen = 0;
 
 	if (role == 0) {
-		need = KVD_ALIGN64(cf->batch * kvd_attend_in_bytes(Hq, d, L)) +
-		       (uint64_t)cf->batch * kvd_attend_out_bytes(Hq, d);
+		const struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, L);
+
+		need = kvd_attend_out_off(&lay, cf->batch) + (uint64_t)cf->batch * lay.out;
 		need = need <= cf->slot_size ? 0 : (need + 4095) / 4096 * 4096;
 	}
 	if (kid_setup(cf, i, role ? "load-prefill" : "load-batch", need,
 		      role ? NULL : &cf->rows[0], &c, &s))
 		goto out;
 	if (role)
-		kvc_seq_free(c, s);
+		kvt_seq_free(c, s);
 	fbump(&sh->ready);
 	for (;;) {
 		uint32_t g;
@@ -588,7 +587,7 @@ static int noise_kid(struct cfg *cf, uint32_t i, int role)
 				double ms = 0;
 				uint32_t mism = 0, l = (uint32_t)(nr->batches % cf->layers);
 
-				if (attend(cf, c, kvc_seq_id(s), l, 0, (uint32_t)nr->batches, cf->batch,
+				if (attend(cf, c, s, l, 0, (uint32_t)nr->batches, cf->batch,
 					   &ms, &mism, &started)) {
 					kid_fail(cf, i, c, "batch attend");
 					goto out;
@@ -599,18 +598,18 @@ static int noise_kid(struct cfg *cf, uint32_t i, int role)
 					nr->batch_ms[nr->nbl++] = (float)ms;
 				nr->batches++;
 			} else {
-				struct kvc_seq *ps;
+				uint64_t ps;
 				int rc = 0;
 
-				if (kvc_seq_create(c, &ps)) {
+				if (kvt_seq_create(c, &ps)) {
 					kid_fail(cf, i, c, "prefill seq");
 					goto out;
 				}
 				for (uint32_t l = 0; l < cf->layers && rc == 0; l++) {
-					rc = prefill_layer(cf, c, kvc_seq_id(ps), l, &cf->big,
+					rc = prefill_layer(cf, c, ps, l, &cf->big,
 							   &sh->noise_stop, gen, &nr->tokens, &started);
 				}
-				if (rc < 0 || kvci_drain(c, "prefill") || kvc_seq_free(c, ps)) {
+				if (rc < 0 || kvt_drain(c, "prefill") || kvt_seq_free(c, ps)) {
 					kid_fail(cf, i, c, "prefill");
 					goto out;
 				}
@@ -622,9 +621,9 @@ static int noise_kid(struct cfg *cf, uint32_t i, int role)
 		fbump(&sh->noise_idle);
 	}
 	if (role == 0)
-		kvc_seq_free(c, s);
+		kvt_seq_free(c, s);
 out:
-	kvc_close(c);
+	kvt_close(c);
 	return atomic_load(&sh->failed) != 0;
 }
 
@@ -773,7 +772,7 @@ int bench_load_main(int argc, char **argv)
 {
 	static struct cfg C;
 	struct cfg *cf = &C;
-	struct srv srv;
+	struct daemon srv;
 	struct wd *wd = calloc(1, sizeof *wd);
 	double t_start = bench_now_ms(), t_setup, t_meas;
 	int rc = 1;
@@ -841,26 +840,24 @@ int bench_load_main(int argc, char **argv)
 
 	/* W, segment size and slot size as kvd gives them */
 	struct kvc_opts o = { .socket_path = srv.sock, .tenant = "load", .name = "load-parent" };
-	struct kvc *pc;
+	struct kvt *pc;
 	float *W = malloc((size_t)d * cf->g.K * L * sizeof *W);
 	float **qbase = calloc(nprep, sizeof *qbase);
 	struct kvd_pool *pool = NULL;
 
-	if (kvc_connect(&o, &pc) || kvc_profile(pc, &cf->m)) {
-		fprintf(stderr, "kvbench load: %s\n", kvc_last_error(pc));
+	if (!(pc = kvt_new()) || kvt_connect(pc, &o) || kvt_profile(pc, &cf->m)) {
+		fprintf(stderr, "kvbench load: %s\n", pc ? kvt_error(pc) : "out of memory");
 		goto stop;
 	}
-	memcpy(W, kvc_w(pc), (size_t)d * cf->g.K * L * sizeof *W);
-	cf->seg_tokens = kvc_model_of(pc)->segment_tokens;
-	cf->slot_size = kvci_slot_size(pc);
-	kvc_close(pc);
+	memcpy(W, kvt_w(pc), (size_t)d * cf->g.K * L * sizeof *W);
+	cf->seg_tokens = kvt_model(pc)->segment_tokens;
+	cf->slot_size = kvt_slot_size(pc);
+	kvt_close(pc);
 	if (cf->ctx - cf->m.sink - cf->m.window > (uint64_t)MAXP / 2 * cf->seg_tokens) {
 		fprintf(stderr, "kvbench load: --ctx above %u tokens\n", MAXP / 2 * cf->seg_tokens);
 		goto stop;
 	}
-	for (cf->chunk = KVD_WIRE_MAX_NTOK;
-	     kvd_rows_bytes(H, d, L, cf->chunk, 1) > cf->slot_size; cf->chunk--)
-		;
+	cf->chunk = kvd_rows_fit(H, d, L, cf->slot_size);
 	/* The noisy neighbour's batch: by default the largest the protocol
 	 * allows (its client asks for slots big enough). */
 	if (!cf->batch)
@@ -932,7 +929,7 @@ int bench_load_main(int argc, char **argv)
 	fstore(&sh->noise_go, END_GEN);
 	pthread_join(clt, NULL);
 	double t_wd_end = bench_now_ms();
-	int st = srv_stop(&srv);
+	int st = daemon_stop(&srv);
 
 	atomic_store(&wd->stop, 1);
 	pthread_join(wdt, NULL);
@@ -1085,7 +1082,7 @@ int bench_load_main(int argc, char **argv)
 stop:
 	if (pool)
 		kvd_pool_destroy(pool);
-	srv_stop(&srv);
+	daemon_stop(&srv);
 	atomic_store(&wd->stop, 1);
 	pthread_join(wdt, NULL);
 	unlink(wd->path);

@@ -33,21 +33,14 @@
 #include "synth.h"
 
 /* extra: more INI text for the configuration (a [memory]/[spill] part), or NULL. */
-int srv_start_conf(struct srv *s, const char *memory, const char *extra)
+int srv_start_conf(struct daemon *s, const char *memory, const char *extra)
 {
-	char exe[PATH_MAX], bin[PATH_MAX + 8], conf[128];
-	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+	char conf[sizeof s->dir + 16];
+	const char *args[] = { "--config", conf, NULL };
 	FILE *f;
 
-	if (n <= 0)
+	if (daemon_mkdir(s, "/tmp/kvd-run.XXXXXX"))
 		return -1;
-	exe[n] = 0;
-	*strrchr(exe, '/') = 0;
-	snprintf(bin, sizeof bin, "%s/kvd", exe);
-	snprintf(s->dir, sizeof s->dir, "/tmp/kvd-run.XXXXXX");
-	if (!mkdtemp(s->dir))
-		return -1;
-	snprintf(s->sock, sizeof s->sock, "%s/kvd.sock", s->dir);
 	snprintf(conf, sizeof conf, "%s/kvd.conf", s->dir);
 	f = fopen(conf, "w");
 	if (!f)
@@ -58,52 +51,12 @@ int srv_start_conf(struct srv *s, const char *memory, const char *extra)
 		   "[log]\nlevel = warning\n%s", s->sock, memory ? memory : "limit = 75%",
 		extra ? extra : "");
 	fclose(f);
-	s->pid = fork();
-	if (s->pid == 0) {
-		char pid[16];
-
-		/* A watchdog interval in the environment is for kvd: name its
-		 * pid, as systemd does (kvbench load). */
-		if (getenv("WATCHDOG_USEC")) {
-			snprintf(pid, sizeof pid, "%d", (int)getpid());
-			setenv("WATCHDOG_PID", pid, 1);
-		}
-		execl(bin, "kvd", "--foreground", "--config", conf, (char *)NULL);
-		perror("kvbench: exec kvd");
-		_exit(127);
-	}
-	for (int i = 0; i < 500; i++) {
-		struct sockaddr_un a = { .sun_family = AF_UNIX };
-		int fd = socket(AF_UNIX, SOCK_SEQPACKET, 0), ok;
-
-		memcpy(a.sun_path, s->sock, strlen(s->sock) + 1);
-		ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
-		close(fd);
-		if (ok)
-			return 0;
-		if (waitpid(s->pid, NULL, WNOHANG) == s->pid)
-			return -1;
-		usleep(20000);
-	}
-	return -1;
+	return daemon_spawn(s, "kvd", args);
 }
 
-static int srv_start(struct srv *s)
+static int srv_start(struct daemon *s)
 {
 	return srv_start_conf(s, NULL, NULL);
-}
-
-int srv_stop(struct srv *s)
-{
-	char conf[128];
-	int st = 0;
-
-	kill(s->pid, SIGTERM);
-	waitpid(s->pid, &st, 0);
-	snprintf(conf, sizeof conf, "%s/kvd.conf", s->dir);
-	unlink(conf);
-	rmdir(s->dir);
-	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 static const uint32_t llama_dense[] = { 0, 16 };
@@ -389,7 +342,7 @@ out:
 }
 
 /* Starts kvd (srv_start_conf) and says so. */
-static int srv_up(struct srv *srv, const char *memory, const char *extra)
+static int srv_up(struct daemon *srv, const char *memory, const char *extra)
 {
 	if (srv_start_conf(srv, memory, extra)) {
 		fprintf(stderr, "kvbench: kvd did not start\n");
@@ -464,7 +417,7 @@ static uint64_t session_bytes(uint32_t ctx)
 static int demo_spill(uint32_t clients, uint32_t nsess, uint32_t ctx, uint32_t turns,
 		      uint32_t steps)
 {
-	struct srv srv;
+	struct daemon srv;
 	struct spill_res *res = shared_mem(clients * sizeof *res);
 	uint64_t total = (uint64_t)clients * nsess * session_bytes(ctx), limit = total / 3;
 	char mem[128], spill[256], dir[200];
@@ -501,7 +454,7 @@ static int demo_spill(uint32_t clients, uint32_t nsess, uint32_t ctx, uint32_t t
 			kvc_server_stats(c, &st);
 		kvc_close(c);
 	}
-	int rc = srv_stop(&srv);
+	int rc = daemon_stop(&srv);
 
 	rmdir(dir);
 	printf("\n%-7s %7s %10s %10s %10s %12s %12s %13s %9s\n", "client", "checks", "mismatch",
@@ -538,7 +491,7 @@ static int demo_spill(uint32_t clients, uint32_t nsess, uint32_t ctx, uint32_t t
 int bench_demo_main(int argc, char **argv)
 {
 	uint32_t clients = 4, ctx = 8192, steps = 32, sessions = 6, turns = 3, spill = 0;
-	struct srv srv;
+	struct daemon srv;
 	struct client_res *res;
 	double t0 = bench_now_ms();
 
@@ -592,7 +545,7 @@ int bench_demo_main(int argc, char **argv)
 	struct demo_arg da = { srv.sock, ctx, steps, res };
 	int failed = run_clients(clients, demo_kid, &da);
 
-	int rc = srv_stop(&srv);
+	int rc = daemon_stop(&srv);
 
 	printf("\n%-7s %-8s %10s %10s %12s %12s %9s\n", "client", "workload", "prefill_s",
 	       "tokens/s", "layer_p50_ms", "layer_p99_ms", "rel_err");
@@ -733,7 +686,7 @@ int bench_serve_main(int argc, char **argv)
 {
 	uint32_t clients = 1, ctx = 65536, layers = 4, reps = 9;
 	int json = 0;
-	struct srv srv;
+	struct daemon srv;
 	struct serve_shared *sh;
 	pthread_barrierattr_t ba;
 
@@ -766,7 +719,7 @@ int bench_serve_main(int argc, char **argv)
 	struct serve_arg sa = { srv.sock, ctx, layers, (int)reps, sh };
 	int failed = run_clients(clients, serve_kid, &sa);
 
-	srv_stop(&srv);
+	daemon_stop(&srv);
 	if (failed) {
 		for (uint32_t i = 0; i < clients; i++)
 			if (!sh->r[i].ok)

@@ -134,12 +134,16 @@ static struct kvd_profile prof = {
 	.window = 64, .seg_tokens = 4096, .seal_tokens = 256, .seed = 1,
 };
 
-static struct kvd_sfmt_hdr *ext_new(struct seq *s, uint64_t seq, unsigned kind, uint64_t payload,
-				    unsigned layer)
+/* The next extent of s, its header filled (the spill engine seals it). */
+static struct kvd_sfmt_hdr *ext_new(struct seq *s, const struct kvd_sfmt_file *f,
+				    struct kvd_sfmt_ext e)
 {
 	unsigned i = s->n++;
-	uint64_t bytes = kvd_sfmt_extent_bytes(payload);
+	uint64_t bytes;
 	struct kvd_sfmt_hdr *h;
+
+	e.index = i;
+	bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
 
 	s->ext[i].bytes = bytes;
 	s->ext[i].p = buf_alloc(bytes);
@@ -149,8 +153,7 @@ static struct kvd_sfmt_hdr *ext_new(struct seq *s, uint64_t seq, unsigned kind, 
 	}
 	memset(s->ext[i].p, 0, bytes);
 	h = s->ext[i].p;
-	kvd_sfmt_hdr_init(h, kind, i, payload, seq, 1, kvd_sfmt_profile_fp(&prof), &prof.g, "bench");
-	h->layer = layer;
+	kvd_sfmt_hdr_fill(h, f, &e);
 	return h;
 }
 
@@ -187,40 +190,37 @@ static void *seg_template(uint32_t n)
 static void seq_build(struct seq *s, uint64_t seq, const struct opts *op, const void *tmpl,
 		      unsigned nseg)
 {
-	const struct kvd_geom *g = &prof.g;
 	uint32_t tail = 256;
 	unsigned layers = op->layers < nseg ? op->layers : nseg;
+	const struct kvd_sfmt_file f = { .p = &prof, .seq = seq, .gen = 1,
+					 .profile_fp = kvd_sfmt_profile_fp(&prof), .tenant = "bench" };
 	struct kvd_sfmt_hdr *h;
 
 	s->ext = calloc(SP_MAXEXT, sizeof *s->ext);
 	s->t_ext = calloc(SP_MAXEXT, sizeof *s->t_ext);
-	h = ext_new(s, seq, KVD_SFMT_PROFILE, kvd_sfmt_profile_bytes(&prof), 0);
+	h = ext_new(s, &f, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PROFILE });
 	kvd_sfmt_profile_put(&prof, (char *)h + KVD_SFMT_PAGE);
 	for (unsigned l = 0; l < layers; l++) {
 		unsigned lo = l * nseg / layers, hi = (l + 1) * nseg / layers;
-		uint64_t pb = kvd_sfmt_layer_bytes(g, tail, 1);
 		uint64_t *w;
 
-		h = ext_new(s, seq, KVD_SFMT_LAYER, pb, l);
-		h->flags = KVD_SFMT_LF_MEAN | KVD_SFMT_LF_SEALED;
-		h->n = tail;
-		h->tok_begin = (uint64_t)(hi - lo) * op->seg_tokens;
-		h->tok_end = h->tok_begin + tail;
+		h = ext_new(s, &f, (struct kvd_sfmt_ext){
+			.kind = KVD_SFMT_LAYER, .layer = l, .n = tail,
+			.flags = KVD_SFMT_LF_MEAN | KVD_SFMT_LF_SEALED,
+			.tok_begin = (uint64_t)(hi - lo) * op->seg_tokens });
 		w = (uint64_t *)((char *)h + KVD_SFMT_PAGE);
-		for (uint64_t i = 0; i < pb / 8; i++)
+		for (uint64_t i = 0; i < h->payload_bytes / 8; i++)
 			w[i] = (i ^ seq) * 0x9e3779b97f4a7c15ull;
 		for (unsigned k = lo; k < hi; k++) {
-			h = ext_new(s, seq, KVD_SFMT_SEG, kvd_seg_bytes(g, op->seg_tokens), l);
-			h->n = op->seg_tokens;
-			h->tok_begin = (uint64_t)(k - lo) * op->seg_tokens;
-			h->tok_end = h->tok_begin + op->seg_tokens;
+			h = ext_new(s, &f, (struct kvd_sfmt_ext){
+				.kind = KVD_SFMT_SEG, .layer = l, .n = op->seg_tokens,
+				.tok_begin = (uint64_t)(k - lo) * op->seg_tokens });
 			memcpy((char *)h + KVD_SFMT_PAGE, tmpl, h->payload_bytes);
 		}
 		if (l == 0)
 			s->last_l0 = s->n - 1;
 	}
-	h = ext_new(s, seq, KVD_SFMT_END, 0, 0);
-	h->n = s->n - 1;
+	ext_new(s, &f, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_END });
 }
 
 static uint64_t seq_total(const struct seq *s)

@@ -1,5 +1,5 @@
 /* libkvclient, CUDA backend.  See kvc.h (the API), kvg.h (the seam with
- * kvc.c) and docs/GPU.md (the design).
+ * kvc.c), kvt.h (the transport it sits on) and docs/GPU.md (the design).
  *
  * Streams.  The backend owns `cs`: hashing, prefill, evictions and every
  * copy between the device and the arena run there.  The caller's stream
@@ -14,8 +14,8 @@
  * streams of its own in the host-pointer API; never on the device.
  *
  * Arena slots of an ATTEND are still being read by cs (kvd's outputs, host
- * to device) when the call returns; they go back to kvc.c at the start of
- * the next call (settle()), by which time that copy is long done.
+ * to device) when the call returns; they go back to the transport at the
+ * start of the next call (settle()), by which time that copy is long done.
  */
 #include <errno.h>
 #include <math.h>
@@ -34,6 +34,7 @@
 #include "kvg.h"
 #include "kvg_kern.h"
 #include "kvg_plan.h"
+#include "kvt.h"
 
 /* A CUDA call that must succeed: otherwise the call fails with -EIO and
  * kvc_last_error() names the call and CUDA's reason. */
@@ -41,7 +42,7 @@
 	do {                                                                            \
 		cudaError_t ck_ = (call);                                               \
 		if (ck_ != cudaSuccess)                                                 \
-			return kvci_fail((c), -EIO, "%s: %s", #call, cudaGetErrorString(ck_)); \
+			return kvt_fail((c), -EIO, "%s: %s", #call, cudaGetErrorString(ck_)); \
 	} while (0)
 
 /* The same where a value is being collected rather than returned. */
@@ -49,7 +50,7 @@
 	do {                                                                            \
 		cudaError_t ck_ = (call);                                               \
 		if (ck_ != cudaSuccess && !(rc))                                        \
-			(rc) = kvci_fail((c), -EIO, "%s: %s", #call, cudaGetErrorString(ck_)); \
+			(rc) = kvt_fail((c), -EIO, "%s: %s", #call, cudaGetErrorString(ck_)); \
 	} while (0)
 
 #define Y_BYTES_MAX (64u << 20)         /* projection scratch: rows per GEMM follow */
@@ -89,7 +90,7 @@ struct kvg {
 	/* the profile */
 	uint32_t H, Hq, d, K, L, G, sink, window, layers, cap_win;
 	uint32_t chunk, rows_max, per_slot, max_batch;
-	struct kvg_attend_layout lay;
+	struct kvd_attend_layout lay;
 	uint64_t rows_payload;          /* APPEND payload of KVG_APPEND_BATCH rows */
 
 	/* device scratch, sized at kvc_profile */
@@ -154,10 +155,10 @@ int kvg_choose(const struct kvc_opts *o, char *msg, size_t len)
 	return KVC_BACKEND_CUDA;
 }
 
-static int dev_enter(struct kvc *c, struct kvg *g, int *prev);
+static int dev_enter(struct kvt *c, struct kvg *g, int *prev);
 static void dev_leave(const struct kvg *g, int prev);
 
-static int open_dev(struct kvc *c, struct kvg *g)
+static int open_dev(struct kvt *c, struct kvg *g)
 {
 	struct cudaMemPoolProps pp;
 	uint64_t thr = UINT64_MAX;
@@ -182,7 +183,7 @@ static int open_dev(struct kvc *c, struct kvg *g)
 	CK(c, cudaMemPoolSetAttribute(g->pool, cudaMemPoolAttrReleaseThreshold, &thr));
 	if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS) {
 		g->blas = NULL;
-		return kvci_fail(c, -EIO, "cublasCreate failed");
+		return kvt_fail(c, -EIO, "cublasCreate failed");
 	}
 	/* The arena becomes DMA-able: queries, codes and rows go from device
 	 * memory straight into kvd's shared memory and outputs come straight
@@ -192,20 +193,18 @@ static int open_dev(struct kvc *c, struct kvg *g)
 	return 0;
 }
 
-int kvg_open(struct kvc *c, const struct kvc_opts *o, void *map, size_t map_size,
-	     struct kvg **out)
+int kvg_open(struct kvt *c, const struct kvc_opts *o, struct kvg **out)
 {
 	struct kvg *g = calloc(1, sizeof *g);
 	int prev, rc;
 
 	*out = g;
 	if (!g)
-		return kvci_fail(c, -ENOMEM, "out of memory");
+		return kvt_fail(c, -ENOMEM, "out of memory");
 	g->dev = o ? o->device : 0;
 	g->timing = o ? o->timing : 0;
 	g->max_batch_opt = o && o->max_batch ? o->max_batch : DEFAULT_MAX_BATCH;
-	g->map = map;
-	g->map_size = map_size;
+	g->map = kvt_map(c, &g->map_size);
 	if ((rc = dev_enter(c, g, &prev)))
 		return rc;
 	rc = open_dev(c, g);
@@ -282,12 +281,12 @@ void kvg_close(struct kvg *g)
 	free(g);
 }
 
-static int profile_dev(struct kvc *c, struct kvg *g)
+static int profile_dev(struct kvt *c, struct kvg *g)
 {
-	const struct kvd_geom *geo = kvci_geom(c);
-	const struct kvc_model *m = kvc_model_of(c);
-	uint32_t nslots = kvci_nslots(c);
-	uint64_t ss = kvci_slot_size(c), KL;
+	const struct kvd_geom *geo = kvt_geom(c);
+	const struct kvc_model *m = kvt_model(c);
+	uint32_t nslots = kvt_nslots(c);
+	uint64_t ss = kvt_slot_size(c), KL;
 
 	g->H = geo->kv_heads;
 	g->Hq = geo->q_heads;
@@ -300,15 +299,15 @@ static int profile_dev(struct kvc *c, struct kvg *g)
 	g->layers = m->layers;
 	g->cap_win = m->sink + m->window + KVG_APPEND_BATCH;
 	if (g->d % 16 || g->d > 256 || g->G > 16 || g->G * g->H != g->Hq)
-		return kvci_fail(c, -KVD_EGEOM, "CUDA backend: head_dim %u, group %u not supported",
+		return kvt_fail(c, -KVD_EGEOM, "CUDA backend: head_dim %u, group %u not supported",
 				 g->d, g->G);
 	KL = (uint64_t)g->K * g->L;
-	g->chunk = kvg_chunk_tokens(g->H, g->d, g->L, ss);
-	g->per_slot = kvg_attend_per_slot(g->Hq, g->d, g->L, ss);
+	g->chunk = kvd_rows_fit(g->H, g->d, g->L, ss);
+	g->per_slot = kvd_attend_fit(g->Hq, g->d, g->L, ss);
 	if (g->chunk == 0 || g->per_slot == 0)
-		return kvci_fail(c, -EMSGSIZE, "slots of %llu bytes are too small",
+		return kvt_fail(c, -EMSGSIZE, "slots of %llu bytes are too small",
 				 (unsigned long long)ss);
-	kvg_attend_layout(g->Hq, g->d, g->L, &g->lay);
+	g->lay = kvd_attend_layout(g->Hq, g->d, g->L);
 	g->max_batch = g->max_batch_opt;
 	/* one attend's batches need a slot each at once */
 	if ((uint64_t)g->max_batch > (uint64_t)g->per_slot * nslots)
@@ -318,7 +317,7 @@ static int profile_dev(struct kvc *c, struct kvg *g)
 		g->rows_max = 1;
 	g->rows_payload = kvd_rows_bytes(g->H, g->d, g->L, KVG_APPEND_BATCH, 0);
 	if (g->rows_payload > ss)
-		return kvci_fail(c, -EMSGSIZE, "slots too small for %u appended tokens",
+		return kvt_fail(c, -EMSGSIZE, "slots too small for %u appended tokens",
 				 KVG_APPEND_BATCH);
 	g->x_floats = (size_t)g->H * g->chunk * g->d;
 	if (g->x_floats < (size_t)KVG_EVICT_BATCH * g->H * KVG_APPEND_BATCH * g->d)
@@ -333,13 +332,13 @@ static int profile_dev(struct kvc *c, struct kvg *g)
 	g->ev_b = calloc(g->nev_b, sizeof *g->ev_b);
 	g->bt = calloc(nslots, sizeof *g->bt);
 	if (!g->rows || !g->put || !g->ev || !g->evs || !g->pend || !g->ev_b || !g->bt)
-		return kvci_fail(c, -ENOMEM, "out of memory");
+		return kvt_fail(c, -ENOMEM, "out of memory");
 	for (uint32_t i = 0; i < g->nev_b; i++)
 		CK(c, cudaEventCreateWithFlags(&g->ev_b[i], cudaEventDisableTiming));
 
 	/* Scratch is allocated once here, never in the decode loop. */
 	CK(c, cudaMalloc((void **)&g->W, KL * g->d * sizeof(float)));
-	CK(c, cudaMemcpyAsync(g->W, kvc_w(c), KL * g->d * sizeof(float), cudaMemcpyHostToDevice,
+	CK(c, cudaMemcpyAsync(g->W, kvt_w(c), KL * g->d * sizeof(float), cudaMemcpyHostToDevice,
 			      g->cs));
 	CK(c, cudaStreamSynchronize(g->cs));
 	CK(c, cudaMalloc((void **)&g->stg[0], ss));
@@ -362,7 +361,7 @@ static int profile_dev(struct kvc *c, struct kvg *g)
 	return 0;
 }
 
-int kvg_profile(struct kvc *c, struct kvg *g)
+int kvg_profile(struct kvt *c, struct kvg *g)
 {
 	int prev, rc = dev_enter(c, g, &prev);
 
@@ -375,7 +374,7 @@ int kvg_profile(struct kvc *c, struct kvg *g)
 
 /* ---- sequences ------------------------------------------------------------- */
 
-int kvg_seq_init(struct kvc *c, struct kvg *g, struct kvg_seq **out)
+static int seq_init(struct kvt *c, struct kvg *g, struct kvg_seq **out)
 {
 	struct kvg_seq *s = calloc(1, sizeof *s);
 
@@ -383,13 +382,13 @@ int kvg_seq_init(struct kvc *c, struct kvg *g, struct kvg_seq **out)
 		s->ly = calloc(g->layers ? g->layers : 1, sizeof *s->ly);
 	if (!s || !s->ly) {
 		free(s);
-		return kvci_fail(c, -ENOMEM, "out of memory");
+		return kvt_fail(c, -ENOMEM, "out of memory");
 	}
 	*out = s;
 	return 0;
 }
 
-void kvg_seq_free(struct kvc *c, struct kvg *g, struct kvg_seq *s)
+void kvg_seq_free(struct kvt *c, struct kvg *g, struct kvg_seq *s)
 {
 	int prev;
 
@@ -420,25 +419,19 @@ void kvg_seq_free(struct kvc *c, struct kvg *g, struct kvg_seq *s)
 	free(s);
 }
 
-static struct kvg_seq *GS(struct kvc_seq *s)
+static int seq_state(struct kvt *c, struct kvg *g, struct kvc_seq *s, struct kvg_seq **out)
 {
-	return *kvci_seq_gpu(s);
-}
-
-static int seq_state(struct kvc *c, struct kvg *g, struct kvc_seq *s, struct kvg_seq **out)
-{
-	struct kvg_seq **p = kvci_seq_gpu(s);
 	int rc;
 
-	if (!*p && (rc = kvg_seq_init(c, g, p)))
+	if (!s->gs && (rc = seq_init(c, g, &s->gs)))
 		return rc;
-	*out = *p;
+	*out = s->gs;
 	return 0;
 }
 
 /* ---- common ----------------------------------------------------------------- */
 
-static int dalloc(struct kvc *c, struct kvg *g, void **p, size_t bytes, cudaStream_t st)
+static int dalloc(struct kvt *c, struct kvg *g, void **p, size_t bytes, cudaStream_t st)
 {
 	CK(c, cudaMallocFromPoolAsync(p, bytes ? bytes : 1, g->pool, st));
 	return 0;
@@ -487,12 +480,12 @@ static void tim(struct kvg *g, int which, cudaStream_t st)
 
 /* Hands back the slots of the previous attend once its copy out of them is
  * done (it is, in practice: this only makes sure). */
-static int settle(struct kvc *c, struct kvg *g)
+static int settle(struct kvt *c, struct kvg *g)
 {
 	if (g->npend) {
 		CK(c, cudaEventSynchronize(g->ev_out));
 		for (uint32_t i = 0; i < g->npend; i++)
-			kvci_slot_put(c, g->pend[i]);
+			kvt_slot_put(c, g->pend[i]);
 		g->npend = 0;
 	}
 	if (g->timing) {
@@ -503,7 +496,7 @@ static int settle(struct kvc *c, struct kvg *g)
 }
 
 /* Orders cs after the caller's stream, and the caller's stream after cs. */
-static int join(struct kvc *c, struct kvg *g, cudaStream_t st)
+static int join(struct kvt *c, struct kvg *g, cudaStream_t st)
 {
 	CK(c, cudaEventRecord(g->ev_in, st));
 	CK(c, cudaStreamWaitEvent(g->cs, g->ev_in, 0));
@@ -515,46 +508,46 @@ static int join(struct kvc *c, struct kvg *g, cudaStream_t st)
 	return 0;
 }
 
-static int done_user(struct kvc *c, struct kvg *g, cudaStream_t st)
+static int done_user(struct kvt *c, struct kvg *g, cudaStream_t st)
 {
 	CK(c, cudaEventRecord(g->ev_user, st));
 	return 0;
 }
 
-static int check_ptr(struct kvc *c, const void *p, const char *what)
+static int check_ptr(struct kvt *c, const void *p, const char *what)
 {
 	struct cudaPointerAttributes a;
 	cudaError_t e = cudaPointerGetAttributes(&a, p);
 
 	if (e != cudaSuccess)
-		return kvci_fail(c, -EFAULT, "%s: %s", what, cudaGetErrorString(e));
+		return kvt_fail(c, -EFAULT, "%s: %s", what, cudaGetErrorString(e));
 	if (a.type == cudaMemoryTypeUnregistered)
-		return kvci_fail(c, -EFAULT, "%s is host memory, not device memory", what);
+		return kvt_fail(c, -EFAULT, "%s is host memory, not device memory", what);
 	return 0;
 }
 
-static int check_common(struct kvc *c, struct kvg *g, uint32_t layer, const char *fn)
+static int check_common(struct kvt *c, struct kvg *g, uint32_t layer, const char *fn)
 {
 	if (!g)
-		return kvci_fail(c, -ENOTSUP, "%s: this connection uses the CPU backend", fn);
-	if (!kvci_profiled(c) || !g->ready)
-		return kvci_fail(c, -EINVAL, "%s: no profile yet", fn);
+		return kvt_fail(c, -ENOTSUP, "%s: this connection uses the CPU backend", fn);
+	if (!kvt_model(c) || !g->ready)
+		return kvt_fail(c, -EINVAL, "%s: no profile yet", fn);
 	if (layer >= g->layers)
-		return kvci_fail(c, -EINVAL, "layer %u out of range", layer);
+		return kvt_fail(c, -EINVAL, "layer %u out of range", layer);
 	return 0;
 }
 
 /* Makes g's device current for the calling thread; *prev is the one to give
  * back with dev_leave.  cudaGetDevice/cudaSetDevice are host-side and cheap
  * when nothing changes. */
-static int dev_enter(struct kvc *c, struct kvg *g, int *prev)
+static int dev_enter(struct kvt *c, struct kvg *g, int *prev)
 {
 	cudaError_t e = cudaGetDevice(prev);
 
 	if (e == cudaSuccess && *prev != g->dev)
 		e = cudaSetDevice(g->dev);
 	if (e != cudaSuccess)
-		return kvci_fail(c, -EIO, "cudaSetDevice(%d): %s", g->dev, cudaGetErrorString(e));
+		return kvt_fail(c, -EIO, "cudaSetDevice(%d): %s", g->dev, cudaGetErrorString(e));
 	return 0;
 }
 
@@ -567,12 +560,11 @@ static void dev_leave(const struct kvg *g, int prev)
 /* ---- prefill ------------------------------------------------------------------ */
 
 /* Enqueues the building of the payload of tokens [t, t+cnt) in stg. */
-static int prefill_chunk(struct kvc *c, struct kvg *g, const struct kvg_layer *ly,
+static int prefill_chunk(struct kvt *c, struct kvg *g, const struct kvg_layer *ly,
 			 const void *k, const void *v, int dtype, uint32_t n, uint32_t t,
 			 uint32_t cnt, int first, unsigned char *stg)
 {
-	uint64_t mb = first ? KVD_ALIGN64((uint64_t)g->H * g->d * 4) : 0;
-	uint64_t rb = KVD_ALIGN64((uint64_t)g->H * cnt * g->d * 2);
+	const struct kvd_rows_layout rl = kvd_rows_layout(g->H, g->d, g->L, cnt, first);
 	struct kvg_code_layout lay = { cnt ? cnt : 1, g->L * cnt, cnt, 1 };
 	char err[128];
 	int rc;
@@ -581,21 +573,20 @@ static int prefill_chunk(struct kvc *c, struct kvg *g, const struct kvg_layer *l
 		CK(c, cudaMemcpyAsync(stg, ly->mean, (size_t)g->H * g->d * 4, cudaMemcpyDeviceToDevice,
 				      g->cs));
 	if (cnt) {
-		CK(c, kvg_rows(k, v, dtype, g->H, n, g->d, t, cnt, ly->mean, (uint16_t *)(stg + mb),
-			       (uint16_t *)(stg + mb + rb), cnt, 0, g->x, g->cs));
+		CK(c, kvg_rows(k, v, dtype, g->H, n, g->d, t, cnt, ly->mean, (uint16_t *)(stg + rl.k),
+			       (uint16_t *)(stg + rl.v), cnt, 0, g->x, g->cs));
 		rc = kvg_hash_rows(g->blas, g->W, g->d, g->K, g->L, g->x, g->H * cnt, g->y,
-				   g->rows_max, &lay, (uint16_t *)(stg + mb + 2 * rb), g->cs, err,
+				   g->rows_max, &lay, (uint16_t *)(stg + rl.codes), g->cs, err,
 				   sizeof err);
 		if (rc)
-			return kvci_fail(c, rc, "prefill: %s", err);
+			return kvt_fail(c, rc, "prefill: %s", err);
 	}
 	return 0;
 }
 
-static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void *k,
-		   const void *v, uint32_t n, int dtype, cudaStream_t st)
+static int prefill(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint32_t layer,
+		   const void *k, const void *v, uint32_t n, int dtype, cudaStream_t st)
 {
-	struct kvg *g = kvci_gpu(c);
 	struct kvg_seq *gs;
 	struct kvg_layer *ly;
 	uint32_t lo, hi;
@@ -605,12 +596,12 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 	if (rc || (rc = settle(c, g)) || (rc = seq_state(c, g, s, &gs)))
 		return rc;
 	if (dtype != KVC_F32 && dtype != KVC_BF16)
-		return kvci_fail(c, -EINVAL, "prefill: dtype %d", dtype);
+		return kvt_fail(c, -EINVAL, "prefill: dtype %d", dtype);
 	if (n && ((rc = check_ptr(c, k, "prefill: k")) || (rc = check_ptr(c, v, "prefill: v"))))
 		return rc;
 	ly = &gs->ly[layer];
 	if (ly->prefilled)
-		return kvci_fail(c, -EALREADY, ly->prefilled > 0 ? "layer %u already prefilled"
+		return kvt_fail(c, -EALREADY, ly->prefilled > 0 ? "layer %u already prefilled"
 				 : "layer %u: an earlier prefill of it failed", layer);
 	/* Until it is complete: whatever fails below leaves the layer refused
 	 * by append and attend rather than half built. */
@@ -618,7 +609,7 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 	if ((rc = join(c, g, st)))
 		return rc;
 
-	if (kvci_dense(c, layer)) {
+	if (kvt_dense(c, layer)) {
 		uint32_t cap = 64;
 
 		while (cap < n + 1)
@@ -672,27 +663,27 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 			goto fail;
 		if (have_prev) {
 			CKR(c, rc, cudaEventSynchronize(g->ev_b[(i - 1) % 2]));
-			if (rc || (rc = kvci_submit(c, &prev)))
+			if (rc || (rc = kvt_submit(c, &prev)))
 				goto fail;
 			have_prev = 0;
 		}
-		if ((slot = kvci_slot_get(c, 1)) < 0) {
+		if ((slot = kvt_slot_get(c, 1)) < 0) {
 			rc = slot;
 			goto fail;
 		}
 		rc = 0;
-		CKR(c, rc, cudaMemcpyAsync(kvci_slot(c, (uint32_t)slot), g->stg[i % 2], len,
+		CKR(c, rc, cudaMemcpyAsync(kvt_slot(c, (uint32_t)slot), g->stg[i % 2], len,
 					   cudaMemcpyDeviceToHost, g->cs));
 		CKR(c, rc, cudaEventRecord(g->ev_b[i % 2], g->cs));
 		if (rc) {
 			/* never submitted: hand it back once cs is idle */
 			(void)cudaStreamSynchronize(g->cs);
-			kvci_slot_put(c, (uint32_t)slot);
+			kvt_slot_put(c, (uint32_t)slot);
 			goto fail;
 		}
 		prev = (struct kvd_sqe){
 			.op = KVD_OP_PREFILL, .layer = (uint16_t)layer, .slot = (uint32_t)slot,
-			.user_data = (uint64_t)slot, .seq = kvc_seq_id(s), .len = (uint32_t)len,
+			.user_data = (uint64_t)slot, .seq = s->id, .len = (uint32_t)len,
 			.ntok = cnt,
 			.flags = (uint8_t)((first ? KVD_RF_MEAN : 0) | (last ? KVD_RF_LAST : 0)),
 		};
@@ -701,7 +692,7 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 			break;
 	}
 	CKR(c, rc, cudaEventSynchronize(g->ev_b[i % 2]));
-	if (rc || (rc = kvci_submit(c, &prev)))
+	if (rc || (rc = kvt_submit(c, &prev)))
 		goto fail;
 	have_prev = 0;
 	/* Every read of k and v is done: the caller may reuse them now. */
@@ -709,7 +700,7 @@ static int prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void 
 	CKR(c, rc, cudaStreamWaitEvent(st, g->ev_cs, 0));
 	if (rc || (rc = done_user(c, g, st)))
 		goto fail;
-	rc = kvci_drain(c, "prefill");
+	rc = kvt_drain(c, "prefill");
 	if (!rc)
 		ly->prefilled = 1;
 	g->t.prefills++;
@@ -719,16 +710,16 @@ fail:
 	if (have_prev) {
 		/* built and copied but not submitted */
 		(void)cudaStreamSynchronize(g->cs);
-		kvci_slot_put(c, prev.slot);
+		kvt_slot_put(c, prev.slot);
 	}
-	(void)kvci_drain(c, "prefill");
+	(void)kvt_drain(c, "prefill");
 	return rc;
 }
 
 /* ---- append --------------------------------------------------------------------- */
 
 /* Dense layers keep every row: double the storage (stream-ordered on cs). */
-static int grow(struct kvc *c, struct kvg *g, struct kvg_layer *ly)
+static int grow(struct kvt *c, struct kvg *g, struct kvg_layer *ly)
 {
 	uint32_t cap = ly->cap * 2;
 	uint16_t *nk, *nv;
@@ -760,23 +751,23 @@ static int grow(struct kvc *c, struct kvg *g, struct kvg_layer *ly)
  * rows leave its ring only once their APPEND is submitted: after a failure
  * the others keep theirs (a full ring), and the next append sends them
  * before it writes anything. */
-static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+static int evict(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
 		 const uint32_t *evs, uint32_t nev, cudaStream_t st)
 {
 	const uint32_t B = KVG_APPEND_BATCH, H = g->H, d = g->d, L = g->L;
 	size_t kvb = (size_t)nev * H * B * d * 2;
 	uint16_t *Kall = (uint16_t *)g->estg, *Vall = Kall + kvb / 2, *Call = Vall + kvb / 2;
 	struct kvg_code_layout lay = { B, L * B, B, 1 };
-	uint64_t rb = KVD_ALIGN64((uint64_t)H * B * d * 2);
+	const struct kvd_rows_layout rl = kvd_rows_layout(H, d, L, B, 0);
 	/* Slots held unsubmitted cannot complete: leave the rest of the arena
-	 * to the completions kvci_slot_get may have to wait for. */
-	uint32_t group = kvci_nslots(c) / 2 ? kvci_nslots(c) / 2 : 1;
+	 * to the completions kvt_slot_get may have to wait for. */
+	uint32_t group = kvt_nslots(c) / 2 ? kvt_nslots(c) / 2 : 1;
 	int slots[KVG_EVICT_BATCH];
 	char err[128];
 	int rc;
 
 	for (uint32_t j = 0; j < nev; j++) {
-		const struct kvg_layer *ly = &GS(seqs[evs[j]])->ly[layer];
+		const struct kvg_layer *ly = &seqs[evs[j]]->gs->ly[layer];
 
 		g->ev[j] = (struct kvg_evict){
 			.k = ly->k, .v = ly->v, .kb = Kall + (size_t)j * H * B * d,
@@ -794,14 +785,14 @@ static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *c
 	rc = kvg_hash_rows(g->blas, g->W, d, g->K, L, g->x, nev * H * B, g->y, g->rows_max, &lay,
 			   Call, g->cs, err, sizeof err);
 	if (rc)
-		return kvci_fail(c, rc, "append: %s", err);
+		return kvt_fail(c, rc, "append: %s", err);
 	for (uint32_t j0 = 0; j0 < nev; j0 += group) {
 		uint32_t cnt = nev - j0 < group ? nev - j0 : group, got = 0;
 
 		rc = 0;
 		while (got < cnt && !rc) {
 			uint32_t j = j0 + got;
-			int slot = kvci_slot_get(c, 1);
+			int slot = kvt_slot_get(c, 1);
 			char *base;
 
 			if (slot < 0) {
@@ -809,12 +800,12 @@ static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *c
 				break;
 			}
 			slots[got++] = slot;
-			base = kvci_slot(c, (uint32_t)slot);
-			CKR(c, rc, cudaMemcpyAsync(base, Kall + (size_t)j * H * B * d,
+			base = kvt_slot(c, (uint32_t)slot);
+			CKR(c, rc, cudaMemcpyAsync(base + rl.k, Kall + (size_t)j * H * B * d,
 						   (size_t)H * B * d * 2, cudaMemcpyDeviceToHost, g->cs));
-			CKR(c, rc, cudaMemcpyAsync(base + rb, Vall + (size_t)j * H * B * d,
+			CKR(c, rc, cudaMemcpyAsync(base + rl.v, Vall + (size_t)j * H * B * d,
 						   (size_t)H * B * d * 2, cudaMemcpyDeviceToHost, g->cs));
-			CKR(c, rc, cudaMemcpyAsync(base + 2 * rb, Call + (size_t)j * H * L * B,
+			CKR(c, rc, cudaMemcpyAsync(base + rl.codes, Call + (size_t)j * H * L * B,
 						   (size_t)H * L * B * 2, cudaMemcpyDeviceToHost, g->cs));
 		}
 		CKR(c, rc, cudaEventRecord(g->ev_b[0], g->cs));
@@ -823,20 +814,20 @@ static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *c
 			/* never submitted: back once cs no longer writes them */
 			(void)cudaStreamSynchronize(g->cs);
 			for (uint32_t i = 0; i < got; i++)
-				kvci_slot_put(c, (uint32_t)slots[i]);
+				kvt_slot_put(c, (uint32_t)slots[i]);
 			return rc;
 		}
 		for (uint32_t i = 0; i < cnt; i++) {
-			struct kvg_layer *ly = &GS(seqs[evs[j0 + i]])->ly[layer];
+			struct kvg_layer *ly = &seqs[evs[j0 + i]]->gs->ly[layer];
 			struct kvd_sqe e = {
 				.op = KVD_OP_APPEND, .layer = (uint16_t)layer, .slot = (uint32_t)slots[i],
-				.user_data = (uint64_t)slots[i], .seq = kvc_seq_id(seqs[evs[j0 + i]]),
+				.user_data = (uint64_t)slots[i], .seq = seqs[evs[j0 + i]]->id,
 				.len = (uint32_t)g->rows_payload, .ntok = B,
 			};
 
-			if ((rc = kvci_submit(c, &e))) {
+			if ((rc = kvt_submit(c, &e))) {
 				for (uint32_t k = i; k < cnt; k++)
-					kvci_slot_put(c, (uint32_t)slots[k]);
+					kvt_slot_put(c, (uint32_t)slots[k]);
 				return rc;
 			}
 			kvg_ring_drop(&ly->ring, B);
@@ -846,10 +837,9 @@ static int evict(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *c
 	return 0;
 }
 
-static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
-		  const void *k, const void *v, int dtype, cudaStream_t st)
+static int append(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+		  uint32_t nseq, const void *k, const void *v, int dtype, cudaStream_t st)
 {
-	struct kvg *g = kvci_gpu(c);
 	int rc = check_common(c, g, layer, "append"), dense, drain = 0, r2;
 	size_t per;
 
@@ -857,7 +847,7 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 		return rc;
 	per = (size_t)g->H * g->d * (dtype == KVC_BF16 ? 2 : 4);
 	if (dtype != KVC_F32 && dtype != KVC_BF16)
-		return kvci_fail(c, -EINVAL, "append: dtype %d", dtype);
+		return kvt_fail(c, -EINVAL, "append: dtype %d", dtype);
 	if (nseq == 0)
 		return 0;
 	if (!g->checked_append) {
@@ -865,17 +855,17 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 			return rc;
 		g->checked_append = 1;
 	}
-	dense = kvci_dense(c, layer);
+	dense = kvt_dense(c, layer);
 	g->stamp++;
 	for (uint32_t j = 0; j < nseq; j++) {
-		struct kvg_seq *gs = GS(seqs[j]);
+		struct kvg_seq *gs = seqs[j]->gs;
 
 		if (!gs || gs->ly[layer].prefilled != 1)
-			return kvci_fail(c, -EINVAL, "layer %u of sequence %u: %s", layer, j,
+			return kvt_fail(c, -EINVAL, "layer %u of sequence %u: %s", layer, j,
 					 gs && gs->ly[layer].prefilled ? "its prefill failed"
 					 : "append before prefill");
 		if (gs->stamp == g->stamp)
-			return kvci_fail(c, -EINVAL, "append: sequence %u twice in a batch", j);
+			return kvt_fail(c, -EINVAL, "append: sequence %u twice in a batch", j);
 		gs->stamp = g->stamp;
 	}
 	if ((rc = join(c, g, st)))
@@ -888,7 +878,7 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 		/* A ring that a failed eviction left full sends its oldest rows
 		 * before anything overwrites them. */
 		for (uint32_t j = 0; j < cnt && !dense; j++) {
-			const struct kvg_ring *r = &GS(seqs[j0 + j])->ly[layer].ring;
+			const struct kvg_ring *r = &seqs[j0 + j]->gs->ly[layer].ring;
 
 			if (r->count >= r->R)
 				g->evs[nev++] = j0 + j;
@@ -902,7 +892,7 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 			break;
 		nev = 0;
 		for (uint32_t j = 0; j < cnt && !rc; j++) {
-			struct kvg_layer *ly = &GS(seqs[j0 + j])->ly[layer];
+			struct kvg_layer *ly = &seqs[j0 + j]->gs->ly[layer];
 
 			if (dense && ly->ring.count == ly->cap) {
 				if ((rc = grow(c, g, ly)))
@@ -934,7 +924,7 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 		g->t.evict_ms += now_ms() - t1;
 	}
 	if (drain) {
-		r2 = kvci_drain(c, "append");
+		r2 = kvt_drain(c, "append");
 		rc = rc ? rc : r2;
 	}
 	g->t.appends++;
@@ -947,12 +937,12 @@ static int append(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 /* ---- attend ----------------------------------------------------------------------- */
 
 /* One sub-batch of at most g->max_batch sequences. */
-static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+static int attend_some(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
 		       uint32_t nseq, const float *q, float *o, float *lse, int kvd_only,
 		       cudaStream_t st)
 {
 	const uint32_t Hq = g->Hq, d = g->d, L = g->L;
-	const int dense = kvci_dense(c, layer);
+	const int dense = kvt_dense(c, layer);
 	struct batch *b = g->bt;
 	uint32_t nb = 0, max_rows = 0;
 	struct kvg_code_layout qlay = { 1, L, 1, 0 };
@@ -973,10 +963,10 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 		rc = kvg_hash_rows(g->blas, g->W, d, g->K, L, q, nseq * Hq, g->y, g->rows_max, &qlay,
 				   g->qc, g->cs, err, sizeof err);
 		if (rc)
-			return kvci_fail(c, rc, "attend: %s", err);
+			return kvt_fail(c, rc, "attend: %s", err);
 		for (uint32_t first = 0; first < nseq; first += g->per_slot) {
 			uint32_t cnt = nseq - first < g->per_slot ? nseq - first : g->per_slot;
-			int slot = kvci_slot_get(c, 0);
+			int slot = kvt_slot_get(c, 0);
 			char *base;
 
 			if (slot < 0) {
@@ -985,11 +975,11 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 			}
 			b[nb] = (struct batch){ slot, first, cnt, 0 };
 			nb++;
-			base = kvci_slot(c, (uint32_t)slot);
+			base = kvt_slot(c, (uint32_t)slot);
 			for (uint32_t j = 0; j < cnt; j++) {
-				uint64_t id = kvc_seq_id(seqs[first + j]);
+				uint64_t id = seqs[first + j]->id;
 
-				memset(base + j * g->lay.in, 0, 64);
+				memset(base + j * g->lay.in, 0, KVD_ATTEND_HDR);
 				memcpy(base + j * g->lay.in, &id, sizeof id);
 			}
 			CKR(c, rc, cudaMemcpy2DAsync(base + g->lay.q_off, g->lay.in,
@@ -1012,7 +1002,7 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 		struct kvg_attn_plan plan;
 
 		for (uint32_t j = 0; j < nseq; j++) {
-			const struct kvg_layer *ly = &GS(seqs[j])->ly[layer];
+			const struct kvg_layer *ly = &seqs[j]->gs->ly[layer];
 
 			g->rows[j] = (struct kvg_rows){ ly->k, ly->v, ly->cap, ly->ring.nsink,
 							ly->ring.head, ly->ring.count };
@@ -1043,13 +1033,13 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 		struct kvd_sqe e = {
 			.op = KVD_OP_ATTEND, .layer = (uint16_t)layer, .slot = (uint32_t)b[i].slot,
 			.user_data = (uint64_t)b[i].slot, .len = (uint32_t)(b[i].cnt * g->lay.in),
-			.nseq = b[i].cnt, .out_off = (uint32_t)(b[i].cnt * g->lay.in),
+			.nseq = b[i].cnt, .out_off = (uint32_t)kvd_attend_out_off(&g->lay, b[i].cnt),
 			.out_len = (uint32_t)(b[i].cnt * g->lay.out),
 		};
 
 		CKR(c, rc, cudaEventSynchronize(g->ev_b[i]));
 		g->t.gpu_wait_ms += now_ms() - t0;
-		if (rc || (rc = kvci_submit(c, &e)))
+		if (rc || (rc = kvt_submit(c, &e)))
 			goto out;
 		b[i].submitted = 1;
 	}
@@ -1059,20 +1049,21 @@ static int attend_some(struct kvc *c, struct kvg *g, uint32_t layer, struct kvc_
 		double t0 = now_ms();
 		int32_t res;
 		const char *msg;
-		int r2 = kvci_wait_slot(c, (uint32_t)b[i].slot, &res, &msg);
+		int r2 = kvt_wait_slot(c, (uint32_t)b[i].slot, &res, &msg);
 
 		g->t.kvd_wait_ms += now_ms() - t0;
 		if (r2)
 			return r2;              /* the ring is broken: nothing more to do */
 		b[i].submitted = 0;
 		if (res < 0 && !rc)
-			rc = kvci_fail(c, res, "attend: kvd: %s", msg);
+			rc = kvt_fail(c, res, "attend: kvd: %s", msg);
 		if (rc)
 			continue;
 		if (i == 0)
 			tim(g, T_H2D0, g->cs);
 		CKR(c, rc, cudaMemcpyAsync((char *)g->kout + (size_t)b[i].first * g->lay.out,
-					   (char *)kvci_slot(c, (uint32_t)b[i].slot) + b[i].cnt * g->lay.in,
+					   (char *)kvt_slot(c, (uint32_t)b[i].slot) +
+					   kvd_attend_out_off(&g->lay, b[i].cnt),
 					   (size_t)b[i].cnt * g->lay.out, cudaMemcpyHostToDevice, g->cs));
 	}
 	tim(g, T_H2D1, g->cs);
@@ -1098,33 +1089,33 @@ out:
 			int32_t res;
 			const char *msg;
 
-			if (b[i].submitted && kvci_wait_slot(c, (uint32_t)b[i].slot, &res, &msg))
+			if (b[i].submitted && kvt_wait_slot(c, (uint32_t)b[i].slot, &res, &msg))
 				continue;       /* broken ring: the slot is lost with it */
 		}
 		(void)cudaStreamSynchronize(g->cs);
 		for (uint32_t i = 0; i < nb; i++)
-			kvci_slot_put(c, (uint32_t)b[i].slot);
+			kvt_slot_put(c, (uint32_t)b[i].slot);
 	}
 	if (!rc)
 		rc = done_user(c, g, st);
 	return rc;
 }
 
-static int attend(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
-		  const float *q, float *o, float *lse, int kvd_only, cudaStream_t st)
+static int attend(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+		  uint32_t nseq, const float *q, float *o, float *lse, int kvd_only,
+		  cudaStream_t st)
 {
-	struct kvg *g = kvci_gpu(c);
 	int rc = check_common(c, g, layer, kvd_only ? "attend_kvd" : "attend");
 
 	if (rc || (rc = settle(c, g)))
 		return rc;
-	if (kvd_only && kvci_dense(c, layer))
-		return kvci_fail(c, -EINVAL, "layer %u is dense: kvd holds nothing", layer);
+	if (kvd_only && kvt_dense(c, layer))
+		return kvt_fail(c, -EINVAL, "layer %u is dense: kvd holds nothing", layer);
 	for (uint32_t i = 0; i < nseq; i++) {
-		const struct kvg_seq *gs = GS(seqs[i]);
+		const struct kvg_seq *gs = seqs[i]->gs;
 
 		if (!kvd_only && (!gs || gs->ly[layer].prefilled != 1))
-			return kvci_fail(c, -EINVAL, "layer %u of sequence %u %s", layer, i,
+			return kvt_fail(c, -EINVAL, "layer %u of sequence %u %s", layer, i,
 					 gs && gs->ly[layer].prefilled ? "failed to prefill"
 					 : "not prefilled");
 	}
@@ -1154,7 +1145,7 @@ static int attend(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, ui
 
 /* ---- the host-pointer API on this backend ------------------------------------------- */
 
-static int h2d(struct kvc *c, struct kvg *g, void **dst, const void *src, size_t bytes)
+static int h2d(struct kvt *c, struct kvg *g, void **dst, const void *src, size_t bytes)
 {
 	int rc = dalloc(c, g, dst, bytes, g->hs);
 
@@ -1170,10 +1161,9 @@ static void hfree(struct kvg *g, void *p)
 		(void)cudaFreeAsync(p, g->hs);
 }
 
-int kvg_prefill_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
-		     const float *v, uint32_t n)
+int kvg_prefill_host(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint32_t layer,
+		     const float *k, const float *v, uint32_t n)
 {
-	struct kvg *g = kvci_gpu(c);
 	void *dk = NULL, *dv = NULL;
 	int prev, rc = check_common(c, g, layer, "prefill");
 	size_t bytes;
@@ -1182,7 +1172,7 @@ int kvg_prefill_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const flo
 		return rc;
 	bytes = (size_t)g->H * n * g->d * 4;
 	if (!(rc = h2d(c, g, &dk, k, bytes)) && !(rc = h2d(c, g, &dv, v, bytes)))
-		rc = prefill(c, s, layer, dk, dv, n, KVC_F32, g->hs);
+		rc = prefill(c, g, s, layer, dk, dv, n, KVC_F32, g->hs);
 	hfree(g, dk);
 	hfree(g, dv);
 	CKR(c, rc, cudaStreamSynchronize(g->hs));
@@ -1190,10 +1180,9 @@ int kvg_prefill_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const flo
 	return rc;
 }
 
-int kvg_append_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
-		    const float *v)
+int kvg_append_host(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint32_t layer,
+		    const float *k, const float *v)
 {
-	struct kvg *g = kvci_gpu(c);
 	void *dk = NULL, *dv = NULL;
 	int prev, rc = check_common(c, g, layer, "append");
 	size_t bytes;
@@ -1202,7 +1191,7 @@ int kvg_append_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const floa
 		return rc;
 	bytes = (size_t)g->H * g->d * 4;
 	if (!(rc = h2d(c, g, &dk, k, bytes)) && !(rc = h2d(c, g, &dv, v, bytes)))
-		rc = append(c, layer, &s, 1, dk, dv, KVC_F32, g->hs);
+		rc = append(c, g, layer, &s, 1, dk, dv, KVC_F32, g->hs);
 	hfree(g, dk);
 	hfree(g, dv);
 	CKR(c, rc, cudaStreamSynchronize(g->hs));
@@ -1210,10 +1199,9 @@ int kvg_append_host(struct kvc *c, struct kvc_seq *s, uint32_t layer, const floa
 	return rc;
 }
 
-int kvg_attend_host(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
-		    const float *q, float *o, float *lse, int kvd_only)
+int kvg_attend_host(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+		    uint32_t nseq, const float *q, float *o, float *lse, int kvd_only)
 {
-	struct kvg *g = kvci_gpu(c);
 	void *dq = NULL, *dout = NULL;
 	int prev, rc = check_common(c, g, layer, "attend");
 	size_t qb, lb;
@@ -1223,7 +1211,7 @@ int kvg_attend_host(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, 
 	qb = (size_t)nseq * g->Hq * g->d * 4;
 	lb = (size_t)nseq * g->Hq * 4;
 	if (!(rc = h2d(c, g, &dq, q, qb)) && !(rc = dalloc(c, g, &dout, qb + lb, g->hs)))
-		rc = attend(c, layer, seqs, nseq, dq, dout, (float *)((char *)dout + qb), kvd_only,
+		rc = attend(c, g, layer, seqs, nseq, dq, dout, (float *)((char *)dout + qb), kvd_only,
 			    g->hs);
 	if (!rc) {
 		CKR(c, rc, cudaMemcpyAsync(o, dout, qb, cudaMemcpyDeviceToHost, g->hs));
@@ -1242,46 +1230,38 @@ int kvg_attend_host(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, 
 
 /* Each entry point runs on the connection's device and gives the calling
  * thread its own current device back (the caller may drive several GPUs). */
-#define ON_DEVICE(c, call)                                                              \
+#define ON_DEVICE(c, g, call)                                                           \
 	do {                                                                            \
-		struct kvg *g_ = kvci_gpu(c);                                           \
-		int prev_, rc_ = g_ ? dev_enter((c), g_, &prev_) : 0;                   \
+		int prev_, rc_ = (g) ? dev_enter((c), (g), &prev_) : 0;                 \
 		if (rc_)                                                                \
 			return rc_;                                                     \
 		rc_ = (call);                                                           \
-		if (g_)                                                                 \
-			dev_leave(g_, prev_);                                           \
+		if (g)                                                                  \
+			dev_leave((g), prev_);                                          \
 		return rc_;                                                             \
 	} while (0)
 
-int kvc_prefill_dev(struct kvc *c, struct kvc_seq *s, uint32_t layer, const void *k,
-		    const void *v, uint32_t n, int dtype, void *stream)
+int kvg_prefill_dev(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint32_t layer,
+		    const void *k, const void *v, uint32_t n, int dtype, void *stream)
 {
-	ON_DEVICE(c, prefill(c, s, layer, k, v, n, dtype, (cudaStream_t)stream));
+	ON_DEVICE(c, g, prefill(c, g, s, layer, k, v, n, dtype, (cudaStream_t)stream));
 }
 
-int kvc_append_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
-		   const void *k, const void *v, int dtype, void *stream)
+int kvg_append_dev(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+		   uint32_t nseq, const void *k, const void *v, int dtype, void *stream)
 {
-	ON_DEVICE(c, append(c, layer, seqs, nseq, k, v, dtype, (cudaStream_t)stream));
+	ON_DEVICE(c, g, append(c, g, layer, seqs, nseq, k, v, dtype, (cudaStream_t)stream));
 }
 
-int kvc_attend_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs, uint32_t nseq,
-		   const float *q, float *o, float *lse, void *stream)
+int kvg_attend_dev(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *const *seqs,
+		   uint32_t nseq, const float *q, float *o, float *lse, int kvd_only,
+		   void *stream)
 {
-	ON_DEVICE(c, attend(c, layer, seqs, nseq, q, o, lse, 0, (cudaStream_t)stream));
+	ON_DEVICE(c, g, attend(c, g, layer, seqs, nseq, q, o, lse, kvd_only, (cudaStream_t)stream));
 }
 
-int kvc_attend_kvd_dev(struct kvc *c, uint32_t layer, struct kvc_seq *const *seqs,
-		       uint32_t nseq, const float *q, float *o, float *lse, void *stream)
+int kvg_timing(struct kvt *c, struct kvg *g, struct kvc_timing *t, int reset)
 {
-	ON_DEVICE(c, attend(c, layer, seqs, nseq, q, o, lse, 1, (cudaStream_t)stream));
-}
-
-int kvc_timing(struct kvc *c, struct kvc_timing *t, int reset)
-{
-	struct kvg *g = kvci_gpu(c);
-
 	if (!g) {
 		memset(t, 0, sizeof *t);
 		return 0;

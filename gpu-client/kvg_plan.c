@@ -6,9 +6,7 @@
 
 #include "bf16.h"
 #include "kvc.h"
-#include "kvd_ring.h"
 #include "kvg_plan.h"
-#include "wire.h"
 
 static uint32_t div_up(uint64_t a, uint64_t b)
 {
@@ -31,44 +29,6 @@ void kvg_attn_plan(uint32_t max_rows, uint32_t nseq, uint32_t kv_heads, uint32_t
 	p->chunk = div_up(div_up(max_rows ? max_rows : 1, ns), KVG_TILE) * KVG_TILE;
 	p->nsplit = div_up(max_rows ? max_rows : 1, p->chunk);
 	p->part_floats = p->nsplit > 1 ? (size_t)nseq * q_heads * p->nsplit * (d + 1) : 0;
-}
-
-uint32_t kvg_chunk_tokens(uint32_t kv_heads, uint32_t d, uint32_t L, uint64_t slot_size)
-{
-	uint32_t lo = 0, hi = KVD_WIRE_MAX_NTOK;
-
-	while (lo < hi) {
-		uint32_t mid = (lo + hi + 1) / 2;
-
-		if (kvd_rows_bytes(kv_heads, d, L, mid, 1) <= slot_size)
-			lo = mid;
-		else
-			hi = mid - 1;
-	}
-	return lo;
-}
-
-void kvg_attend_layout(uint32_t q_heads, uint32_t d, uint32_t L, struct kvg_attend_layout *lay)
-{
-	lay->in = kvd_attend_in_bytes(q_heads, d, L);
-	lay->out = kvd_attend_out_bytes(q_heads, d);
-	lay->q_off = 64;
-	lay->codes_off = 64 + KVD_ALIGN64((uint64_t)q_heads * d * 4);
-	lay->lse_off = KVD_ALIGN64((uint64_t)q_heads * d * 4);
-}
-
-uint32_t kvg_attend_per_slot(uint32_t q_heads, uint32_t d, uint32_t L, uint64_t slot_size)
-{
-	struct kvg_attend_layout lay;
-	uint64_t per;
-
-	kvg_attend_layout(q_heads, d, L, &lay);
-	/* kvc.c's rule: outputs start at ALIGN64(cnt * in), and in, out are
-	 * multiples of 64, so cnt * (in + out) <= slot_size is exact. */
-	per = slot_size / (lay.in + lay.out);
-	if (per > KVD_WIRE_MAX_NSEQ)
-		per = KVD_WIRE_MAX_NSEQ;
-	return (uint32_t)per;
 }
 
 void kvg_pack_ref(const float *y, uint32_t R, uint32_t K, uint32_t L,

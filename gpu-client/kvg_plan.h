@@ -1,8 +1,7 @@
 /* kvg_plan: the host-side arithmetic of libkvclient's CUDA backend, kept
  * apart from CUDA so CI tests it on machines without a GPU
  * (tests/unit/test_gpu_plan.c): how attention is split over thread blocks,
- * how a batch of queries is cut into arena slots, the window ring of each
- * (sequence, layer), the sizes of prefill chunks, and the double-precision
+ * the window ring of each (sequence, layer), and the double-precision
  * references the device tests compare the kernels with.
  *
  * Everything here is pure and thread-safe; nothing allocates except the
@@ -88,22 +87,9 @@ static inline void kvg_ring_drop(struct kvg_ring *r, uint32_t cnt)
 	r->count -= cnt;
 }
 
-/* ---- the data plane ------------------------------------------------------ */
-
-/* Largest number of tokens whose PREFILL/APPEND payload (with the mean)
- * fits one slot: what kvc.c's chunk_tokens() computes. */
-uint32_t kvg_chunk_tokens(uint32_t kv_heads, uint32_t d, uint32_t L, uint64_t slot_size);
-
-/* Sequences of one ATTEND record set that fit a slot (0: not even one). */
-uint32_t kvg_attend_per_slot(uint32_t q_heads, uint32_t d, uint32_t L, uint64_t slot_size);
-
-/* Byte offsets inside one ATTEND record / output entry (proto/kvd_ring.h). */
-struct kvg_attend_layout {
-	uint64_t in, out;               /* record and output entry sizes */
-	uint64_t q_off, codes_off;      /* in a record */
-	uint64_t lse_off;               /* in an output entry (o is at 0) */
-};
-void kvg_attend_layout(uint32_t q_heads, uint32_t d, uint32_t L, struct kvg_attend_layout *lay);
+/* The data plane's sizes and offsets (chunks, records, outputs) are the
+ * ABI's: kvd_rows_fit, kvd_attend_fit and kvd_attend_layout in
+ * proto/kvd_ring.h. */
 
 /* ---- backend choice ---------------------------------------------------------- */
 

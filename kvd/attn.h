@@ -6,15 +6,8 @@
  * is (o, lse) with o normalised (the softmax-weighted mean of V) and
  * lse = ln sum exp(score).  An empty part is (0, -inf) and merges as nothing.
  * The q heads of a GQA group (G consecutive q heads) share one kv head.
- *
- * A segment holds n <= KVD_SEG_MAX tokens of every kv head of one layer:
- * centered K and V rows (bf16), 1/|k| (f32) and the L bucket tables.  It is
- * immutable once built and may be read by any number of threads.  It lives
- * in an io buffer laid out as one spill extent (kvd/sfmt.h): a
- * KVD_SEG_IO_PAGE header page, then the kvd_seg_bytes() payload padded to a
- * multiple of the page, 4096-aligned, so spilling it and reading it back
- * (O_DIRECT) need no copy, and a segment read back is adopted in place
- * after kvd_seg_check().
+ * Segments and the geometry (kvd_geom) are kvd/seg.h's; attention only
+ * reads them.
  *
  * Scratch is per worker thread (kvd_attn_scratch); everything else is pure.
  */
@@ -26,120 +19,9 @@
 
 #include "kern.h"
 #include "lsh.h"
+#include "seg.h"
 
 struct kvd_pool;
-
-#define KVD_QHEADS_MAX 1024
-
-/* How a segment stores K and V.  The open tail and everything a client
- * sends stay bf16; int8 is made when a segment is sealed. */
-enum kvd_kv_dtype {
-	KVD_KV_BF16 = 0,
-	KVD_KV_INT8 = 1,
-};
-#define KVD_KV_DTYPE_MAX KVD_KV_INT8
-
-struct kvd_geom {
-	uint32_t q_heads, kv_heads, d;  /* d: head_dim, multiple of 16, <= KVD_DMAX */
-	uint32_t K, L, c;               /* K <= 16 bits, L tables, c in {1, 2} */
-	uint32_t kv_dtype;              /* enum kvd_kv_dtype; 0 (bf16) when left out */
-};
-
-/* "bf16" / "int8"; NULL for an unknown value.  kvd_kv_dtype_parse: 0 and
- * *out, or -EINVAL. */
-const char *kvd_kv_dtype_name(uint32_t dt);
-int kvd_kv_dtype_parse(const char *s, uint32_t *out);
-
-/* 0, or -KVD_EGEOM when a field is out of range (q_heads <= KVD_QHEADS_MAX)
- * or q_heads / kv_heads is not an integer <= KVD_GMAX. */
-int kvd_geom_check(const struct kvd_geom *g);
-static inline uint32_t kvd_geom_group(const struct kvd_geom *g)
-{
-	return g->q_heads / g->kv_heads;
-}
-
-/* bf16 segments set k and v; int8 segments set k8, v8 and the scales
- * instead, with key e of row i = kfac[i] * kscale[e] * k8[i][e] (a scale per
- * channel per segment head: centered keys have outlier channels, and a
- * per-token scale alone would let them crush every other channel; then a
- * per-row least-squares factor) and value e of row i = vscale[i] * v8[i][e].
- * kinv is 1/|k| of the dequantized key, the key that is scored. */
-struct kvd_seg_head {
-	uint16_t *k, *v;                /* [n][d] bf16 */
-	int8_t *k8, *v8;                /* [n][d] int8 */
-	float *kscale;                  /* [d] */
-	float *vscale, *kfac;           /* [n] */
-	float *kinv;                    /* [n] */
-	struct kvd_lsh_tables tab;
-};
-
-struct kvd_seg {
-	uint32_t n, kv_heads, d, K, L, kv_dtype;
-	size_t bytes;                   /* the io buffer: what this segment keeps resident */
-	double tables_ms;               /* time kvd_seg_build spent on the tables */
-	void *io;                       /* the io buffer: header page, then mem */
-	void *mem;                      /* io + KVD_SEG_IO_PAGE: kvd_seg_bytes() of payload */
-	struct kvd_seg_head h[];        /* [kv_heads] */
-};
-
-/* Builds a segment from centered rows k, v ([kv_heads][n][d] bf16) and the
- * keys' codes ([kv_heads][L][n]); copies (or, for g->kv_dtype int8,
- * quantizes) everything it keeps.  Quantization is round to nearest with
- * scales from the largest finite |x| (a channel of a head for keys, a row for
- * values); infinities saturate and NaN becomes -127, so every scale and 1/|k|
- * of a built segment is finite and kvd_seg_check accepts it.  Work is split
- * over the pool (NULL: the calling thread).  0, -KVD_EGEOM, -ENOMEM. */
-int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
-		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
-		  struct kvd_seg **out);
-/* The same with its memory on NUMA node `node` (kvd_mem_alloc_node; -1: no
- * preference).  Pass a pool whose workers run on that node. */
-int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
-		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
-		       struct kvd_seg **out);
-void kvd_seg_free(struct kvd_seg *s);
-/* A build is split into per-head pool tasks run with kvd_pool_run_sliced():
- * a thread with a yield hook (kvd_pool_set_yield) answers other requests
- * between its slices. */
-
-/* Bytes of a segment's payload (rows, scales, 1/|k|, tables of every kv head), as
- * kvd_seg_build lays it out; a SEG extent's payload_bytes. */
-size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n);
-
-/* Segment io buffers.  Of g only kv_heads, d, K, L and kv_dtype count (q_heads and c
- * are not part of a segment), each range-checked as by kvd_geom_check.
- *
- * kvd_seg_io_bytes: KVD_SEG_IO_PAGE + kvd_seg_bytes() rounded up to the
- * page, what a segment keeps resident (its `bytes`) and its extent_bytes on
- * disk; 0 when g or n (1..KVD_SEG_MAX) is out of range.
- * kvd_seg_io_alloc: a zero-filled, 4096-aligned buffer of that size (huge
- * pages from KVD_MEM_HUGE up, as kvd_mem_alloc), its size in *bytes; NULL
- * on a bad geometry or without memory.  Free with kvd_seg_io_free, or hand
- * it to kvd_seg_adopt. */
-#define KVD_SEG_IO_PAGE 4096u
-size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n);
-void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes);
-void *kvd_seg_io_alloc_node(const struct kvd_geom *g, uint32_t n, int node, size_t *bytes);
-void kvd_seg_io_free(void *io, size_t bytes);
-
-/* Checks a segment payload of n tokens at mem (64-byte aligned,
- * kvd_seg_bytes() bytes) that did not come from kvd_seg_build -- a spill
- * file: for every kv head, 1/|k| and (int8) the scales are finite and >= 0
- * (what a build computes) and the L tables pass kvd_lsh_tables_check().  A segment that
- * passes can never make retrieval or the kernels read outside its own rows
- * and tables, whatever its bytes.  One pass over the tables; pure and
- * thread-safe.  0, -KVD_EFORMAT, or -KVD_EGEOM / -EINVAL (bad g, n or
- * alignment: a caller's bug). */
-int kvd_seg_check(const struct kvd_geom *g, uint32_t n, const void *mem);
-
-/* Wraps an io buffer from kvd_seg_io_alloc(g, n, &bytes) whose payload
- * passed kvd_seg_check() into a segment: head pointers exactly as
- * kvd_seg_build sets them, nothing copied or recomputed (tables_ms is 0).
- * On success the segment owns io (kvd_seg_free frees it); on failure the
- * caller still does.  0, -KVD_EGEOM, -EINVAL (bytes is not
- * kvd_seg_io_bytes(g, n) or io is not 4096-aligned), -ENOMEM. */
-int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
-		  struct kvd_seg **out);
 
 struct kvd_attn_stats {
 	uint64_t cand;                  /* sum over q heads of sampled keys */

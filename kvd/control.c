@@ -331,7 +331,7 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
 
-	sr.seq = q->id;
+	sr.seq = kvd_store_seq_id(q);
 	r.id = id;
 	r.body_case = KVD__RESPONSE__BODY_SEQ;
 	r.seq = &sr;
@@ -349,14 +349,13 @@ static int do_seq_stats(struct kvd_server *s, struct client *c, uint64_t id, uin
 	if (!q)
 		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu", (unsigned long long)seq);
 	kvd_store_seq_stats(q, &tokens, &segs);
-	st.seq = q->id;
-	st.profile_id = q->p->id;
+	st.seq = kvd_store_seq_id(q);
+	st.profile_id = kvd_store_seq_profile(q)->id;
 	st.tokens = tokens;
 	st.segments = segs;
-	st.bytes = q->bytes;
-	st.state = q->state;
-	st.ready_layers = q->state == KVD_SEQ_RESTORING ? q->ready :
-			  q->state == KVD_SEQ_RAM || q->state == KVD_SEQ_SPILLING ? q->p->layers : 0;
+	st.bytes = kvd_store_seq_bytes(q);
+	st.state = kvd_store_seq_state(q);
+	st.ready_layers = kvd_store_seq_ready_layers(q);
 	{
 		int durable;
 
@@ -379,12 +378,11 @@ static int do_seq_open(struct kvd_server *s, struct client *c, uint64_t id, uint
 	if (!q)
 		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu",
 					  (unsigned long long)seq);
-	if (q->owner && q->owner != c->id)
+	if (kvd_store_seq_claim(q, c->id))
 		return kvd_ctl_send_error(c->fd, id, -EBUSY, "sequence %llu belongs to another client",
 					  (unsigned long long)seq);
-	q->owner = c->id;
-	sr.seq = q->id;
-	sr.profile_id = q->p->id;
+	sr.seq = kvd_store_seq_id(q);
+	sr.profile_id = kvd_store_seq_profile(q)->id;
 	kvd_store_seq_stats(q, &sr.tokens, &segs);
 	r.id = id;
 	r.body_case = KVD__RESPONSE__BODY_SEQ;
@@ -540,7 +538,8 @@ static int by_client_id(const void *a, const void *b)
 
 static int by_seq_id(const void *a, const void *b)
 {
-	uint64_t x = (*(struct kvd_seqn *const *)a)->id, y = (*(struct kvd_seqn *const *)b)->id;
+	uint64_t x = kvd_store_seq_id(*(struct kvd_seqn *const *)a);
+	uint64_t y = kvd_store_seq_id(*(struct kvd_seqn *const *)b);
 
 	return x < y ? -1 : x > y;
 }
@@ -568,18 +567,19 @@ static void count_owned(void *arg, struct kvd_seqn *q)
 {
 	struct owned *o = arg;
 	uint32_t lo = 0, hi = o->n;
+	uint64_t owner = kvd_store_seq_owner(q);
 
-	if (!q->owner || !q->tenant[0])
+	if (!owner || !kvd_store_seq_tenant(q)[0])
 		return;
 	while (lo < hi) {
 		uint32_t mid = lo + (hi - lo) / 2;
 
-		if (o->sel[mid]->id < q->owner)
+		if (o->sel[mid]->id < owner)
 			lo = mid + 1;
 		else
 			hi = mid;
 	}
-	if (lo < o->n && o->sel[lo]->id == q->owner)
+	if (lo < o->n && o->sel[lo]->id == owner)
 		o->row[lo].sequences++;
 }
 
@@ -653,15 +653,15 @@ static void seq_info(struct kvd_server *s, struct kvd_seqn *q, Kvd__SeqInfo *m)
 	int durable;
 
 	kvd__seq_info__init(m);
-	m->seq = q->id;
-	m->uid = q->uid;
-	m->tenant = tenant_part(q->tenant);
-	m->owner = q->owner;
-	m->profile_id = q->p->id;
-	m->profile = (char *)q->p->name;
+	m->seq = kvd_store_seq_id(q);
+	m->uid = kvd_store_seq_uid(q);
+	m->tenant = tenant_part(kvd_store_seq_tenant(q));
+	m->owner = kvd_store_seq_owner(q);
+	m->profile_id = kvd_store_seq_profile(q)->id;
+	m->profile = (char *)kvd_store_seq_profile(q)->name;
 	kvd_store_seq_stats(q, &m->tokens, &m->segments);
-	m->bytes = q->bytes;
-	m->state = q->state;
+	m->bytes = kvd_store_seq_bytes(q);
+	m->state = kvd_store_seq_state(q);
 	kvd_tier_seq_info(s->tier, q, &durable, &m->disk_bytes);
 	m->durable = durable;
 }
@@ -681,9 +681,9 @@ static void heap_down(struct kvd_seqn **h, uint32_t n, uint32_t i)
 	for (;;) {
 		uint32_t l = 2 * i + 1, r = l + 1, m = i;
 
-		if (l < n && h[l]->id > h[m]->id)
+		if (l < n && kvd_store_seq_id(h[l]) > kvd_store_seq_id(h[m]))
 			m = l;
-		if (r < n && h[r]->id > h[m]->id)
+		if (r < n && kvd_store_seq_id(h[r]) > kvd_store_seq_id(h[m]))
 			m = r;
 		if (m == i)
 			return;
@@ -698,24 +698,27 @@ static void heap_down(struct kvd_seqn **h, uint32_t n, uint32_t i)
 static void pick_seq(void *arg, struct kvd_seqn *q)
 {
 	struct seq_pick *p = arg;
+	uint32_t uid = kvd_store_seq_uid(q);
+	uint64_t qid = kvd_store_seq_id(q);
 
-	if (!q->tenant[0] || !may_see(p->c, q->uid) || (p->m->filter_uid && q->uid != p->m->uid))
+	if (!kvd_store_seq_tenant(q)[0] || !may_see(p->c, uid) ||
+	    (p->m->filter_uid && uid != p->m->uid))
 		return;
 	p->total++;
-	if (q->id <= p->m->after)
+	if (qid <= p->m->after)
 		return;
 	if (p->n < p->cap) {
 		uint32_t i = p->n++;
 
 		p->sel[i] = q;
-		while (i && p->sel[(i - 1) / 2]->id < p->sel[i]->id) {
+		while (i && kvd_store_seq_id(p->sel[(i - 1) / 2]) < kvd_store_seq_id(p->sel[i])) {
 			struct kvd_seqn *t = p->sel[i];
 
 			p->sel[i] = p->sel[(i - 1) / 2];
 			p->sel[(i - 1) / 2] = t;
 			i = (i - 1) / 2;
 		}
-	} else if (q->id < p->sel[0]->id) {
+	} else if (qid < kvd_store_seq_id(p->sel[0])) {
 		p->sel[0] = q;
 		heap_down(p->sel, p->n, 0);
 	}
@@ -743,7 +746,7 @@ static int do_seq_list(struct kvd_server *s, struct client *c, uint64_t id, cons
 	}
 	kvd_store_each(s->store, pick_seq, &p);
 	qsort(p.sel, p.n, sizeof *p.sel, by_seq_id);
-	sl.next = p.n > lim ? p.sel[lim - 1]->id : 0;
+	sl.next = p.n > lim ? kvd_store_seq_id(p.sel[lim - 1]) : 0;
 	p.n = p.n > lim ? lim : p.n;
 	for (uint32_t i = 0; i < p.n; i++) {
 		seq_info(s, p.sel[i], &row[i]);
@@ -770,7 +773,7 @@ static int do_seq_admin(struct kvd_server *s, struct client *c, uint64_t id, con
 
 	/* Another uid's sequence, to an unprivileged caller, is one that does
 	 * not exist: same code, same words. */
-	if (!q || !may_see(c, q->uid))
+	if (!q || !may_see(c, kvd_store_seq_uid(q)))
 		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu",
 					  (unsigned long long)m->seq);
 	switch (m->op) {
@@ -790,12 +793,13 @@ static int do_seq_admin(struct kvd_server *s, struct client *c, uint64_t id, con
 			return kvd_ctl_send_error(c->fd, id, rc, "%s", msg[0] ? msg : kvd_strerror(rc));
 		kvd_log(LOG_INFO, "client %llu (uid %u, pid %d): evicted sequence %llu of uid %u",
 			(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid,
-			(unsigned long long)q->id, (unsigned)q->uid);
+			(unsigned long long)kvd_store_seq_id(q), (unsigned)kvd_store_seq_uid(q));
 		return kvd_ctl_send_ok(c->fd, id);
 	default:
 		kvd_log(LOG_INFO, "client %llu (uid %u, pid %d): freed sequence %llu of uid %u (owner client %llu)",
 			(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid,
-			(unsigned long long)q->id, (unsigned)q->uid, (unsigned long long)q->owner);
+			(unsigned long long)kvd_store_seq_id(q), (unsigned)kvd_store_seq_uid(q),
+			(unsigned long long)kvd_store_seq_owner(q));
 		kvd_tier_free(s->tier, q);
 		return kvd_ctl_send_ok(c->fd, id);
 	}

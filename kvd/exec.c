@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "invariant.h"
 #include "kern.h"
 #include "log.h"
 #include "pool.h"
@@ -198,14 +199,14 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	struct kvd_seqn *q = kvd_client_seq(s, c, e->seq);
 	const struct kvd_profile *p;
 	const char *base;
-	uint64_t H, d, off = 0;
+	struct kvd_rows_layout lay;
 	int rc;
 
 	if (!q) {
 		snprintf(msg, msglen, "no sequence %llu of yours", (unsigned long long)e->seq);
 		return -ENOENT;
 	}
-	p = q->p;
+	p = kvd_store_seq_profile(q);
 	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
 		return rc;
 	/* The layer must be resident, and the rows need room: staging plus
@@ -213,21 +214,15 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	if ((rc = kvd_tier_want(s->tier, q, e->layer, msg, msglen)) ||
 	    (rc = kvd_tier_room(s->tier, (uint64_t)e->len * 2, msg, msglen)))
 		return rc;
-	H = p->g.kv_heads;
-	d = p->g.d;
+	lay = kvd_rows_layout(p->g.kv_heads, p->g.d, p->g.L, e->ntok, e->flags & KVD_RF_MEAN);
 	/* The store copies the rows into its staging exactly once; their sizes
 	 * come from the checked copy of the entry, so a client rewriting them
 	 * garbles only its own rows. */
 	base = slot_base(c, e);
-	const float *mean = NULL;
-
-	if (e->flags & KVD_RF_MEAN) {
-		mean = (const float *)base;
-		off = KVD_ALIGN64(H * d * 4);
-	}
-	const uint16_t *k = (const uint16_t *)(base + off);
-	const uint16_t *v = (const uint16_t *)(base + off + KVD_ALIGN64(H * e->ntok * d * 2));
-	const uint16_t *codes = (const uint16_t *)(base + off + 2 * KVD_ALIGN64(H * e->ntok * d * 2));
+	const float *mean = e->flags & KVD_RF_MEAN ? (const float *)base : NULL;
+	const uint16_t *k = (const uint16_t *)(base + lay.k);
+	const uint16_t *v = (const uint16_t *)(base + lay.v);
+	const uint16_t *codes = (const uint16_t *)(base + lay.codes);
 
 	rc = kvd_store_rows(s->store, q, e->layer, e->op == KVD_OP_APPEND, e->flags & KVD_RF_LAST,
 			    mean, k, v, codes, e->ntok, msg, msglen);
@@ -246,6 +241,12 @@ static int attend_check(struct kvd_server *s, struct client *c, char *msg, size_
 	const struct kvd_sqe *e = &j->e;
 	int rc, wait = 0;
 
+	/* kvd_wire_sqe() held the copied nseq to 1..KVD_WIRE_MAX_NSEQ, all
+	 * that ids[] has room for: more and the copies below overrun it. */
+	if (NEVER(e->nseq == 0 || e->nseq > KVD_WIRE_MAX_NSEQ)) {
+		snprintf(msg, msglen, "batch of %u sequences", e->nseq);
+		return -ERANGE;
+	}
 	if (!j->pid) {
 		const char *in = slot_base(c, e);
 		const struct kvd_profile *p;
@@ -259,12 +260,12 @@ static int attend_check(struct kvd_server *s, struct client *c, char *msg, size_
 				 (unsigned long long)j->ids[0]);
 			return -ENOENT;
 		}
-		p = q0->p;
+		p = kvd_store_seq_profile(q0);
 		/* The payload's length is checked against this profile, so every
 		 * record header below lies inside the slot. */
 		if ((rc = kvd_wire_payload(e, p, msg, msglen)))
 			return rc;
-		stride = kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L);
+		stride = kvd_attend_layout(p->g.q_heads, p->g.d, p->g.L).in;
 		for (uint32_t i = 1; i < e->nseq; i++)
 			memcpy(&j->ids[i], in + i * stride, sizeof j->ids[i]);
 		j->pid = p->id;
@@ -278,7 +279,7 @@ static int attend_check(struct kvd_server *s, struct client *c, char *msg, size_
 				 (unsigned long long)j->ids[i]);
 			return -ENOENT;
 		}
-		if (q->p->id != j->pid) {
+		if (kvd_store_seq_profile(q)->id != j->pid) {
 			snprintf(msg, msglen, "batch[%u]: sequences of different profiles", i);
 			return -EINVAL;
 		}
@@ -352,11 +353,18 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 	struct job *j = &c->job;
 	const struct kvd_sqe *e = &j->e;
 	uint32_t i = j->next;
-	struct kvd_seqn *q = kvd_store_seq_get(s->store, j->ids[i], c->tenant);
+	struct kvd_seqn *q;
 	char msg[160], m[128];
 	int rc;
 
-	if (!q || q->p->id != j->pid) {
+	/* A job is in records only while one is left (the last one finishes
+	 * it): ids[] past nseq is a stale id, or past the array. */
+	if (NEVER(i >= e->nseq)) {
+		finish(s, c, -EINVAL, "batch: no record left");
+		return -1;
+	}
+	q = kvd_store_seq_get(s->store, j->ids[i], c->tenant);
+	if (!q || kvd_store_seq_profile(q)->id != j->pid) {
 		snprintf(msg, sizeof msg, "batch[%u]: sequence %llu is gone", i,
 			 (unsigned long long)j->ids[i]);
 		finish(s, c, -ENOENT, msg);
@@ -374,24 +382,30 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		finish(s, c, rc, msg);
 		return -1;
 	}
-	const struct kvd_layer_state *l = &q->ly[e->layer];
-
-	if (l->mean && !l->sealed) {
+	if ((rc = kvd_store_attend_ready(q, e->layer))) {
 		snprintf(msg, sizeof msg, "batch[%u]: layer %u is still being prefilled", i, e->layer);
-		finish(s, c, -EBUSY, msg);
+		finish(s, c, rc, msg);
 		return -1;
 	}
 
-	const struct kvd_profile *p = q->p;
+	const struct kvd_profile *p = kvd_store_seq_profile(q);
 	size_t qb = (size_t)p->g.q_heads * p->g.d * sizeof(float);
 	size_t cb = (size_t)p->g.q_heads * p->g.L * sizeof(uint16_t);
-	const char *rec = slot_base(c, e) + i * kvd_attend_in_bytes(p->g.q_heads, p->g.d, p->g.L);
+	const struct kvd_attend_layout lay = kvd_attend_layout(p->g.q_heads, p->g.d, p->g.L);
+	const char *rec = slot_base(c, e) + i * lay.in;
 	struct unit *u = &xb->u[k];
 	struct kvd_attn_req *r = &xb->req[k];
 
+	/* xb holds PASS_UNITS units of the largest geometry a profile may
+	 * have (kvd_geom_check() at creation): a bigger one would spill into
+	 * the next unit's query or answer. */
+	if (NEVER(qb > xb->qb || cb > xb->cb || p->g.q_heads * sizeof(float) > xb->lb)) {
+		finish(s, c, -EINVAL, "profile geometry beyond the executor's buffers");
+		return -1;
+	}
 	/* The one read of this record's query and codes. */
-	memcpy((char *)xb->q + k * xb->qb, rec + 64, qb);
-	memcpy((char *)xb->qc + k * xb->cb, rec + 64 + KVD_ALIGN64(qb), cb);
+	memcpy((char *)xb->q + k * xb->qb, rec + lay.q_off, qb);
+	memcpy((char *)xb->qc + k * xb->cb, rec + lay.codes_off, cb);
 	u->c = c;
 	u->rec = i;
 	u->lv = kvd_store_view(q, e->layer);
@@ -404,7 +418,7 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		.lse = (float *)((char *)xb->lse + k * xb->lb),
 	};
 	*pool = kvd_store_pool(s->store, q);
-	*node = q->node;
+	*node = kvd_store_seq_node(q);
 	return 0;
 }
 
@@ -417,6 +431,10 @@ static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 	unsigned node = 0, k = 0;
 	uint64_t t0 = kvd_now_ns(), total = 0;
 
+	/* pick() takes at most PASS_UNITS clients and joiners() only drops
+	 * some: u[], req[] and the buffers have room for no more. */
+	if (NEVER(n > PASS_UNITS))
+		n = PASS_UNITS;
 	kvd_tier_begin(s->tier);
 	for (unsigned i = 0; i < n; i++)
 		if (unit_prepare(s, top[i], k, &pool, &node) == 0)
@@ -443,12 +461,11 @@ static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 			continue;
 		}
 		const struct kvd_geom *g = r->g;
-		size_t ob = (size_t)g->q_heads * g->d * sizeof(float);
-		char *out = (char *)shm_slot(&c->r, j->e.slot) + j->e.out_off +
-			    u->rec * kvd_attend_out_bytes(g->q_heads, g->d);
+		const struct kvd_attend_layout lay = kvd_attend_layout(g->q_heads, g->d, g->L);
+		char *out = (char *)shm_slot(&c->r, j->e.slot) + j->e.out_off + u->rec * lay.out;
 
-		memcpy(out, r->o, ob);
-		memcpy(out + KVD_ALIGN64(ob), r->lse, (size_t)g->q_heads * sizeof(float));
+		memcpy(out, r->o, (size_t)g->q_heads * g->d * sizeof(float));
+		memcpy(out + lay.lse_off, r->lse, (size_t)g->q_heads * sizeof(float));
 		kvd_metrics_attend(s->metrics, dt);
 		if (++j->next == j->e.nseq)
 			finish(s, c, 0, NULL);

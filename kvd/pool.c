@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "invariant.h"
 #include "pool.h"
 
 #define SPIN_ITERS 20000        /* ~20-50 us of pause before a worker sleeps */
@@ -80,12 +81,20 @@ static void *worker_main(void *arg)
 		struct job *j = p->head;
 		uint32_t t = j->next++;
 
-		if (j->next == j->ntasks) {
+		/* >=, not ==: should the invariant below ever break, the job
+		 * must still leave the list rather than hand out task indices
+		 * past its end forever. */
+		if (j->next >= j->ntasks) {
 			p->head = j->link;
 			if (!p->head)
 				p->tail = NULL;
 			atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
 		}
+		/* A listed job has a task left: none is queued empty and the
+		 * last claim takes it out.  A task past the end would index the
+		 * caller's per-task arrays out of bounds. */
+		if (NEVER(t >= j->ntasks))
+			continue;
 		kvd_pool_fn fn = j->fn;
 		void *fa = j->arg;
 		uint32_t ntasks = j->ntasks;

@@ -186,7 +186,7 @@ struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t
 {
 	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
 
-	return q && q->owner == c->id ? q : NULL;
+	return q && kvd_store_seq_owner(q) == c->id ? q : NULL;
 }
 
 /* Out of descriptors: stop polling the listener (it stays readable and would

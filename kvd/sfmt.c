@@ -348,24 +348,52 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
 
 /* ---- headers ------------------------------------------------------------ */
 
-void kvd_sfmt_hdr_init(struct kvd_sfmt_hdr *h, uint32_t kind, uint32_t index,
-		       uint64_t payload_bytes, uint64_t seq, uint64_t gen, uint64_t profile_fp,
-		       const struct kvd_geom *g, const char *tenant)
+uint64_t kvd_sfmt_ext_payload(const struct kvd_sfmt_file *f, const struct kvd_sfmt_ext *e)
 {
+	switch (e->kind) {
+	case KVD_SFMT_PROFILE:
+		return kvd_sfmt_profile_bytes(f->p);
+	case KVD_SFMT_LAYER:
+		return kvd_sfmt_layer_bytes(&f->p->g, e->n, !!(e->flags & KVD_SFMT_LF_MEAN));
+	case KVD_SFMT_SEG:
+		return kvd_seg_bytes(&f->p->g, e->n);
+	}
+	return 0;
+}
+
+void kvd_sfmt_hdr_fill(struct kvd_sfmt_hdr *h, const struct kvd_sfmt_file *f,
+		       const struct kvd_sfmt_ext *e)
+{
+	const struct kvd_geom *g = &f->p->g;
+
 	memset(h, 0, sizeof *h);
-	h->kind = kind;
-	h->index = index;
-	h->payload_bytes = payload_bytes;
-	h->seq = seq;
-	h->gen = gen;
-	h->profile_fp = profile_fp;
+	h->kind = e->kind;
+	h->index = e->index;
+	h->payload_bytes = kvd_sfmt_ext_payload(f, e);
+	h->seq = f->seq;
+	h->gen = f->gen;
+	h->profile_fp = f->profile_fp;
 	h->kv_heads = g->kv_heads;
 	h->d = g->d;
 	h->K = g->K;
 	h->L = g->L;
-	if (kind == KVD_SFMT_SEG && g->kv_dtype == KVD_KV_INT8)
-		h->flags = KVD_SFMT_SF_INT8;
-	snprintf(h->tenant, sizeof h->tenant, "%s", tenant);
+	switch (e->kind) {
+	case KVD_SFMT_LAYER:
+	case KVD_SFMT_SEG:
+		h->layer = e->layer;
+		h->n = e->n;
+		h->tok_begin = e->tok_begin;
+		h->tok_end = e->tok_begin + e->n;
+		if (e->kind == KVD_SFMT_LAYER)
+			h->flags = e->flags;
+		else if (g->kv_dtype == KVD_KV_INT8)
+			h->flags = KVD_SFMT_SF_INT8;
+		break;
+	case KVD_SFMT_END:
+		h->n = e->index;        /* the extents before it */
+		break;
+	}
+	snprintf(h->tenant, sizeof h->tenant, "%s", f->tenant);
 }
 
 void kvd_sfmt_seal(struct kvd_sfmt_hdr *h, const void *payload)

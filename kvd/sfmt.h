@@ -54,7 +54,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "attn.h"
+#include "seg.h"
 #include "store.h"
 
 #define KVD_SFMT_PAGE 4096u
@@ -147,20 +147,47 @@ uint64_t kvd_sfmt_layer_bytes(const struct kvd_geom *g, uint32_t n, int mean);
 void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *payload,
 			  float **m, uint16_t **k, uint16_t **v, uint16_t **codes);
 
-/* Starts a header: zeroes it and fills what every extent of one file shares
- * (seq, gen, profile_fp, geometry, tenant) plus kind, index and
- * payload_bytes, and a SEG's dtype flag from g->kv_dtype.  The caller adds
- * layer, tokens, n and LAYER flags. */
-void kvd_sfmt_hdr_init(struct kvd_sfmt_hdr *h, uint32_t kind, uint32_t index,
-		       uint64_t payload_bytes, uint64_t seq, uint64_t gen, uint64_t profile_fp,
-		       const struct kvd_geom *g, const char *tenant);
+/* The extent writer: the one place a header is filled, so the writers of
+ * files (kvd/tier.c, bench/spill.c, the tests) cannot disagree on which
+ * fields a kind carries.
+ *
+ * kvd_sfmt_file: what every extent of one file shares.  profile_fp is
+ * kvd_sfmt_profile_fp(p), passed in because it hashes W (once per file,
+ * not per extent).  kvd_sfmt_ext: what differs per extent; tok_end is
+ * always tok_begin + n, an END's n is its index, a SEG's flags come from
+ * p->g.kv_dtype and only a LAYER takes `flags` (KVD_SFMT_LF_*). */
+struct kvd_sfmt_file {
+	const struct kvd_profile *p;
+	uint64_t seq, gen, profile_fp;
+	const char *tenant;
+};
+
+struct kvd_sfmt_ext {
+	uint32_t kind;                  /* enum kvd_sfmt_kind */
+	uint32_t index;                 /* position in the file */
+	uint32_t layer;                 /* LAYER, SEG */
+	uint32_t n;                     /* LAYER: tail rows; SEG: tokens */
+	uint32_t flags;                 /* LAYER: KVD_SFMT_LF_* */
+	uint64_t tok_begin;             /* LAYER, SEG */
+};
+
+/* payload_bytes of extent e: the PROFILE payload of f->p, a LAYER of n
+ * tail rows (with the mean when KVD_SFMT_LF_MEAN), a SEG of n tokens, or 0
+ * for END.  Size the extent's buffer with kvd_sfmt_extent_bytes() of it. */
+uint64_t kvd_sfmt_ext_payload(const struct kvd_sfmt_file *f, const struct kvd_sfmt_ext *e);
+
+/* Zeroes *h and fills every field of extent e of file f except magic,
+ * version, extent_bytes and the CRCs, which kvd_sfmt_seal adds once the
+ * payload is in place (the spill engine seals each WRITE extent itself, on
+ * its own thread, so writers that go through it do not). */
+void kvd_sfmt_hdr_fill(struct kvd_sfmt_hdr *h, const struct kvd_sfmt_file *f,
+		       const struct kvd_sfmt_ext *e);
 
 /* The kv_dtype a checked header's payload is laid out for: a SEG's flag;
  * bf16 for every other kind. */
 uint32_t kvd_sfmt_seg_dtype(const struct kvd_sfmt_hdr *h);
 
-/* Completes a header the caller filled (kind, payload_bytes, seq, gen,
- * profile_fp, index, layer, tokens, geometry, n, flags, tenant): writes
+/* Completes a header kvd_sfmt_hdr_fill (or a test, by hand) filled: writes
  * magic, version, extent_bytes, crc over `payload`, then hdr_crc. */
 void kvd_sfmt_seal(struct kvd_sfmt_hdr *h, const void *payload);
 

@@ -10,7 +10,7 @@
 #include "mem.h"
 #include "pool.h"
 #include "rng.h"
-#include "store.h"
+#include "store_int.h"
 
 #define SEQ_BUCKETS 4096        /* chains stay short for thousands of sequences */
 #define PROF_BUCKETS 1024
@@ -181,9 +181,9 @@ static void layer_free(const struct kvd_profile *p, struct kvd_layer_state *l)
 		kvd_seg_free(l->seg[i]);
 	free(l->seg);
 	free(l->mean);
-	rows_free(p, l->sk, l->sv, l->sc, l->scap);
-	if (l->tk)
-		rows_free(p, l->tk, l->tv, l->tc, p->seal_tokens);
+	rows_free(p, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap);
+	if (l->tail_k)
+		rows_free(p, l->tail_k, l->tail_v, l->tail_codes, p->seal_tokens);
 	memset(l, 0, sizeof *l);
 }
 
@@ -796,11 +796,11 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 			uint32_t need)
 {
 	const struct kvd_profile *p = q->p;
-	uint32_t cap = staging_cap(s, p, l->scap, need);
+	uint32_t cap = staging_cap(s, p, l->stage_cap, need);
 	uint16_t *nk, *nv, *nc;
 	int rc;
 
-	if (need <= l->scap)
+	if (need <= l->stage_cap)
 		return 0;
 	if ((rc = take(s, q, rows_bytes(p, cap), 0)))
 		return rc;
@@ -808,24 +808,24 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 		give(s, q, rows_bytes(p, cap));
 		return -ENOMEM;
 	}
-	if (l->sn)
-		put_rows_on(s->pool[q->node], p, nk, nv, nc, cap, 0, l->sk, l->sv, l->sc, l->scap,
-			    0, l->sn);
-	rows_free(p, l->sk, l->sv, l->sc, l->scap);
-	give(s, q, rows_bytes(p, l->scap));
-	l->sk = nk;
-	l->sv = nv;
-	l->sc = nc;
-	l->scap = cap;
+	if (l->stage_n)
+		put_rows_on(s->pool[q->node], p, nk, nv, nc, cap, 0, l->stage_k, l->stage_v,
+			    l->stage_codes, l->stage_cap, 0, l->stage_n);
+	rows_free(p, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap);
+	give(s, q, rows_bytes(p, l->stage_cap));
+	l->stage_k = nk;
+	l->stage_v = nv;
+	l->stage_codes = nc;
+	l->stage_cap = cap;
 	return 0;
 }
 
 static void drop_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
 {
-	rows_free(q->p, l->sk, l->sv, l->sc, l->scap);
-	give(s, q, rows_bytes(q->p, l->scap));
-	l->sk = l->sv = l->sc = NULL;
-	l->scap = l->sn = 0;
+	rows_free(q->p, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap);
+	give(s, q, rows_bytes(q->p, l->stage_cap));
+	l->stage_k = l->stage_v = l->stage_codes = NULL;
+	l->stage_cap = l->stage_n = 0;
 }
 
 static int prefill(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l, int last,
@@ -838,23 +838,23 @@ static int prefill(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_sta
 	while (done < n) {
 		uint32_t cnt = n - done;
 
-		if (cnt > p->seg_tokens - l->sn)
-			cnt = p->seg_tokens - l->sn;
-		if ((rc = grow_staging(s, q, l, l->sn + cnt)))
+		if (cnt > p->seg_tokens - l->stage_n)
+			cnt = p->seg_tokens - l->stage_n;
+		if ((rc = grow_staging(s, q, l, l->stage_n + cnt)))
 			return rc;
-		put_rows_on(s->pool[q->node], p, l->sk, l->sv, l->sc, l->scap, l->sn, k, v, c, n,
-			    done, cnt);
-		l->sn += cnt;
+		put_rows_on(s->pool[q->node], p, l->stage_k, l->stage_v, l->stage_codes,
+			    l->stage_cap, l->stage_n, k, v, c, n, done, cnt);
+		l->stage_n += cnt;
 		done += cnt;
 		l->tokens += cnt;
-		if (l->sn == p->seg_tokens) {
-			if ((rc = seal(s, q, l, l->sk, l->sv, l->sc, l->scap, l->sn)))
+		if (l->stage_n == p->seg_tokens) {
+			if ((rc = seal(s, q, l, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap, l->stage_n)))
 				return rc;
-			l->sn = 0;
+			l->stage_n = 0;
 		}
 	}
 	if (last) {
-		if ((rc = seal(s, q, l, l->sk, l->sv, l->sc, l->scap, l->sn)))
+		if ((rc = seal(s, q, l, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap, l->stage_n)))
 			return rc;
 		drop_staging(s, q, l);
 		l->sealed = 1;
@@ -869,25 +869,25 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	uint32_t cap = p->seal_tokens, done = 0;
 	int rc;
 
-	if (!l->tk) {
+	if (!l->tail_k) {
 		if ((rc = take(s, q, rows_bytes(p, cap), 0)))
 			return rc;
-		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, cap, s->mem[q->node])) {
+		if (rows_alloc(p, &l->tail_k, &l->tail_v, &l->tail_codes, cap, s->mem[q->node])) {
 			give(s, q, rows_bytes(p, cap));
 			return -ENOMEM;
 		}
 	}
 	while (done < n) {
-		uint32_t cnt = n - done < cap - l->tn ? n - done : cap - l->tn;
+		uint32_t cnt = n - done < cap - l->tail_n ? n - done : cap - l->tail_n;
 
-		put_rows(p, l->tk, l->tv, l->tc, cap, l->tn, k, v, c, n, done, cnt);
-		l->tn += cnt;
+		put_rows(p, l->tail_k, l->tail_v, l->tail_codes, cap, l->tail_n, k, v, c, n, done, cnt);
+		l->tail_n += cnt;
 		done += cnt;
 		l->tokens += cnt;
-		if (l->tn == cap) {
-			if ((rc = seal(s, q, l, l->tk, l->tv, l->tc, cap, cap)))
+		if (l->tail_n == cap) {
+			if ((rc = seal(s, q, l, l->tail_k, l->tail_v, l->tail_codes, cap, cap)))
 				return rc;
-			l->tn = 0;
+			l->tail_n = 0;
 		}
 	}
 	return 0;
@@ -921,9 +921,9 @@ static uint64_t rows_peak(const struct kvd_store *s, const struct kvd_seqn *q,
 	uint32_t nseg = l->nseg, segcap = l->segcap, done = 0;
 
 	if (is_append) {
-		uint32_t tn = l->tn, cap = p->seal_tokens;
+		uint32_t tn = l->tail_n, cap = p->seal_tokens;
 
-		if (!l->tk)
+		if (!l->tail_k)
 			peak = cur += rows_bytes(p, cap);
 		while (done < n) {
 			uint32_t cnt = n - done < cap - tn ? n - done : cap - tn;
@@ -937,7 +937,7 @@ static uint64_t rows_peak(const struct kvd_store *s, const struct kvd_seqn *q,
 		}
 		return peak;
 	}
-	uint32_t sn = l->sn, scap = l->scap;
+	uint32_t sn = l->stage_n, scap = l->stage_cap;
 
 	while (done < n || sn == p->seg_tokens) {
 		uint32_t cnt = n - done < p->seg_tokens - sn ? n - done : p->seg_tokens - sn;
@@ -1077,7 +1077,7 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 	const struct kvd_profile *p = q->p;
 	struct kvd_layer_state *l = &q->ly[layer];
 
-	if (layer >= p->layers || tn > p->seal_tokens || (tn && !sealed) || l->mean || l->tk ||
+	if (layer >= p->layers || tn > p->seal_tokens || (tn && !sealed) || l->mean || l->tail_k ||
 	    l->nseg)
 		return -EINVAL;
 	if (mean) {
@@ -1092,13 +1092,13 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 	if (tn) {
 		if (take(s, q, rows_bytes(p, p->seal_tokens), 1))
 			return -ENOMEM;
-		if (rows_alloc(p, &l->tk, &l->tv, &l->tc, p->seal_tokens, s->mem[q->node])) {
+		if (rows_alloc(p, &l->tail_k, &l->tail_v, &l->tail_codes, p->seal_tokens, s->mem[q->node])) {
 			give(s, q, rows_bytes(p, p->seal_tokens));
 			return -ENOMEM;
 		}
-		put_rows(p, l->tk, l->tv, l->tc, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
+		put_rows(p, l->tail_k, l->tail_v, l->tail_codes, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
 	}
-	l->tn = tn;
+	l->tail_n = tn;
 	l->sealed = sealed;
 	l->tokens = tokens;
 	return 0;
@@ -1119,7 +1119,7 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 int kvd_store_spillable(const struct kvd_seqn *q)
 {
 	for (uint32_t i = 0; i < q->p->layers; i++)
-		if (q->ly[i].scap)      /* staging exists from a layer's first PREFILL to its LAST */
+		if (q->ly[i].stage_cap) /* staging exists from a layer's first PREFILL to its LAST */
 			return 0;
 	return 1;
 }
@@ -1130,8 +1130,96 @@ struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer)
 
 	return (struct kvd_layer_view){
 		.seg = (const struct kvd_seg *const *)l->seg, .nseg = l->nseg,
-		.tail_k = l->tk, .tail_v = l->tv, .tail_n = l->tn, .tail_cap = q->p->seal_tokens,
+		.tail_k = l->tail_k, .tail_v = l->tail_v, .tail_n = l->tail_n,
+		.tail_cap = q->p->seal_tokens,
 	};
+}
+
+int kvd_store_attend_ready(const struct kvd_seqn *q, uint32_t layer)
+{
+	const struct kvd_layer_state *l = &q->ly[layer];
+
+	return l->mean && !l->sealed ? -EBUSY : 0;
+}
+
+uint64_t kvd_store_seq_id(const struct kvd_seqn *q)
+{
+	return q->id;
+}
+
+uint64_t kvd_store_seq_owner(const struct kvd_seqn *q)
+{
+	return q->owner;
+}
+
+uint32_t kvd_store_seq_uid(const struct kvd_seqn *q)
+{
+	return q->uid;
+}
+
+const char *kvd_store_seq_tenant(const struct kvd_seqn *q)
+{
+	return q->tenant;
+}
+
+const struct kvd_profile *kvd_store_seq_profile(const struct kvd_seqn *q)
+{
+	return q->p;
+}
+
+size_t kvd_store_seq_bytes(const struct kvd_seqn *q)
+{
+	return q->bytes;
+}
+
+uint64_t kvd_store_seq_gen(const struct kvd_seqn *q)
+{
+	return q->gen;
+}
+
+enum kvd_seq_state kvd_store_seq_state(const struct kvd_seqn *q)
+{
+	return (enum kvd_seq_state)q->state;
+}
+
+uint32_t kvd_store_seq_ready_layers(const struct kvd_seqn *q)
+{
+	switch (q->state) {
+	case KVD_SEQ_RAM:
+	case KVD_SEQ_SPILLING:
+		return q->p->layers;
+	case KVD_SEQ_RESTORING:
+		return q->ready;
+	}
+	return 0;
+}
+
+uint32_t kvd_store_seq_node(const struct kvd_seqn *q)
+{
+	return q->node;
+}
+
+int kvd_store_seq_claim(struct kvd_seqn *q, uint64_t owner)
+{
+	if (q->owner && q->owner != owner)
+		return -EBUSY;
+	q->owner = owner;
+	return 0;
+}
+
+const float *kvd_store_layer_mean(const struct kvd_seqn *q, uint32_t layer)
+{
+	return q->ly[layer].mean;
+}
+
+uint64_t kvd_store_layer_tokens(const struct kvd_seqn *q, uint32_t layer)
+{
+	return q->ly[layer].tokens;
+}
+
+const uint16_t *kvd_store_layer_tail_codes(const struct kvd_seqn *q, uint32_t layer)
+{
+	return q->ly[layer].tail_codes;
 }
 
 void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st)

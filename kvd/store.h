@@ -59,20 +59,6 @@ struct kvd_profile {
 	struct kvd_logp_tab *tab;
 };
 
-struct kvd_layer_state {
-	float *mean;                    /* [kv][d], NULL until the first PREFILL */
-	struct kvd_seg **seg;
-	uint32_t nseg, segcap;
-	int sealed;                     /* prefill finished (KVD_RF_LAST seen) */
-	/* prefill staging: rows of the next segment, [kv][cap][d] / [kv][L][cap] */
-	uint16_t *sk, *sv, *sc;
-	uint32_t sn, scap;
-	/* tail: [kv][seal_tokens][d] / [kv][L][seal_tokens] */
-	uint16_t *tk, *tv, *tc;
-	uint32_t tn;
-	uint64_t tokens;                /* tokens kvd holds for this layer */
-};
-
 /* Where a sequence's data is (kvd/tier.c moves it). */
 enum kvd_seq_state {
 	KVD_SEQ_RAM = 0,                /* all resident */
@@ -82,24 +68,11 @@ enum kvd_seq_state {
 	KVD_SEQ_LOST,                   /* a restore failed: every use fails -KVD_ELOST */
 };
 
-struct kvd_seqn {
-	uint64_t id;
-	uint64_t owner;                 /* client id */
-	uint32_t uid;                   /* charged for it (the number before ':' in tenant) */
-	char tenant[KVD_NAME_MAX + 1];
-	const struct kvd_profile *p;
-	struct kvd_layer_state *ly;     /* [layers] */
-	size_t bytes;                   /* resident: segments and their tables, staging,
-					 * tail, means (0 on disk) */
-	size_t fixed;                   /* the struct and its layer array: charged, and
-					 * kept when dropped, but not in bytes */
-	uint64_t gen;                   /* bumped by every change to the data */
-	uint8_t state;                  /* enum kvd_seq_state */
-	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
-	uint32_t node;                  /* NUMA node (index into the store's nodes) */
-	void *tier;                     /* kvd_tier's record, or NULL */
-	struct kvd_seqn *next;          /* hash chain */
-};
+/* A sequence.  Its fields are the store's (and the tier's, kvd/tier.c,
+ * which moves its data): kvd/store_int.h.  Everyone else reads it through
+ * the kvd_store_seq_* functions below, so every rule about a sequence's
+ * state lives here. */
+struct kvd_seqn;
 
 struct kvd_store;
 
@@ -221,6 +194,38 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 
 /* kvd's part of one layer for one sequence, for kvd_attn_layer(). */
 struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer);
+
+/* Whether layer (< the profile's layers) of q can be attended: -EBUSY while
+ * its prefill is under way (a mean came, KVD_RF_LAST has not), because the
+ * rows staged for the segment being filled are in no view and an answer
+ * would silently leave them out; 0 otherwise.  Residency is the tier's
+ * question (kvd_tier_want), asked first. */
+int kvd_store_attend_ready(const struct kvd_seqn *q, uint32_t layer);
+
+/* A sequence's identity and state, read-only.  ready_layers: how many
+ * layers, from 0, can be used now (all when resident, those restored so
+ * far while RESTORING, none on disk or lost). */
+uint64_t kvd_store_seq_id(const struct kvd_seqn *q);
+uint64_t kvd_store_seq_owner(const struct kvd_seqn *q);
+uint32_t kvd_store_seq_uid(const struct kvd_seqn *q);
+const char *kvd_store_seq_tenant(const struct kvd_seqn *q);
+const struct kvd_profile *kvd_store_seq_profile(const struct kvd_seqn *q);
+size_t kvd_store_seq_bytes(const struct kvd_seqn *q);
+uint64_t kvd_store_seq_gen(const struct kvd_seqn *q);
+enum kvd_seq_state kvd_store_seq_state(const struct kvd_seqn *q);
+uint32_t kvd_store_seq_ready_layers(const struct kvd_seqn *q);
+uint32_t kvd_store_seq_node(const struct kvd_seqn *q);
+/* Gives q to client `owner` (SEQ_OPEN): 0, or -EBUSY when another client
+ * owns it.  A sequence whose owner left (owner 0) can be taken. */
+int kvd_store_seq_claim(struct kvd_seqn *q, uint64_t owner);
+
+/* One layer's parts, read-only, valid until q next changes: the centering
+ * mean ([kv][d], NULL before the first PREFILL), the tokens kvd holds, and
+ * the tail's codes ([kv][L][seal_tokens], NULL without a tail; the tail's
+ * rows are in kvd_store_view). */
+const float *kvd_store_layer_mean(const struct kvd_seqn *q, uint32_t layer);
+uint64_t kvd_store_layer_tokens(const struct kvd_seqn *q, uint32_t layer);
+const uint16_t *kvd_store_layer_tail_codes(const struct kvd_seqn *q, uint32_t layer);
 
 struct kvd_store_stats {
 	uint32_t sequences, profiles;

@@ -10,6 +10,7 @@
 #include "err.h"
 #include "log.h"
 #include "metrics.h"
+#include "store_int.h"
 #include "tier.h"
 
 #define BACKOFF_NS (5ull * 1000000000ull)      /* after a failed write */
@@ -268,12 +269,6 @@ static int job_alloc(struct rec *r, unsigned n)
 
 /* ---- write-back --------------------------------------------------------- */
 
-static void hdr_init(struct kvd_sfmt_hdr *h, const struct kvd_seqn *q, uint64_t fp, uint32_t kind,
-		     uint32_t index, uint64_t payload)
-{
-	kvd_sfmt_hdr_init(h, kind, index, payload, q->id, q->gen, fp, &q->p->g, q->tenant);
-}
-
 static unsigned count_extents(const struct kvd_seqn *q)
 {
 	unsigned n = 2;                 /* PROFILE, END */
@@ -281,7 +276,7 @@ static unsigned count_extents(const struct kvd_seqn *q)
 	for (uint32_t i = 0; i < q->p->layers; i++) {
 		const struct kvd_layer_state *l = &q->ly[i];
 
-		if (l->mean || l->tn || l->nseg)
+		if (l->mean || l->tail_n || l->nseg)
 			n += 1 + l->nseg;
 	}
 	return n;
@@ -296,19 +291,21 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	struct kvd_seqn *q = r->q;
 	const struct kvd_profile *p = q->p;
 	const struct kvd_geom *g = &p->g;
-	uint64_t fp = kvd_sfmt_profile_fp(p);
+	const struct kvd_sfmt_file f = { .p = p, .seq = q->id, .gen = q->gen,
+					 .profile_fp = kvd_sfmt_profile_fp(p), .tenant = q->tenant };
 	unsigned n = count_extents(q), i = 0;
+	struct kvd_sfmt_ext e;
+
 	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)))
 		goto nomem;
 
-	uint64_t pb = kvd_sfmt_profile_bytes(p);
-
-	r->buf[i].bytes = kvd_sfmt_extent_bytes(pb);
+	e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PROFILE, .index = i };
+	r->buf[i].bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(&f, &e));
 	if (!(r->buf[i].p = page_alloc(r->buf[i].bytes)))
 		goto nomem;
 	r->mine[i] = 1;
 	memset(r->buf[i].p, 0, r->buf[i].bytes);
-	hdr_init(r->buf[i].p, q, fp, KVD_SFMT_PROFILE, i, pb);
+	kvd_sfmt_hdr_fill(r->buf[i].p, &f, &e);
 	kvd_sfmt_profile_put(p, (char *)r->buf[i].p + PAGE);
 	r->wext[i] = (struct ext){ .kind = KVD_SFMT_PROFILE, .bytes = r->buf[i].bytes };
 	i++;
@@ -316,38 +313,37 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	for (uint32_t ly = 0; ly < p->layers; ly++) {
 		const struct kvd_layer_state *l = &q->ly[ly];
 
-		if (!(l->mean || l->tn || l->nseg))
+		if (!(l->mean || l->tail_n || l->nseg))
 			continue;
-		uint64_t lb = kvd_sfmt_layer_bytes(g, l->tn, l->mean != NULL);
 		struct kvd_sfmt_hdr *h;
 		float *m;
 		uint16_t *k, *v, *c;
 
-		r->buf[i].bytes = kvd_sfmt_extent_bytes(lb);
+		e = (struct kvd_sfmt_ext){
+			.kind = KVD_SFMT_LAYER, .index = i, .layer = ly, .n = l->tail_n,
+			.flags = (l->mean ? KVD_SFMT_LF_MEAN : 0) | (l->sealed ? KVD_SFMT_LF_SEALED : 0),
+			.tok_begin = l->tokens - l->tail_n,
+		};
+		r->buf[i].bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(&f, &e));
 		if (!(r->buf[i].p = page_alloc(r->buf[i].bytes)))
 			goto nomem;
 		r->mine[i] = 1;
 		memset(r->buf[i].p, 0, r->buf[i].bytes);
 		h = r->buf[i].p;
-		hdr_init(h, q, fp, KVD_SFMT_LAYER, i, lb);
-		h->layer = ly;
-		h->n = l->tn;
-		h->flags = (l->mean ? KVD_SFMT_LF_MEAN : 0) | (l->sealed ? KVD_SFMT_LF_SEALED : 0);
-		h->tok_begin = l->tokens - l->tn;
-		h->tok_end = l->tokens;
-		kvd_sfmt_layer_parts(g, l->tn, l->mean != NULL, (char *)h + PAGE, &m, &k, &v, &c);
+		kvd_sfmt_hdr_fill(h, &f, &e);
+		kvd_sfmt_layer_parts(g, l->tail_n, l->mean != NULL, (char *)h + PAGE, &m, &k, &v, &c);
 		if (m)
 			memcpy(m, l->mean, (size_t)g->kv_heads * g->d * sizeof(float));
-		for (size_t hh = 0; hh < g->kv_heads && l->tn; hh++) {
-			size_t rowb = (size_t)l->tn * g->d * 2, cap = p->seal_tokens;
+		for (size_t hh = 0; hh < g->kv_heads && l->tail_n; hh++) {
+			size_t rowb = (size_t)l->tail_n * g->d * 2, cap = p->seal_tokens;
 
-			memcpy((char *)k + hh * rowb, l->tk + hh * cap * g->d, rowb);
-			memcpy((char *)v + hh * rowb, l->tv + hh * cap * g->d, rowb);
+			memcpy((char *)k + hh * rowb, l->tail_k + hh * cap * g->d, rowb);
+			memcpy((char *)v + hh * rowb, l->tail_v + hh * cap * g->d, rowb);
 			for (size_t tb = 0; tb < g->L; tb++)
-				memcpy(c + (hh * g->L + tb) * l->tn, l->tc + (hh * g->L + tb) * cap,
-				       (size_t)l->tn * 2);
+				memcpy(c + (hh * g->L + tb) * l->tail_n, l->tail_codes + (hh * g->L + tb) * cap,
+				       (size_t)l->tail_n * 2);
 		}
-		r->wext[i] = (struct ext){ KVD_SFMT_LAYER, ly, l->tn, h->flags, r->buf[i].bytes,
+		r->wext[i] = (struct ext){ KVD_SFMT_LAYER, ly, l->tail_n, h->flags, r->buf[i].bytes,
 					   h->tok_begin, h->tok_end };
 		i++;
 
@@ -359,11 +355,10 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 			r->buf[i].p = sg->io;
 			r->buf[i].bytes = sg->bytes;
 			h = sg->io;
-			hdr_init(h, q, fp, KVD_SFMT_SEG, i, kvd_seg_bytes(g, sg->n));
-			h->layer = ly;
-			h->n = sg->n;
-			h->tok_begin = tok;
-			h->tok_end = tok += sg->n;
+			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_SEG, .index = i, .layer = ly,
+						   .n = sg->n, .tok_begin = tok };
+			kvd_sfmt_hdr_fill(h, &f, &e);
+			tok += sg->n;
 			r->wext[i] = (struct ext){ KVD_SFMT_SEG, ly, sg->n, 0, sg->bytes, h->tok_begin,
 						   h->tok_end };
 			i++;
@@ -374,8 +369,8 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 		goto nomem;
 	r->mine[i] = 1;
 	memset(r->buf[i].p, 0, PAGE);
-	hdr_init(r->buf[i].p, q, fp, KVD_SFMT_END, i, 0);
-	((struct kvd_sfmt_hdr *)r->buf[i].p)->n = i;
+	e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_END, .index = i };
+	kvd_sfmt_hdr_fill(r->buf[i].p, &f, &e);
 	r->wext[i] = (struct ext){ .kind = KVD_SFMT_END, .n = i, .bytes = PAGE };
 	i++;
 

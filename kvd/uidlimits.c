@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "invariant.h"
 #include "uidlimits.h"
 
 #define UID_BUCKETS 256         /* uids with usage are bounded by connections */
@@ -183,7 +184,12 @@ void kvd_limits_uncharge(struct kvd_limits *l, uint32_t uid, enum kvd_res r, uin
 	if (n > e->u.n[r])
 		n = e->u.n[r];
 	e->u.n[r] -= n;
-	l->total.n[r] -= n < l->total.n[r] ? n : l->total.n[r];
+	/* The total is the sum over the uids, so it holds at least this
+	 * uid's part: less means our own accounting broke, and a wrapped
+	 * total would refuse every uid from then on. */
+	if (NEVER(n > l->total.n[r]))
+		n = l->total.n[r];
+	l->total.n[r] -= n;
 	put_if_idle(l, e);
 }
 

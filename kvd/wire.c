@@ -81,8 +81,8 @@ int kvd_wire_payload(const struct kvd_sqe *e, const struct kvd_profile *p,
 		return 0;
 	}
 	case KVD_OP_ATTEND: {
-		uint64_t in = (uint64_t)e->nseq * kvd_attend_in_bytes(Hq, d, L);
-		uint64_t out = (uint64_t)e->nseq * kvd_attend_out_bytes(Hq, d);
+		struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, L);
+		uint64_t in = kvd_sat_mul(e->nseq, lay.in), out = kvd_sat_mul(e->nseq, lay.out);
 
 		if (e->layer >= p->layers)
 			FAIL(-ERANGE, "layer %u out of range (%u layers)", e->layer, p->layers);

@@ -20,8 +20,8 @@
 
 struct kvd_profile;
 
-#define KVD_WIRE_MAX_NSEQ 4096          /* sequences in one ATTEND batch */
-#define KVD_WIRE_MAX_NTOK 65536         /* tokens in one PREFILL/APPEND */
+/* The ABI limits KVD_WIRE_MAX_NSEQ and KVD_WIRE_MAX_NTOK and the payload
+ * layouts checked here are proto/kvd_ring.h's. */
 
 int kvd_wire_sqe(const void *entry, uint32_t nslots, uint64_t slot_size,
 		 struct kvd_sqe *out, char *msg, size_t msglen);

@@ -14,6 +14,7 @@
 #define KVD_PROTO_RING_H
 
 #include <assert.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define KVD_RING_ENTRY 64
@@ -47,6 +48,10 @@ struct kvd_sqe {
 	uint32_t _reserved[4];  /* must be zero */
 };
 static_assert(sizeof(struct kvd_sqe) == KVD_RING_ENTRY, "sqe size");
+static_assert(offsetof(struct kvd_sqe, slot) == 4 && offsetof(struct kvd_sqe, user_data) == 8 &&
+	      offsetof(struct kvd_sqe, seq) == 16 && offsetof(struct kvd_sqe, off) == 24 &&
+	      offsetof(struct kvd_sqe, ntok) == 32 && offsetof(struct kvd_sqe, out_off) == 40 &&
+	      offsetof(struct kvd_sqe, _reserved) == 48, "sqe layout");
 
 struct kvd_cqe {
 	uint64_t user_data;
@@ -55,6 +60,8 @@ struct kvd_cqe {
 	char msg[48];           /* NUL-terminated reason when res < 0 */
 };
 static_assert(sizeof(struct kvd_cqe) == KVD_RING_ENTRY, "cqe size");
+static_assert(offsetof(struct kvd_cqe, res) == 8 && offsetof(struct kvd_cqe, msg) == 16,
+	      "cqe layout");
 
 /* PREFILL / APPEND payload, for a profile with kv heads H, head_dim d,
  * L tables, ntok tokens; every part starts 64-byte aligned from `off`:
@@ -78,22 +85,123 @@ static_assert(sizeof(struct kvd_cqe) == KVD_RING_ENTRY, "cqe size");
  */
 #define KVD_ALIGN64(x) (((x) + 63u) & ~(uint64_t)63u)
 
+/* ABI limits: kvd refuses an entry beyond them (kvd/wire.c), so a client
+ * never cuts a batch or a chunk larger. */
+#define KVD_WIRE_MAX_NSEQ 4096          /* sequences in one ATTEND batch */
+#define KVD_WIRE_MAX_NTOK 65536         /* tokens in one PREFILL/APPEND */
+
+/* The layout functions below are the only place these offsets are computed,
+ * for kvd and every client alike.  They are pure and saturate: a size that
+ * does not fit 64 bits comes out as UINT64_MAX, larger than any slot, so a
+ * check against the slot refuses it instead of seeing a wrapped value. */
+static inline uint64_t kvd_sat_mul(uint64_t a, uint64_t b)
+{
+	return b && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+static inline uint64_t kvd_sat_add(uint64_t a, uint64_t b)
+{
+	return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+
+static inline uint64_t kvd_sat_align64(uint64_t x)
+{
+	return x > UINT64_MAX - 63 ? UINT64_MAX : KVD_ALIGN64(x);
+}
+
+/* One PREFILL/APPEND payload: offsets from `off` (the mean, when sent, is
+ * at 0) and the exact length kvd expects. */
+struct kvd_rows_layout {
+	uint64_t k, v, codes;
+	uint64_t bytes;
+};
+
+static inline struct kvd_rows_layout kvd_rows_layout(uint32_t H, uint32_t d, uint32_t L,
+						     uint32_t ntok, int mean)
+{
+	uint64_t m = mean ? kvd_sat_align64(kvd_sat_mul((uint64_t)H * d, 4)) : 0;
+	uint64_t rows = kvd_sat_align64(kvd_sat_mul((uint64_t)H * ntok, (uint64_t)d * 2));
+	uint64_t codes = kvd_sat_align64(kvd_sat_mul((uint64_t)H * L, (uint64_t)ntok * 2));
+	struct kvd_rows_layout lay;
+
+	lay.k = m;
+	lay.v = kvd_sat_add(lay.k, rows);
+	lay.codes = kvd_sat_add(lay.v, rows);
+	lay.bytes = kvd_sat_add(lay.codes, codes);
+	return lay;
+}
+
 static inline uint64_t kvd_rows_bytes(uint32_t H, uint32_t d, uint32_t L, uint32_t ntok, int mean)
 {
-	uint64_t m = mean ? KVD_ALIGN64((uint64_t)H * d * 4) : 0;
-	uint64_t rows = KVD_ALIGN64((uint64_t)H * ntok * d * 2);
+	return kvd_rows_layout(H, d, L, ntok, mean).bytes;
+}
 
-	return m + 2 * rows + KVD_ALIGN64((uint64_t)H * L * ntok * 2);
+/* Most tokens of one PREFILL chunk (it carries the mean) that fit a slot
+ * of slot_size bytes, at most KVD_WIRE_MAX_NTOK; 0 when not even one. */
+static inline uint32_t kvd_rows_fit(uint32_t H, uint32_t d, uint32_t L, uint64_t slot_size)
+{
+	uint32_t lo = 0, hi = KVD_WIRE_MAX_NTOK;
+
+	while (lo < hi) {
+		uint32_t mid = (lo + hi + 1) / 2;
+
+		if (kvd_rows_bytes(H, d, L, mid, 1) <= slot_size)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
+/* One ATTEND record (the record header at 0) and one output entry (o at
+ * 0), for a profile of Hq q heads.  Both sizes are multiples of 64, so
+ * record i is at i * in and output i at out_off + i * out. */
+#define KVD_ATTEND_HDR 64               /* a record's header: uint64 seq, then zeros */
+
+struct kvd_attend_layout {
+	uint64_t in, q_off, codes_off;  /* a record: its size, q, codes */
+	uint64_t out, lse_off;          /* an output entry: its size, lse */
+};
+
+static inline struct kvd_attend_layout kvd_attend_layout(uint32_t Hq, uint32_t d, uint32_t L)
+{
+	uint64_t qb = kvd_sat_align64(kvd_sat_mul((uint64_t)Hq * d, 4));
+	uint64_t cb = kvd_sat_align64(kvd_sat_mul((uint64_t)Hq * L, 2));
+	struct kvd_attend_layout lay;
+
+	lay.q_off = KVD_ATTEND_HDR;
+	lay.codes_off = kvd_sat_add(lay.q_off, qb);
+	lay.in = kvd_sat_add(lay.codes_off, cb);
+	lay.lse_off = qb;
+	lay.out = kvd_sat_add(lay.lse_off, KVD_ALIGN64((uint64_t)Hq * 4));
+	return lay;
 }
 
 static inline uint64_t kvd_attend_in_bytes(uint32_t Hq, uint32_t d, uint32_t L)
 {
-	return 64 + KVD_ALIGN64((uint64_t)Hq * d * 4) + KVD_ALIGN64((uint64_t)Hq * L * 2);
+	return kvd_attend_layout(Hq, d, L).in;
 }
 
 static inline uint64_t kvd_attend_out_bytes(uint32_t Hq, uint32_t d)
 {
-	return KVD_ALIGN64((uint64_t)Hq * d * 4) + KVD_ALIGN64((uint64_t)Hq * 4);
+	return kvd_attend_layout(Hq, d, 0).out;
+}
+
+/* Where a batch of nseq records puts its outputs: right after its input. */
+static inline uint64_t kvd_attend_out_off(const struct kvd_attend_layout *lay, uint32_t nseq)
+{
+	return kvd_sat_align64(kvd_sat_mul(nseq, lay->in));
+}
+
+/* Most records of one ATTEND, with their outputs, that fit a slot of
+ * slot_size bytes (in and out are multiples of 64, so this is exact), at
+ * most KVD_WIRE_MAX_NSEQ; 0 when not even one. */
+static inline uint32_t kvd_attend_fit(uint32_t Hq, uint32_t d, uint32_t L, uint64_t slot_size)
+{
+	struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, L);
+	uint64_t per = slot_size / kvd_sat_add(lay.in, lay.out);
+
+	return per > KVD_WIRE_MAX_NSEQ ? KVD_WIRE_MAX_NSEQ : (uint32_t)per;
 }
 
 #endif

@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "invariant.h"
 #include "shm.h"
 
 #define PAGE            4096u
@@ -201,7 +202,10 @@ static void ring_init(struct shm_ring *r, char *base, uint64_t off,
 	r->local = 0;
 	r->peer = 0;
 	r->pending = 0;
-	r->broken = 0;
+	/* Only a geometry layout() or hdr_ok() passed gets here, and the
+	 * index masking is right only for a power of two: anything else
+	 * would reach outside the entries, so such a ring reads as broken. */
+	r->broken = NEVER(!is_pow2(entries) || !esize);
 }
 
 static void region_init(struct shm_region *r, void *mem, const struct shm_hdr *h)
@@ -332,6 +336,13 @@ int shm_ring_ready(struct shm_ring *r)
 
 	if (r->broken)
 		return -EPROTO;
+	/* peer is process-local and was checked against the ring's size when
+	 * read; release() never passes it.  A larger count would hand out
+	 * entries the producer has not written (or is rewriting). */
+	if (NEVER(n > r->mask + 1)) {
+		r->broken = 1;
+		return -EPROTO;
+	}
 	if (n)
 		return (int)n;
 	/* A0: pairs with R0. */

@@ -26,6 +26,7 @@
 
 #include "attn.h"
 #include "bf16.h"
+#include "kvd_ring.h"
 #include "kvg_kern.h"
 #include "kvg_plan.h"
 #include "lsh.h"
@@ -380,10 +381,9 @@ static void test_dense_split_attention(void **state)
 static void test_merge(void **state)
 {
 	const uint32_t nseq = 7, Hq = 32, d = 128;
-	struct kvg_attend_layout lay;
+	const struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, 150);
 	struct kvd_rng r = kvd_rng_make(41);
 
-	kvg_attend_layout(Hq, d, 150, &lay);
 	for (int kvd_only = 0; kvd_only < 2; kvd_only++) {
 		size_t rf = lay.out / 4, lf = lay.lse_off / 4;
 		float *o = xmalloc((size_t)nseq * Hq * d * 4), *lse = xmalloc((size_t)nseq * Hq * 4);

@@ -1,5 +1,12 @@
-/* Starting and stopping a real kvd for integration tests (header-only).
- * The daemon is the build's own: <dir of this test>/../kvd. */
+/* Starting and stopping the build's own kvd: the one harness of the
+ * integration tests and of kvbench (bench/serve.c, bench/load.c), so the
+ * benchmarks measure a daemon started exactly as the tests start it.
+ * Header-only (static), so neither side links anything for it.
+ *
+ * The daemon runs in a temporary directory of its own (its socket, and a
+ * configuration file when the caller writes one there), in the foreground,
+ * dies with the thread that started it, and is stopped with SIGTERM.
+ */
 #ifndef KVD_TEST_DAEMON_H
 #define KVD_TEST_DAEMON_H
 
@@ -29,35 +36,55 @@ static inline void daemon_sleep_ms(int ms)
 	nanosleep(&ts, NULL);
 }
 
-/* Starts build/kvd with up to four extra arguments (NULL ends them); they
- * come after the defaults, so they override them. */
-static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2,
-				const char *a3, const char *a4)
+/* Makes d's run directory from tmpl (a mkdtemp() template) and names the
+ * socket in it; nothing runs yet. */
+static inline int daemon_mkdir(struct daemon *d, const char *tmpl)
 {
-	char exe[PATH_MAX], bin[PATH_MAX + 8];
+	d->pid = 0;
+	snprintf(d->dir, sizeof d->dir, "%s", tmpl);
+	if (!mkdtemp(d->dir))
+		return -1;
+	snprintf(d->sock, sizeof d->sock, "%s/kvd.sock", d->dir);
+	return 0;
+}
+
+/* Runs `kvd --foreground ARGS...` (args: NULL-terminated, at most 16), kvd
+ * being `rel` from the running program's directory (build/tests/test_x:
+ * "../kvd"; build/kvbench: "kvd"), and waits until its socket answers: 0,
+ * or -1 when it exited or did not answer within 10 s. */
+static inline int daemon_spawn(struct daemon *d, const char *rel, const char *const *args)
+{
+	char exe[PATH_MAX], bin[PATH_MAX + 16];
+	const char *argv[19] = { "kvd", "--foreground" };
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+	unsigned k = 2;
 
 	if (n <= 0)
 		return -1;
 	exe[n] = 0;
 	*strrchr(exe, '/') = 0;
-	snprintf(bin, sizeof bin, "%s/../kvd", exe);
-	snprintf(d->dir, sizeof d->dir, "/tmp/kvd-test.XXXXXX");
-	if (!mkdtemp(d->dir))
-		return -1;
-	snprintf(d->sock, sizeof d->sock, "%s/kvd.sock", d->dir);
+	snprintf(bin, sizeof bin, "%s/%s", exe, rel);
+	for (; args && *args && k < 18; args++)
+		argv[k++] = *args;
 	d->pid = fork();
+	if (d->pid < 0)
+		return -1;
 	if (d->pid == 0) {
-		/* A test that dies (an abort, a sanitizer report) takes its
-		 * daemon along: an orphan would hold the test's output pipe open
-		 * and hang whatever reads it. */
+		char pid[16];
+
+		/* Whoever started it dies (a test's abort, a sanitizer report,
+		 * kvbench interrupted): the daemon goes too.  An orphan would
+		 * hold the caller's output pipe open and hang whatever reads
+		 * it. */
 		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		/* No metrics endpoint unless a test asks (--metrics-listen
-		 * among the extras, which come later and win): daemons of
-		 * concurrent tests must not fight over the default port. */
-		execl(bin, "kvd", "--foreground", "--socket", d->sock, "--threads", "2",
-		      "--log-level", getenv("KVD_TEST_LOG") ? "debug" : "warning",
-		      "--metrics-listen", "", a1, a2, a3, a4, (char *)NULL);
+		/* A watchdog interval in the environment is for kvd: name its
+		 * pid, as systemd does. */
+		if (getenv("WATCHDOG_USEC")) {
+			snprintf(pid, sizeof pid, "%d", (int)getpid());
+			setenv("WATCHDOG_PID", pid, 1);
+		}
+		execv(bin, (char *const *)argv);
+		perror("exec kvd");
 		_exit(127);
 	}
 	for (int i = 0; i < 500; i++) {         /* up to 10 s, for sanitizer builds */
@@ -69,11 +96,31 @@ static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2
 		close(fd);
 		if (ok)
 			return 0;
-		if (waitpid(d->pid, NULL, WNOHANG) == d->pid)
+		if (waitpid(d->pid, NULL, WNOHANG) == d->pid) {
+			d->pid = 0;
 			return -1;
+		}
 		daemon_sleep_ms(20);
 	}
 	return -1;
+}
+
+/* The tests' daemon: build/kvd with up to four extra arguments (NULL ends
+ * them); they come after the defaults, so they override them. */
+static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2,
+				const char *a3, const char *a4)
+{
+	if (daemon_mkdir(d, "/tmp/kvd-test.XXXXXX"))
+		return -1;
+
+	/* No metrics endpoint unless a test asks (--metrics-listen among the
+	 * extras, which come later and win): daemons of concurrent tests
+	 * must not fight over the default port. */
+	const char *args[] = { "--socket", d->sock, "--threads", "2",
+			       "--log-level", getenv("KVD_TEST_LOG") ? "debug" : "warning",
+			       "--metrics-listen", "", a1, a2, a3, a4, NULL };
+
+	return daemon_spawn(d, "../kvd", args);
 }
 
 static inline int daemon_start(struct daemon *d, const char *extra_flag)
@@ -81,10 +128,12 @@ static inline int daemon_start(struct daemon *d, const char *extra_flag)
 	return daemon_start4(d, extra_flag, NULL, NULL, NULL);
 }
 
-/* SIGTERM and wait: returns the daemon's exit status (0 when it drained and
- * exited cleanly), or -1. */
+/* SIGTERM and wait; removes the run directory (and a kvd.conf written
+ * there).  Returns the daemon's exit status (0 when it drained and exited
+ * cleanly), or -1. */
 static inline int daemon_stop(struct daemon *d)
 {
+	char conf[sizeof d->dir + 16];
 	int st;
 
 	if (d->pid <= 0)
@@ -93,6 +142,8 @@ static inline int daemon_stop(struct daemon *d)
 	if (waitpid(d->pid, &st, 0) != d->pid)
 		return -1;
 	d->pid = 0;
+	snprintf(conf, sizeof conf, "%s/kvd.conf", d->dir);
+	unlink(conf);
 	rmdir(d->dir);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }

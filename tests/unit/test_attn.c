@@ -131,7 +131,7 @@ static void fix_make(struct layer_fix *f, enum kvd_wl kind, uint32_t n, uint32_t
 }
 
 /* Head h's rows as the kernels see them: bf16 widened, or int8 dequantized
- * exactly as documented in attn.h (the reference dequantizes the same way). */
+ * exactly as documented in seg.h (the reference dequantizes the same way). */
 static void seg_rows_f32(const struct kvd_seg *seg, uint32_t h, float *kf, float *vf)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];

@@ -134,15 +134,14 @@ static void test_chunks_and_slots(void **state)
 	for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
 		for (size_t j = 0; j < sizeof geo / sizeof geo[0]; j++) {
 			uint32_t H = geo[j][0], Hq = geo[j][1], d = geo[j][2], L = geo[j][3];
-			uint32_t ch = kvg_chunk_tokens(H, d, L, sizes[i]);
-			uint32_t per = kvg_attend_per_slot(Hq, d, L, sizes[i]);
-			struct kvg_attend_layout lay;
+			uint32_t ch = kvd_rows_fit(H, d, L, sizes[i]);
+			uint32_t per = kvd_attend_fit(Hq, d, L, sizes[i]);
+			struct kvd_attend_layout lay = kvd_attend_layout(Hq, d, L);
 
 			if (ch)
 				assert_true(kvd_rows_bytes(H, d, L, ch, 1) <= sizes[i]);
 			if (ch < 65536)
 				assert_true(kvd_rows_bytes(H, d, L, ch + 1, 1) > sizes[i]);
-			kvg_attend_layout(Hq, d, L, &lay);
 			assert_int_equal(lay.in, kvd_attend_in_bytes(Hq, d, L));
 			assert_int_equal(lay.out, kvd_attend_out_bytes(Hq, d));
 			assert_int_equal(lay.q_off % 64, 0);

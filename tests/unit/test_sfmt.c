@@ -835,6 +835,10 @@ static void test_versions(void **state)
 	struct kvd_seg *s8, *s16;
 	struct kvd_sfmt_hdr h, got;
 	char msg[256];
+	struct kvd_profile geo = { .g = g8 };      /* only its geometry counts */
+	const struct kvd_sfmt_file f = { .p = &geo, .seq = 1, .gen = 1, .profile_fp = 2,
+					 .tenant = "t" };
+	const struct kvd_sfmt_ext e = { .kind = KVD_SFMT_SEG, .index = 1, .layer = 1, .n = 100 };
 
 	g16.kv_dtype = KVD_KV_BF16;
 	seg_random(&g8, 100, 3, &s8);
@@ -842,10 +846,9 @@ static void test_versions(void **state)
 	assert_true(kvd_seg_bytes(&g8, 100) < kvd_seg_bytes(&g16, 100));
 
 	/* what kvd writes: version 2, the flag from the geometry */
-	kvd_sfmt_hdr_init(&h, KVD_SFMT_SEG, 1, kvd_seg_bytes(&g8, 100), 1, 1, 2, &g8, "t");
-	h.layer = 1;
-	h.n = 100;
-	h.tok_end = 100;
+	kvd_sfmt_hdr_fill(&h, &f, &e);
+	assert_int_equal(h.payload_bytes, kvd_seg_bytes(&g8, 100));
+	assert_int_equal(h.tok_end, 100);
 	assert_int_equal(h.flags, KVD_SFMT_SF_INT8);
 	seal_and_check(&h, s8->mem);
 	assert_int_equal(h.version, 2);
@@ -874,10 +877,9 @@ static void test_versions(void **state)
 	expect_hdr_fail(&bad, "version 0");
 
 	/* a version 1 bf16 SEG reads, as bf16 */
-	kvd_sfmt_hdr_init(&h, KVD_SFMT_SEG, 1, kvd_seg_bytes(&g16, 100), 1, 1, 2, &g16, "t");
-	h.layer = 1;
-	h.n = 100;
-	h.tok_end = 100;
+	geo.g = g16;
+	kvd_sfmt_hdr_fill(&h, &f, &e);
+	assert_int_equal(h.payload_bytes, kvd_seg_bytes(&g16, 100));
 	assert_int_equal(h.flags, 0);
 	kvd_sfmt_seal(&h, s16->mem);
 	h.version = 1;

@@ -59,20 +59,21 @@ static void *xalign(uint64_t bytes)
 	return p;
 }
 
-static struct kvd_sfmt_hdr *hdr_init(struct seqb *s, unsigned kind, uint64_t payload,
-				     unsigned layer)
+/* The next extent of s, its header filled (the spill engine seals it). */
+static struct kvd_sfmt_hdr *ext_new(struct seqb *s, struct kvd_sfmt_ext e)
 {
+	const struct kvd_sfmt_file f = { .p = &prof, .seq = s->seq, .gen = s->gen,
+					 .profile_fp = prof_fp, .tenant = "acme" };
 	unsigned i = s->n++;
-	uint64_t bytes = kvd_sfmt_extent_bytes(payload);
-	struct kvd_sfmt_hdr *h;
+	uint64_t bytes;
 
 	assert_true(i < MAXEXT);
+	e.index = i;
+	bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(&f, &e));
 	s->ext[i].bytes = bytes;
 	s->ext[i].p = xalign(bytes);
-	h = s->ext[i].p;
-	kvd_sfmt_hdr_init(h, kind, i, payload, s->seq, s->gen, prof_fp, &prof.g, "acme");
-	h->layer = layer;
-	return h;
+	kvd_sfmt_hdr_fill(s->ext[i].p, &f, &e);
+	return s->ext[i].p;
 }
 
 static void fill_random(void *p, uint64_t n, struct kvd_rng *r)
@@ -95,18 +96,16 @@ static void seq_make(struct seqb *s, uint64_t seq, uint64_t gen, unsigned layers
 	memset(s, 0, sizeof *s);
 	s->seq = seq;
 	s->gen = gen;
-	h = hdr_init(s, KVD_SFMT_PROFILE, kvd_sfmt_profile_bytes(&prof), 0);
+	h = ext_new(s, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PROFILE });
 	kvd_sfmt_profile_put(&prof, (char *)h + KVD_SFMT_PAGE);
 	for (unsigned l = 0; l < layers; l++) {
 		uint32_t tn = 17 + 13 * l + (uint32_t)(seed % 7);
-		uint64_t pb = kvd_sfmt_layer_bytes(g, tn, 1);
 
-		h = hdr_init(s, KVD_SFMT_LAYER, pb, l);
-		h->flags = KVD_SFMT_LF_MEAN | KVD_SFMT_LF_SEALED;
-		h->n = tn;
-		h->tok_begin = (uint64_t)segs * seg_n;
-		h->tok_end = h->tok_begin + tn;
-		fill_random((char *)h + KVD_SFMT_PAGE, pb, &r);
+		h = ext_new(s, (struct kvd_sfmt_ext){
+			.kind = KVD_SFMT_LAYER, .layer = l, .n = tn,
+			.flags = KVD_SFMT_LF_MEAN | KVD_SFMT_LF_SEALED,
+			.tok_begin = (uint64_t)segs * seg_n });
+		fill_random((char *)h + KVD_SFMT_PAGE, h->payload_bytes, &r);
 		for (unsigned k = 0; k < segs; k++) {
 			size_t rows = (size_t)g->kv_heads * seg_n * g->d;
 			size_t nc = (size_t)g->kv_heads * g->L * seg_n;
@@ -120,10 +119,9 @@ static void seq_make(struct seqb *s, uint64_t seq, uint64_t gen, unsigned layers
 			for (size_t i = 0; i < nc; i++)
 				cc[i] = (uint16_t)kvd_rng_below(&r, 1u << g->K);
 			assert_int_equal(kvd_seg_build(g, seg_n, kk, vv, cc, NULL, &sg), 0);
-			h = hdr_init(s, KVD_SFMT_SEG, kvd_seg_bytes(g, seg_n), l);
-			h->n = seg_n;
-			h->tok_begin = (uint64_t)k * seg_n;
-			h->tok_end = h->tok_begin + seg_n;
+			h = ext_new(s, (struct kvd_sfmt_ext){
+				.kind = KVD_SFMT_SEG, .layer = l, .n = seg_n,
+				.tok_begin = (uint64_t)k * seg_n });
 			memcpy((char *)h + KVD_SFMT_PAGE, sg->mem, kvd_seg_bytes(g, seg_n));
 			kvd_seg_free(sg);
 			free(kk);
@@ -131,8 +129,7 @@ static void seq_make(struct seqb *s, uint64_t seq, uint64_t gen, unsigned layers
 			free(cc);
 		}
 	}
-	h = hdr_init(s, KVD_SFMT_END, 0, 0);
-	h->n = s->n - 1;
+	ext_new(s, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_END });
 }
 
 /* PROFILE, `layers` LAYER extents of tn tail rows (about 10 MiB at 65536)
@@ -144,21 +141,17 @@ static void seq_make_big(struct seqb *s, uint64_t seq, unsigned layers, uint32_t
 	memset(s, 0, sizeof *s);
 	s->seq = seq;
 	s->gen = 1;
-	h = hdr_init(s, KVD_SFMT_PROFILE, kvd_sfmt_profile_bytes(&prof), 0);
+	h = ext_new(s, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PROFILE });
 	kvd_sfmt_profile_put(&prof, (char *)h + KVD_SFMT_PAGE);
 	for (unsigned l = 0; l < layers; l++) {
-		uint64_t pb = kvd_sfmt_layer_bytes(&prof.g, tn, 0);
 		uint64_t *w;
 
-		h = hdr_init(s, KVD_SFMT_LAYER, pb, l);
-		h->n = tn;
-		h->tok_end = tn;
+		h = ext_new(s, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_LAYER, .layer = l, .n = tn });
 		w = (uint64_t *)((char *)h + KVD_SFMT_PAGE);
-		for (uint64_t i = 0; i < pb / 8; i++)
+		for (uint64_t i = 0; i < h->payload_bytes / 8; i++)
 			w[i] = (i + l) * 0x9e3779b97f4a7c15ull;
 	}
-	h = hdr_init(s, KVD_SFMT_END, 0, 0);
-	h->n = s->n - 1;
+	ext_new(s, (struct kvd_sfmt_ext){ .kind = KVD_SFMT_END });
 }
 
 /* Buffers for reading s back, sized from its headers, full of junk. */

@@ -387,7 +387,7 @@ static void test_no_limits(void **state)
 	assert_ptr_equal(kvd_store_profile_by_id(s, p->id), p);
 	assert_ptr_equal(kvd_store_profile_by_name(s, "old"), p);
 	assert_int_equal(kvd_store_seq_create(s, p, "42:t", 7, &q), 0);
-	assert_int_equal(q->uid, 42);
+	assert_int_equal(kvd_store_seq_uid(q), 42);
 	assert_int_equal(kvd_store_tenant_uid("x:y"), 0);
 	assert_int_equal(kvd_store_tenant_uid("12"), 0);
 	assert_int_equal(prefill1(s, q, 1, msg, sizeof msg), 0);
@@ -395,7 +395,7 @@ static void test_no_limits(void **state)
 	assert_true(st.bytes > 0);
 	assert_true(st.fixed_bytes > 0);
 	kvd_store_seq_drop(s, q);
-	assert_int_equal(q->bytes, 0);
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
 	kvd_store_seq_free(s, q);
 	kvd_store_stats(s, &st);
 	assert_int_equal(st.bytes, 0);
@@ -556,7 +556,7 @@ static void test_prefill_staging_seals(void **state)
 	assert_int_equal(lv.tail_n, 0);
 	assert_int_equal(tokens_of(q), 100);
 	assert_int_equal(kvd_store_spillable(q), 0);
-	assert_true(q->bytes > 0);
+	assert_true(kvd_store_seq_bytes(q) > 0);
 	/* 500 more: segments at 256 and 512, 88 staged */
 	assert_int_equal(rows(s, q, 0, 0, 0, 0, 100, 500, msg, sizeof msg), 0);
 	lv = kvd_store_view(q, 0);
@@ -589,6 +589,45 @@ static void test_prefill_staging_seals(void **state)
 	kvd_limits_destroy(l);
 }
 
+/* A layer cannot be attended while its prefill is under way (its staged
+ * rows are in no view), from the first PREFILL to the LAST; before any rows
+ * and after the LAST, and through APPENDs, it can.  Layers are independent.
+ * A sequence belongs to the client that claimed it first. */
+static void test_attend_ready(void **state)
+{
+	struct kvd_store *s = store(NULL);
+	struct kvd_profile want = profile("p", 6);
+	const struct kvd_profile *p;
+	struct kvd_seqn *q;
+	char msg[256];
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_attend_ready(q, 0), 0);
+	assert_int_equal(rows(s, q, 0, 0, 0, 1, 0, 100, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_attend_ready(q, 0), -EBUSY);
+	assert_int_equal(kvd_store_attend_ready(q, 1), 0);
+	/* a full segment sealed mid-prefill does not make the layer ready */
+	assert_int_equal(rows(s, q, 0, 0, 0, 0, 100, 300, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_view(q, 0).nseg, 1);
+	assert_int_equal(kvd_store_attend_ready(q, 0), -EBUSY);
+	assert_int_equal(rows(s, q, 0, 0, 1, 0, 400, 10, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_attend_ready(q, 0), 0);
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 410, 5, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_attend_ready(q, 0), 0);
+
+	assert_int_equal(kvd_store_seq_owner(q), 1);
+	assert_int_equal(kvd_store_seq_claim(q, 2), -EBUSY);
+	assert_int_equal(kvd_store_seq_owner(q), 1);
+	assert_int_equal(kvd_store_seq_claim(q, 1), 0);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_ready_layers(q), LAYERS);
+
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	kvd_store_destroy(s);
+}
+
 /* APPEND fills the tail and seals it into a segment at seal_tokens (64
  * here), then starts over at the tail's row 0, also within one call. */
 static void test_append_tail_seals(void **state)
@@ -616,14 +655,14 @@ static void test_append_tail_seals(void **state)
 	lv = kvd_store_view(q, 1);
 	assert_int_equal(lv.nseg, 2);
 	tail_holds(&lv, 300, 63);
-	bytes = q->bytes;
+	bytes = kvd_store_seq_bytes(q);
 	/* the 64th seals the tail into a segment and empties it */
 	assert_int_equal(rows(s, q, 1, 1, 0, 0, tok++, 1, msg, sizeof msg), 0);
 	lv = kvd_store_view(q, 1);
 	assert_int_equal(lv.nseg, 3);
 	seg_holds(&lv, 2, 300, 64);
 	assert_int_equal(lv.tail_n, 0);
-	assert_true(q->bytes > bytes);
+	assert_true(kvd_store_seq_bytes(q) > bytes);
 	/* 5 more start at the tail's row 0 */
 	assert_int_equal(rows(s, q, 1, 1, 0, 0, tok, 5, msg, sizeof msg), 0);
 	tok += 5;
@@ -669,14 +708,15 @@ static void test_row_order_refused(void **state)
 	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
 
 #define REFUSED(call, why) do {							\
-		size_t b0 = q->bytes;						\
-		uint64_t g0 = q->gen, t0 = tokens_of(q), m0 = mem_total(l);	\
+		size_t b0 = kvd_store_seq_bytes(q);				\
+		uint64_t g0 = kvd_store_seq_gen(q);				\
+		uint64_t t0 = tokens_of(q), m0 = mem_total(l);		\
 		msg[0] = 0;							\
 		assert_int_equal((call), -EINVAL);				\
 		if (!strstr(msg, (why)))					\
 			fail_msg("\"%s\" does not say \"%s\"", msg, (why));	\
-		assert_int_equal(q->bytes, b0);					\
-		assert_int_equal(q->gen, g0);					\
+		assert_int_equal(kvd_store_seq_bytes(q), b0);			\
+		assert_int_equal(kvd_store_seq_gen(q), g0);			\
 		assert_int_equal(tokens_of(q), t0);				\
 		assert_int_equal(mem_total(l), m0);				\
 	} while (0)
@@ -728,6 +768,7 @@ int main(void)
 		cmocka_unit_test(test_no_limits),
 		cmocka_unit_test(test_prefill_staging_seals),
 		cmocka_unit_test(test_append_tail_seals),
+		cmocka_unit_test(test_attend_ready),
 		cmocka_unit_test(test_row_order_refused),
 	};
 

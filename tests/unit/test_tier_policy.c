@@ -180,7 +180,7 @@ static void free_one(void *arg, struct kvd_seqn *q)
 {
 	struct env *e = arg;
 
-	if (q->tenant[0])               /* not one already being freed */
+	if (kvd_store_seq_tenant(q)[0]) /* not one already being freed */
 		kvd_tier_free(e->t, q);
 }
 
@@ -232,7 +232,7 @@ static int rows(struct env *e, struct kvd_seqn *q, uint32_t ly, int is_append, i
 		rc = kvd_tier_want(e->t, q, ly, msg, msglen);
 		if (!rc)
 			rc = kvd_store_rows(e->s, q, ly, is_append, last,
-					    is_append || q->ly[ly].mean ? NULL : mean, k, v, c, n,
+					    is_append || kvd_store_layer_mean(q, ly) ? NULL : mean, k, v, c, n,
 					    msg, msglen);
 		if (rc != -EINPROGRESS)
 			break;
@@ -287,7 +287,7 @@ static void restore(struct env *e, struct kvd_seqn *q)
 	WAIT_UNTIL(e, (rc = kvd_tier_want(e->t, q, UINT32_MAX, msg, sizeof msg)) != -EINPROGRESS);
 	if (rc)
 		fail_msg("restore: %d %s", rc, msg);
-	assert_int_equal(q->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_RAM);
 }
 
 static uint64_t tokens_of(const struct kvd_seqn *q)
@@ -313,26 +313,27 @@ struct snap {
 static void snap_take(const struct kvd_seqn *q, struct snap *s)
 {
 	memset(s, 0, sizeof *s);
-	s->bytes = q->bytes;
+	s->bytes = kvd_store_seq_bytes(q);
 	for (uint32_t ly = 1; ly < LAYERS; ly++) {
 		struct kvd_layer_view lv = kvd_store_view(q, ly);
-		const struct kvd_layer_state *l = &q->ly[ly];
+		const float *mean = kvd_store_layer_mean(q, ly);
 
 		assert_true(lv.nseg <= MAXSEG);
-		s->tokens[ly] = l->tokens;
+		s->tokens[ly] = kvd_store_layer_tokens(q, ly);
 		s->nseg[ly] = lv.nseg;
 		s->tn[ly] = lv.tail_n;
 		for (uint32_t j = 0; j < lv.nseg; j++) {
-			s->segb[ly][j] = kvd_seg_bytes(&q->p->g, lv.seg[j]->n);
+			s->segb[ly][j] = kvd_seg_bytes(&kvd_store_seq_profile(q)->g, lv.seg[j]->n);
 			s->seg[ly][j] = xmalloc(s->segb[ly][j]);
 			memcpy(s->seg[ly][j], lv.seg[j]->mem, s->segb[ly][j]);
 		}
-		assert_non_null(l->mean);
-		memcpy(s->mean[ly], l->mean, sizeof s->mean[ly]);
+		assert_non_null(mean);
+		memcpy(s->mean[ly], mean, sizeof s->mean[ly]);
 		assert_int_equal(lv.tail_cap, SEAL);
 		memcpy(s->tk[ly], lv.tail_k, sizeof s->tk[ly]);
 		memcpy(s->tv[ly], lv.tail_v, sizeof s->tv[ly]);
-		memcpy(s->tc[ly], l->tc, sizeof s->tc[ly]);
+		assert_non_null(kvd_store_layer_tail_codes(q, ly));
+		memcpy(s->tc[ly], kvd_store_layer_tail_codes(q, ly), sizeof s->tc[ly]);
 	}
 }
 
@@ -341,24 +342,25 @@ static void snap_take(const struct kvd_seqn *q, struct snap *s)
 static void snap_layer_equal(const struct kvd_seqn *q, const struct snap *s, uint32_t ly)
 {
 	struct kvd_layer_view lv = kvd_store_view(q, ly);
-	const struct kvd_layer_state *l = &q->ly[ly];
+	const float *mean = kvd_store_layer_mean(q, ly);
+	const uint16_t *tc = kvd_store_layer_tail_codes(q, ly);
 
-	assert_int_equal(l->tokens, s->tokens[ly]);
+	assert_int_equal(kvd_store_layer_tokens(q, ly), s->tokens[ly]);
 	assert_int_equal(lv.nseg, s->nseg[ly]);
 	assert_int_equal(lv.tail_n, s->tn[ly]);
 	for (uint32_t j = 0; j < lv.nseg; j++) {
-		assert_int_equal(kvd_seg_bytes(&q->p->g, lv.seg[j]->n), s->segb[ly][j]);
+		assert_int_equal(kvd_seg_bytes(&kvd_store_seq_profile(q)->g, lv.seg[j]->n), s->segb[ly][j]);
 		assert_memory_equal(lv.seg[j]->mem, s->seg[ly][j], s->segb[ly][j]);
 	}
-	assert_non_null(l->mean);
-	assert_memory_equal(l->mean, s->mean[ly], sizeof s->mean[ly]);
+	assert_non_null(mean);
+	assert_memory_equal(mean, s->mean[ly], sizeof s->mean[ly]);
 	for (uint32_t h = 0; h < KV; h++) {
 		size_t o = (size_t)h * SEAL * D;
 
 		assert_memory_equal(lv.tail_k + o, s->tk[ly] + o, (size_t)lv.tail_n * D * 2);
 		assert_memory_equal(lv.tail_v + o, s->tv[ly] + o, (size_t)lv.tail_n * D * 2);
 		for (uint32_t t = 0; t < LT; t++)
-			assert_memory_equal(l->tc + (h * LT + t) * SEAL,
+			assert_memory_equal(tc + (h * LT + t) * SEAL,
 					    s->tc[ly] + (h * LT + t) * SEAL, (size_t)lv.tail_n * 2);
 	}
 }
@@ -367,7 +369,7 @@ static void snap_equal(const struct kvd_seqn *q, const struct snap *s)
 {
 	for (uint32_t ly = 1; ly < LAYERS; ly++)
 		snap_layer_equal(q, s, ly);
-	assert_int_equal(q->bytes, s->bytes);
+	assert_int_equal(kvd_store_seq_bytes(q), s->bytes);
 }
 
 static void snap_free(struct snap *s)
@@ -418,12 +420,12 @@ static void test_evicts_coldest_first(void **state)
 
 	q[3] = seq_full(&e, 13, &waits);
 	assert_true(waits > 0);                 /* it waited for the write-back */
-	assert_int_equal(q[1]->state, KVD_SEQ_DISK);
-	assert_int_equal(q[1]->bytes, 0);
+	assert_int_equal(kvd_store_seq_state(q[1]), KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_bytes(q[1]), 0);
 	assert_int_equal(tokens_of(q[1]), TOK + TAIL);
-	assert_int_equal(q[0]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[2]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[3]->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[0]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[2]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[3]), KVD_SEQ_RAM);
 	assert_int_equal(stats(&e).spills, 1);
 	assert_int_equal(stats(&e).on_disk, 1);
 	/* q1 keeps only its struct and record */
@@ -435,9 +437,9 @@ static void test_evicts_coldest_first(void **state)
 	kvd_tier_begin(e.t);
 	restore(&e, q[1]);
 	snap_equal(q[1], s1);
-	assert_int_equal(q[0]->state, KVD_SEQ_DISK);
-	assert_int_equal(q[2]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[3]->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[0]), KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q[2]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[3]), KVD_SEQ_RAM);
 	assert_int_equal(stats(&e).spills, 2);
 	assert_int_equal(stats(&e).restores, 1);
 	assert_int_equal(stats(&e).reserved, 0);
@@ -472,13 +474,14 @@ static void test_watermarks(void **state)
 	kvd_tier_begin(e.t);
 	kvd_tier_balance(e.t);
 	/* 5 resident, low at 2.5: the three coldest go */
-	assert_int_equal(q[2]->state, KVD_SEQ_SPILLING);
-	assert_int_equal(q[0]->state, KVD_SEQ_SPILLING);
-	assert_int_equal(q[3]->state, KVD_SEQ_SPILLING);
-	assert_int_equal(q[1]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[4]->state, KVD_SEQ_RAM);
-	WAIT_UNTIL(&e, q[2]->state == KVD_SEQ_DISK && q[0]->state == KVD_SEQ_DISK &&
-		       q[3]->state == KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q[2]), KVD_SEQ_SPILLING);
+	assert_int_equal(kvd_store_seq_state(q[0]), KVD_SEQ_SPILLING);
+	assert_int_equal(kvd_store_seq_state(q[3]), KVD_SEQ_SPILLING);
+	assert_int_equal(kvd_store_seq_state(q[1]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[4]), KVD_SEQ_RAM);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q[2]) == KVD_SEQ_DISK &&
+		       kvd_store_seq_state(q[0]) == KVD_SEQ_DISK &&
+		       kvd_store_seq_state(q[3]) == KVD_SEQ_DISK);
 	assert_true(used(&e) <= low);
 	assert_true(used(&e) > base + 2 * per);
 	assert_int_equal(stats(&e).spills, 3);
@@ -486,8 +489,8 @@ static void test_watermarks(void **state)
 	/* below the high watermark nothing more happens */
 	kvd_tier_begin(e.t);
 	kvd_tier_balance(e.t);
-	assert_int_equal(q[1]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[4]->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[1]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[4]), KVD_SEQ_RAM);
 
 	/* one request brings the three back, above the high watermark again;
 	 * balancing now may take only the two it did not use, and stops there
@@ -498,12 +501,13 @@ static void test_watermarks(void **state)
 	restore(&e, q[3]);
 	assert_true(used(&e) > high);
 	kvd_tier_balance(e.t);
-	assert_int_equal(q[1]->state, KVD_SEQ_SPILLING);
-	assert_int_equal(q[4]->state, KVD_SEQ_SPILLING);
-	assert_int_equal(q[2]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[0]->state, KVD_SEQ_RAM);
-	assert_int_equal(q[3]->state, KVD_SEQ_RAM);
-	WAIT_UNTIL(&e, q[1]->state == KVD_SEQ_DISK && q[4]->state == KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q[1]), KVD_SEQ_SPILLING);
+	assert_int_equal(kvd_store_seq_state(q[4]), KVD_SEQ_SPILLING);
+	assert_int_equal(kvd_store_seq_state(q[2]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[0]), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q[3]), KVD_SEQ_RAM);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q[1]) == KVD_SEQ_DISK &&
+		       kvd_store_seq_state(q[4]) == KVD_SEQ_DISK);
 	assert_true(used(&e) > low);
 	assert_int_equal(stats(&e).spills, 5);
 	assert_int_equal(stats(&e).restores, 3);
@@ -530,41 +534,41 @@ static void test_restore_in_order(void **state)
 	snap_take(q, s);
 	used0 = used(&e);
 	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
-	assert_int_equal(q->state, KVD_SEQ_SPILLING);
-	WAIT_UNTIL(&e, q->state == KVD_SEQ_DISK);
-	assert_int_equal(q->bytes, 0);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_SPILLING);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q) == KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
 	assert_int_equal(tokens_of(q), TOK + TAIL);
 	assert_int_equal(used(&e), used0 - s->bytes);
 
 	kvd_tier_begin(e.t);
 	assert_int_equal(kvd_tier_want(e.t, q, 1, msg, sizeof msg), -EINPROGRESS);
-	assert_int_equal(q->state, KVD_SEQ_RESTORING);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_RESTORING);
 	/* nothing reaped yet: the room is reserved, layer 0 (dense) usable */
-	assert_int_equal(q->ready, 1);
+	assert_int_equal(kvd_store_seq_ready_layers(q), 1);
 	assert_true(stats(&e).reserved >= s->bytes);
 	assert_true(used(&e) >= used0);
 	assert_int_equal(kvd_tier_want(e.t, q, 0, msg, sizeof msg), 0);
 	assert_int_equal(kvd_tier_want(e.t, q, LAYERS - 1, msg, sizeof msg), -EINPROGRESS);
-	last = q->ready;
-	seen[ns++] = (char)('0' + q->ready);
+	last = kvd_store_seq_ready_layers(q);
+	seen[ns++] = (char)('0' + kvd_store_seq_ready_layers(q));
 	/* reaped as soon as posted, without waiting, to catch the layers
 	 * arriving one by one */
-	for (uint64_t t_end = now_ms() + 20000; q->state == KVD_SEQ_RESTORING;) {
+	for (uint64_t t_end = now_ms() + 20000; kvd_store_seq_state(q) == KVD_SEQ_RESTORING;) {
 		if (now_ms() > t_end)
 			fail_msg("restore did not end");
 		if (!kvd_tier_poll(e.t)) {
 			sched_yield();
 			continue;
 		}
-		assert_true(q->ready >= last);
-		if (q->ready != last && ns < sizeof seen - 1)
-			seen[ns++] = (char)('0' + q->ready);
-		last = q->ready;
-		if (q->state != KVD_SEQ_RESTORING)
+		assert_true(kvd_store_seq_ready_layers(q) >= last);
+		if (kvd_store_seq_ready_layers(q) != last && ns < sizeof seen - 1)
+			seen[ns++] = (char)('0' + kvd_store_seq_ready_layers(q));
+		last = kvd_store_seq_ready_layers(q);
+		if (kvd_store_seq_state(q) != KVD_SEQ_RESTORING)
 			break;
 		for (uint32_t ly = 1; ly < LAYERS; ly++) {
 			rc = kvd_tier_want(e.t, q, ly, msg, sizeof msg);
-			if (ly < q->ready) {
+			if (ly < kvd_store_seq_ready_layers(q)) {
 				assert_int_equal(rc, 0);
 				snap_layer_equal(q, s, ly);
 			} else {
@@ -574,8 +578,8 @@ static void test_restore_in_order(void **state)
 	}
 	seen[ns] = 0;
 	print_message("  layers ready as the restore went: %s\n", seen);
-	assert_int_equal(q->state, KVD_SEQ_RAM);
-	assert_int_equal(q->ready, LAYERS);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_ready_layers(q), LAYERS);
 	assert_int_equal(stats(&e).reserved, 0);
 	assert_int_equal(stats(&e).restores, 1);
 	snap_equal(q, s);
@@ -583,8 +587,8 @@ static void test_restore_in_order(void **state)
 
 	/* its file is current: evicting again drops it at once */
 	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
-	assert_int_equal(q->state, KVD_SEQ_DISK);
-	assert_int_equal(q->bytes, 0);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
 	assert_int_equal(stats(&e).drops, 1);
 	assert_int_equal(stats(&e).spills, 1);
 	kvd_tier_begin(e.t);
@@ -602,8 +606,8 @@ static void test_restore_in_order(void **state)
 	}
 	WAIT_UNTIL(&e, (rc = kvd_tier_evict(e.t, q, msg, sizeof msg)) != -EAGAIN);
 	assert_int_equal(rc, 0);
-	assert_int_equal(q->state, KVD_SEQ_SPILLING);
-	WAIT_UNTIL(&e, q->state == KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_SPILLING);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q) == KVD_SEQ_DISK);
 	assert_int_equal(stats(&e).spills, 2);
 	assert_int_equal(stats(&e).drops, 1);
 	assert_int_equal(tokens_of(q), TOK + TAIL + 1);
@@ -633,13 +637,13 @@ static void test_refused_when_nothing_can_go(void **state)
 	assert_int_equal(kvd_store_seq_create_uid(e.s, e.p, UID, "1000:t", 1, &q1, msg, sizeof msg), 0);
 	rc = 0;
 	for (uint32_t ly = 1; ly < LAYERS && !rc; ly++) {
-		bytes = q1->bytes;
+		bytes = kvd_store_seq_bytes(q1);
 		rc = rows(&e, q1, ly, 0, 1, TOK, 41, NULL, msg, sizeof msg);
 	}
 	assert_int_equal(rc, -ENOMEM);
 	assert_non_null(strstr(msg, "memory budget"));
-	assert_int_equal(q1->bytes, bytes);
-	assert_int_equal(q0->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_bytes(q1), bytes);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
 	assert_true(used(&e) <= limit);
 	assert_int_equal(kvd_tier_evict(e.t, q0, msg, sizeof msg), -EOPNOTSUPP);
 	assert_non_null(strstr(msg, "no spill directory"));
@@ -656,15 +660,15 @@ static void test_refused_when_nothing_can_go(void **state)
 	msg[0] = 0;
 	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -ENOMEM);
 	assert_non_null(strstr(msg, "memory budget"));
-	assert_int_equal(q0->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
 	assert_int_equal(stats(&e).spills, 0);
 	/* the next request may evict it: wait for the write, then room */
 	kvd_tier_begin(e.t);
 	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -EINPROGRESS);
-	assert_int_equal(q0->state, KVD_SEQ_SPILLING);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_SPILLING);
 	WAIT_UNTIL(&e, (rc = kvd_tier_room(e.t, per, msg, sizeof msg)) != -EINPROGRESS);
 	assert_int_equal(rc, 0);
-	assert_int_equal(q0->state, KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
 
 	/* a restore that does not fit beside the current request's sequence
 	 * is refused before it starts */
@@ -673,12 +677,12 @@ static void test_refused_when_nothing_can_go(void **state)
 	msg[0] = 0;
 	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), -ENOMEM);
 	assert_non_null(strstr(msg, "memory budget"));
-	assert_int_equal(q0->state, KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
 	assert_int_equal(stats(&e).reserved, 0);
 	/* in a new request q1 goes and q0 comes back */
 	kvd_tier_begin(e.t);
 	restore(&e, q0);
-	assert_int_equal(q1->state, KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q1), KVD_SEQ_DISK);
 	env_close(&e);
 
 	/* a sequence with a prefill in progress cannot be written out */
@@ -692,14 +696,14 @@ static void test_refused_when_nothing_can_go(void **state)
 	assert_int_equal(kvd_tier_evict(e.t, q0, msg, sizeof msg), -EBUSY);
 	assert_non_null(strstr(msg, "prefill is in progress"));
 	assert_int_equal(kvd_tier_room(e.t, limit - used(&e) + 1, msg, sizeof msg), -ENOMEM);
-	assert_int_equal(q0->state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
 	/* its last chunk makes it spillable */
 	assert_int_equal(rows(&e, q0, 1, 0, 1, 0, 45, NULL, msg, sizeof msg), 0);
 	kvd_tier_begin(e.t);
 	need = limit - used(&e) + 1;
 	WAIT_UNTIL(&e, (rc = kvd_tier_room(e.t, need, msg, sizeof msg)) != -EINPROGRESS);
 	assert_int_equal(rc, 0);
-	assert_int_equal(q0->state, KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
 	env_close(&e);
 }
 
@@ -714,16 +718,16 @@ static void test_lost(void **state)
 	env_open(&e, 0, 0, 0, 1, "corrupt@*");
 	q = seq_full(&e, 50, NULL);
 	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
-	WAIT_UNTIL(&e, q->state == KVD_SEQ_DISK);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q) == KVD_SEQ_DISK);
 	kvd_tier_begin(e.t);
 	assert_int_equal(kvd_tier_want(e.t, q, 1, msg, sizeof msg), -EINPROGRESS);
-	WAIT_UNTIL(&e, q->state == KVD_SEQ_LOST);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q) == KVD_SEQ_LOST);
 	WAIT_UNTIL(&e, stats(&e).reserved == 0);
 	msg[0] = 0;
 	assert_int_equal(kvd_tier_want(e.t, q, 1, msg, sizeof msg), -KVD_ELOST);
 	assert_non_null(strstr(msg, "sequence lost, prefill again"));
 	assert_int_equal(kvd_tier_prefetch(e.t, q, msg, sizeof msg), -KVD_ELOST);
-	assert_int_equal(q->bytes, 0);
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
 	assert_int_equal(stats(&e).lost, 1);
 	assert_int_equal(stats(&e).restores, 0);
 	env_close(&e);

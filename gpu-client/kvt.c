@@ -1,0 +1,629 @@
+/* libkvclient's transport.  See kvt.h. */
+#include <assert.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "ctl.h"
+#include "err.h"
+#include "kvd_ring.h"
+#include "kvt.h"
+#include "seg.h"
+#include "shm.h"
+
+#define RX_MAX (KVD_CTL_W_INLINE_MAX + 65536)
+#define NOP_TAG UINT64_MAX
+
+enum { SLOT_FREE, SLOT_FIRE, SLOT_OWNED };
+
+struct slot {
+	uint8_t state, done;
+	int32_t res;
+	char msg[48];
+};
+
+struct kvt {
+	int fd, efd, memfd;
+	uint64_t next_id;
+	void *map;
+	size_t map_size;
+	struct shm_region r;
+	int poll;
+	uint64_t spin_ns;
+	struct slot *slot;
+	uint32_t fire_inflight;
+	int fire_err;
+	char fire_msg[64];
+	int nop_done;
+	/* profile */
+	int have_profile;
+	uint32_t profile_id;
+	struct kvc_model m;
+	char mname[KVD_CTL_NAME_MAX + 1];
+	uint32_t *dense_list;
+	uint8_t *dense;
+	float *W;
+	struct kvd_geom g;
+	void *rx;
+	char err[256];
+};
+
+int kvt_fail(struct kvt *t, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(t->err, sizeof t->err, fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+const char *kvt_error(const struct kvt *t)
+{
+	return t->err;
+}
+
+/* ---- control plane ----------------------------------------------------- */
+
+/* One request, one response.  Returns the response (caller frees) or NULL
+ * with *rc and t->err set; an Error response becomes NULL too. */
+static Kvd__Response *call(struct kvt *t, Kvd__Request *rq, int *fds, int *nfds, int *rc)
+{
+	struct kvd_ctl_err e;
+	Kvd__Response *r;
+	int n, want = nfds ? *nfds : 0;
+
+	rq->id = ++t->next_id;
+	*rc = kvd_ctl_send(t->fd, &rq->base, NULL, 0);
+	if (*rc) {
+		kvt_fail(t, *rc, "send %s: %s", kvd_ctl_request_name(rq->body_case), kvd_strerror(*rc));
+		return NULL;
+	}
+	if (nfds)
+		*nfds = want;
+	n = kvd_ctl_recv(t->fd, t->rx, RX_MAX, fds, nfds);
+	if (n <= 0) {
+		*rc = n ? n : -ECONNRESET;
+		kvt_fail(t, *rc, "kvd: %s", n ? kvd_strerror(n) : "connection closed");
+		return NULL;
+	}
+	r = kvd_ctl_decode_response(t->rx, (size_t)n, rq->id, &e);
+	if (!r) {
+		*rc = e.code;
+		kvt_fail(t, *rc, "bad reply from kvd: %s", e.msg);
+		return NULL;
+	}
+	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
+		*rc = r->error->code;
+		kvt_fail(t, *rc, "kvd: %s", r->error->message);
+		kvd_ctl_free_response(r);
+		return NULL;
+	}
+	*rc = 0;
+	return r;
+}
+
+struct kvt *kvt_new(void)
+{
+	struct kvt *t = calloc(1, sizeof *t);
+
+	if (!t)
+		return NULL;
+	t->fd = t->efd = t->memfd = -1;
+	t->rx = malloc(RX_MAX);
+	if (!t->rx) {
+		free(t);
+		return NULL;
+	}
+	return t;
+}
+
+int kvt_connect(struct kvt *t, const struct kvc_opts *o)
+{
+	const char *path = o && o->socket_path ? o->socket_path : "/run/kvd/kvd.sock";
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__Hello h = KVD__HELLO__INIT;
+	Kvd__Response *r;
+	int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, rc;
+
+	t->poll = o ? o->poll : 0;
+	t->spin_ns = o && o->spin_ns ? o->spin_ns : 50000;
+	if (strlen(path) >= sizeof a.sun_path)
+		return kvt_fail(t, -ENAMETOOLONG, "socket path too long: %s", path);
+	memcpy(a.sun_path, path, strlen(path) + 1);
+	t->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (t->fd < 0 || connect(t->fd, (struct sockaddr *)&a, sizeof a))
+		return kvt_fail(t, -errno, "connect %s: %s", path, strerror(errno));
+
+	h.version = KVD_CTL_VERSION;
+	h.tenant = (char *)(o && o->tenant ? o->tenant : "default");
+	h.client_name = (char *)(o && o->name ? o->name : "kvc");
+	h.poll = t->poll;
+	h.slots = o ? o->slots : 0;
+	h.slot_size = o ? o->slot_size : 0;
+	rq.body_case = KVD__REQUEST__BODY_HELLO;
+	rq.hello = &h;
+	r = call(t, &rq, fds, &nfds, &rc);
+	if (!r) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		return rc;
+	}
+	if (r->body_case != KVD__RESPONSE__BODY_HELLO || nfds != 2) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "kvd answered hello without its region");
+	}
+	t->memfd = fds[0];
+	t->efd = fds[1];
+	t->map_size = r->hello->region_size;
+	kvd_ctl_free_response(r);
+	t->map = mmap(NULL, t->map_size, PROT_READ | PROT_WRITE, MAP_SHARED, t->memfd, 0);
+	if (t->map == MAP_FAILED) {
+		t->map = NULL;
+		return kvt_fail(t, -errno, "mmap of the shared region: %s", strerror(errno));
+	}
+	rc = shm_region_attach(&t->r, t->map, t->map_size);
+	if (rc)
+		return kvt_fail(t, rc, "shared region refused: %s", kvd_strerror(rc));
+	t->slot = calloc(t->r.geo.nslots, sizeof *t->slot);
+	if (!t->slot)
+		return kvt_fail(t, -ENOMEM, "out of memory");
+	return 0;
+}
+
+void kvt_close(struct kvt *t)
+{
+	if (!t)
+		return;
+	if (t->map)
+		munmap(t->map, t->map_size);
+	if (t->memfd >= 0)
+		close(t->memfd);
+	if (t->efd >= 0)
+		close(t->efd);
+	if (t->fd >= 0)
+		close(t->fd);
+	free(t->slot);
+	free(t->dense_list);
+	free(t->dense);
+	free(t->W);
+	free(t->rx);
+	free(t);
+}
+
+void *kvt_map(const struct kvt *t, size_t *size)
+{
+	*size = t->map_size;
+	return t->map;
+}
+
+/* kvc.h's numbers are the wire's and the engine's. */
+static_assert((int)KVC_KV_BF16 == (int)KVD_KV_BF16 && (int)KVC_KV_INT8 == (int)KVD_KV_INT8,
+	      "kvc_kv_dtype");
+
+static const char *dtype_name(uint32_t dt)
+{
+	const char *s = kvd_kv_dtype_name(dt);
+
+	return s ? s : "unknown";
+}
+
+int kvt_profile(struct kvt *t, const struct kvc_model *m)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
+	Kvd__Profile p = KVD__PROFILE__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	if (t->have_profile)
+		return kvt_fail(t, -EALREADY, "this connection already has a profile");
+	p.name = (char *)m->name;
+	p.layers = m->layers;
+	p.q_heads = m->q_heads;
+	p.kv_heads = m->kv_heads;
+	p.head_dim = m->head_dim;
+	p.k_bits = m->K;
+	p.tables = m->L;
+	p.min_collisions = m->c;
+	p.kv_dtype = m->kv_dtype;
+	p.sink_tokens = m->sink;
+	p.window_tokens = m->window;
+	p.n_dense_layers = m->n_dense;
+	p.dense_layers = (uint32_t *)m->dense_layers;
+	p.seed = m->seed;
+	p.segment_tokens = m->segment_tokens;
+	p.seal_tokens = m->seal_tokens;
+	pc.profile = &p;
+	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
+	rq.profile_create = &pc;
+	r = call(t, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_PROFILE) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "kvd answered a profile request with something else");
+	}
+
+	const Kvd__Profile *got = r->profile->profile;
+
+	/* proto3 drops a field the peer does not know: an older kvd would
+	 * answer bf16 to an int8 request, silently. */
+	if (got->kv_dtype != m->kv_dtype) {
+		rc = kvt_fail(t, -EOPNOTSUPP, "kvd made profile '%s' kv_dtype %s, not %s as asked "
+			      "(a kvd without kv_dtype?)", got->name, dtype_name(got->kv_dtype),
+			      dtype_name(m->kv_dtype));
+		kvd_ctl_free_response(r);
+		return rc;
+	}
+	t->profile_id = r->profile->profile_id;
+	snprintf(t->mname, sizeof t->mname, "%s", got->name);
+	t->m = (struct kvc_model){
+		.name = t->mname, .layers = got->layers, .q_heads = got->q_heads,
+		.kv_heads = got->kv_heads, .head_dim = got->head_dim, .K = got->k_bits,
+		.L = got->tables, .c = got->min_collisions, .sink = got->sink_tokens,
+		.window = got->window_tokens, .n_dense = (uint32_t)got->n_dense_layers,
+		.kv_dtype = got->kv_dtype,
+		.seed = got->seed, .segment_tokens = got->segment_tokens,
+		.seal_tokens = got->seal_tokens,
+	};
+	kvd_ctl_profile_to_geom(got, &t->g);
+	t->dense_list = malloc((got->n_dense_layers + 1) * sizeof *t->dense_list);
+	t->dense = calloc(got->layers, 1);
+	t->W = malloc((size_t)t->g.d * t->g.K * t->g.L * sizeof *t->W);
+	if (!t->dense_list || !t->dense || !t->W) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -ENOMEM, "out of memory");
+	}
+	for (size_t i = 0; i < got->n_dense_layers; i++) {
+		t->dense_list[i] = got->dense_layers[i];
+		t->dense[got->dense_layers[i]] = 1;
+	}
+	t->m.dense_layers = t->dense_list;
+	rc = kvd_ctl_profile_w(r->profile, t->W);
+	kvd_ctl_free_response(r);
+	if (rc)
+		return kvt_fail(t, rc, "projection matrix from kvd unusable");
+	t->have_profile = 1;
+	return 0;
+}
+
+const struct kvc_model *kvt_model(const struct kvt *t)
+{
+	return t->have_profile ? &t->m : NULL;
+}
+
+const struct kvd_geom *kvt_geom(const struct kvt *t) { return &t->g; }
+const float *kvt_w(const struct kvt *t) { return t->W; }
+int kvt_dense(const struct kvt *t, uint32_t layer) { return t->dense[layer]; }
+
+/* ---- rings ------------------------------------------------------------- */
+
+/* Takes what the completion ring holds; with `block`, waits for at least one
+ * completion first.  0 or a negative code. */
+static int reap(struct kvt *t, int block)
+{
+	int n = shm_ring_ready(&t->r.cq);
+
+	while (n == 0 && block) {
+		/* Wake up now and then to see whether kvd is still there: a
+		 * daemon that died leaves the control socket hung up, and
+		 * nothing else would ever end this wait. */
+		n = shm_ring_wait(&t->r.cq, t->spin_ns, 200000000ull, t->poll);
+		if (n == -EINTR)
+			n = 0;
+		if (n == 0) {
+			struct pollfd pf = { .fd = t->fd, .events = POLLRDHUP };
+
+			if (poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+				return kvt_fail(t, -ECONNRESET, "kvd went away");
+		}
+	}
+	if (n < 0)
+		return kvt_fail(t, n, "completion ring corrupted");
+	for (int i = 0; i < n; i++) {
+		struct kvd_cqe e;
+
+		memcpy(&e, shm_ring_entry(&t->r.cq, (uint32_t)i), sizeof e);
+		e.msg[sizeof e.msg - 1] = 0;
+		if (e.user_data == NOP_TAG) {
+			t->nop_done = 1;
+			continue;
+		}
+		if (e.user_data >= t->r.geo.nslots)
+			continue;       /* not ours: kvd never does this */
+		struct slot *sl = &t->slot[e.user_data];
+
+		sl->done = 1;
+		sl->res = e.res;
+		memcpy(sl->msg, e.msg, sizeof sl->msg);
+		if (sl->state == SLOT_FIRE) {
+			if (e.res < 0 && !t->fire_err) {
+				t->fire_err = e.res;
+				snprintf(t->fire_msg, sizeof t->fire_msg, "%s", e.msg);
+			}
+			sl->state = SLOT_FREE;
+			t->fire_inflight--;
+		}
+	}
+	shm_ring_release(&t->r.cq, (uint32_t)n);
+	return 0;
+}
+
+int kvt_submit(struct kvt *t, const struct kvd_sqe *e)
+{
+	void *p;
+	int rc;
+
+	while (!(p = shm_ring_reserve(&t->r.sq))) {
+		if (shm_ring_broken(&t->r.sq))
+			return kvt_fail(t, -EPROTO, "submission ring corrupted");
+		if ((rc = reap(t, 1)))
+			return rc;
+	}
+	memcpy(p, e, sizeof *e);
+	shm_ring_commit(&t->r.sq, 1);
+	if (shm_ring_needs_kick(&t->r.sq)) {
+		uint64_t one = 1;
+
+		if (write(t->efd, &one, sizeof one) < 0 && errno != EAGAIN)
+			return kvt_fail(t, -errno, "kick kvd: %s", strerror(errno));
+	}
+	return 0;
+}
+
+int kvt_slot_get(struct kvt *t, int fire)
+{
+	uint8_t state = fire ? SLOT_FIRE : SLOT_OWNED;
+
+	for (;;) {
+		for (uint32_t i = 0; i < t->r.geo.nslots; i++) {
+			if (t->slot[i].state == SLOT_FREE) {
+				t->slot[i] = (struct slot){ .state = state };
+				if (state == SLOT_FIRE)
+					t->fire_inflight++;
+				return (int)i;
+			}
+		}
+		int rc = reap(t, 1);
+
+		if (rc)
+			return rc;
+	}
+}
+
+void kvt_slot_put(struct kvt *t, uint32_t i)
+{
+	if (t->slot[i].state == SLOT_FIRE)
+		t->fire_inflight--;     /* taken back before it was submitted */
+	t->slot[i].state = SLOT_FREE;
+}
+
+static int wait_slot(struct kvt *t, uint32_t i)
+{
+	while (!t->slot[i].done) {
+		int rc = reap(t, 1);
+
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+int kvt_wait_slot(struct kvt *t, uint32_t i, int32_t *res, const char **msg)
+{
+	int rc = wait_slot(t, i);
+
+	*res = t->slot[i].res;
+	*msg = t->slot[i].msg;
+	return rc;
+}
+
+int kvt_drain(struct kvt *t, const char *what)
+{
+	int rc;
+
+	while (t->fire_inflight)
+		if ((rc = reap(t, 1)))
+			return rc;
+	if (t->fire_err) {
+		rc = t->fire_err;
+		t->fire_err = 0;
+		return kvt_fail(t, rc, "%s: kvd: %s", what, t->fire_msg);
+	}
+	return 0;
+}
+
+uint32_t kvt_nslots(const struct kvt *t) { return t->r.geo.nslots; }
+uint64_t kvt_slot_size(const struct kvt *t) { return t->r.geo.slot_size; }
+void *kvt_slot(const struct kvt *t, uint32_t i) { return shm_slot(&t->r, i); }
+
+int kvt_nop(struct kvt *t)
+{
+	struct kvd_sqe e = { .op = KVD_OP_NOP, .user_data = NOP_TAG };
+	int rc;
+
+	t->nop_done = 0;
+	if ((rc = kvt_submit(t, &e)))
+		return rc;
+	while (!t->nop_done)
+		if ((rc = reap(t, 1)))
+			return rc;
+	return 0;
+}
+
+int kvt_prefetch(struct kvt *t, uint64_t id)
+{
+	int slot = kvt_slot_get(t, 0), rc;
+
+	if (slot < 0)
+		return slot;
+	struct kvd_sqe e = { .op = KVD_OP_PREFETCH, .seq = id, .user_data = (uint64_t)slot };
+
+	if ((rc = kvt_submit(t, &e)) || (rc = wait_slot(t, (uint32_t)slot))) {
+		t->slot[slot].state = SLOT_FREE;
+		return rc;
+	}
+	rc = t->slot[slot].res;
+	t->slot[slot].state = SLOT_FREE;
+	return rc < 0 ? kvt_fail(t, rc, "prefetch: kvd: %s", t->slot[slot].msg) : 0;
+}
+
+/* ---- sequences and stats ------------------------------------------------ */
+
+int kvt_seq_create(struct kvt *t, uint64_t *id)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	if (!t->have_profile)
+		return kvt_fail(t, -EINVAL, "no profile yet");
+	sc.profile_id = t->profile_id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
+	rq.seq_create = &sc;
+	r = call(t, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SEQ) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+	}
+	*id = r->seq->seq;
+	kvd_ctl_free_response(r);
+	return 0;
+}
+
+int kvt_seq_free(struct kvt *t, uint64_t id)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqFree sf = KVD__SEQ_FREE__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	sf.seq = id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_FREE;
+	rq.seq_free = &sf;
+	r = call(t, &rq, NULL, NULL, &rc);
+	kvd_ctl_free_response(r);
+	return rc;
+}
+
+int kvt_seq_open(struct kvt *t, uint64_t id, uint64_t *tokens)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqOpen so = KVD__SEQ_OPEN__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	if (!t->have_profile)
+		return kvt_fail(t, -EINVAL, "no profile yet");
+	so.seq = id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_OPEN;
+	rq.seq_open = &so;
+	r = call(t, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SEQ) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+	}
+	if (r->seq->profile_id != t->profile_id) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -EINVAL, "sequence %llu was written with another profile",
+				(unsigned long long)id);
+	}
+	*tokens = r->seq->tokens;
+	kvd_ctl_free_response(r);
+	return 0;
+}
+
+int kvt_seq_evict(struct kvt *t, uint64_t id)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqEvict se = KVD__SEQ_EVICT__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	/* Rows still in flight belong to the data being written out. */
+	if ((rc = kvt_drain(t, "evict")))
+		return rc;
+	se.seq = id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_EVICT;
+	rq.seq_evict = &se;
+	r = call(t, &rq, NULL, NULL, &rc);
+	kvd_ctl_free_response(r);
+	return rc;
+}
+
+int kvt_server_stats(struct kvt *t, struct kvc_stats *st)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	r = call(t, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SERVER_STATS) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+	}
+	const Kvd__ServerStats *m = r->server_stats;
+
+	*st = (struct kvc_stats){
+		.clients = m->clients, .sequences = m->sequences, .profiles = m->profiles,
+		.slots_in_use = m->slots_in_use, .bytes = m->bytes, .requests = m->requests,
+		.errors = m->errors, .disconnects = m->disconnects, .mapped_bytes = m->mapped_bytes,
+		.mem_limit = m->mem_limit, .mem_high = m->mem_high, .mem_low = m->mem_low,
+		.reserved_bytes = m->reserved_bytes, .disk_bytes = m->disk_bytes,
+		.on_disk = m->on_disk, .spills = m->spills, .restores = m->restores,
+		.drops = m->drops, .spill_errors = m->spill_errors, .lost = m->lost,
+		.spill_bytes = m->spill_bytes, .restore_bytes = m->restore_bytes,
+		.used_bytes = m->used_bytes, .refused = m->refused,
+	};
+	kvd_ctl_free_response(r);
+	return 0;
+}
+
+int kvt_seq_stats(struct kvt *t, uint64_t id, struct kvc_seq_stats *st)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqStatsReq sr = KVD__SEQ_STATS_REQ__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	sr.seq = id;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_STATS;
+	rq.seq_stats = &sr;
+	r = call(t, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SEQ_STATS) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+	}
+	st->tokens = r->seq_stats->tokens;
+	st->bytes = r->seq_stats->bytes;
+	st->segments = r->seq_stats->segments;
+	st->state = r->seq_stats->state;
+	st->durable = r->seq_stats->durable;
+	st->disk_bytes = r->seq_stats->disk_bytes;
+	st->ready_layers = r->seq_stats->ready_layers;
+	kvd_ctl_free_response(r);
+	return 0;
+}

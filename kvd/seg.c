@@ -1,0 +1,477 @@
+/* Segments: layout, build (with int8 quantization), check, adopt and io
+ * buffers.  See seg.h for the contract. */
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "seg.h"
+#include "bf16.h"
+#include "err.h"
+#include "mem.h"
+#include "pool.h"
+
+#define ALIGN64(x) (((x) + 63) & ~(size_t)63)
+
+int kvd_geom_check(const struct kvd_geom *g)
+{
+	if (!g->q_heads || !g->kv_heads || g->q_heads > KVD_QHEADS_MAX || g->q_heads % g->kv_heads ||
+	    g->q_heads / g->kv_heads > KVD_GMAX)
+		return -KVD_EGEOM;
+	if (g->d < 16 || g->d > KVD_DMAX || g->d % 16)
+		return -KVD_EGEOM;
+	if (g->K < 1 || g->K > KVD_LSH_KMAX || g->L < 1 || g->L > KVD_LSH_LMAX)
+		return -KVD_EGEOM;
+	if (g->c != 1 && g->c != 2)
+		return -KVD_EGEOM;
+	if (g->kv_dtype > KVD_KV_DTYPE_MAX)
+		return -KVD_EGEOM;
+	return 0;
+}
+
+static const char *const dtype_names[] = { [KVD_KV_BF16] = "bf16", [KVD_KV_INT8] = "int8" };
+
+const char *kvd_kv_dtype_name(uint32_t dt)
+{
+	return dt <= KVD_KV_DTYPE_MAX ? dtype_names[dt] : NULL;
+}
+
+int kvd_kv_dtype_parse(const char *s, uint32_t *out)
+{
+	for (uint32_t i = 0; i <= KVD_KV_DTYPE_MAX; i++)
+		if (strcmp(s, dtype_names[i]) == 0) {
+			*out = i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+/* ---- segments ---------------------------------------------------------- */
+
+/* A head's payload, each part 64-byte aligned: K rows, V rows, then for
+ * int8 the key scales [d], value scales [n] and key factors [n], then 1/|k|
+ * [n] and the tables.  One function so that build, check, adopt and the byte count
+ * cannot disagree. */
+struct head_parts {
+	char *k, *v, *kscale, *vscale, *kfac, *kinv, *tab;
+	size_t bytes;
+};
+
+static struct head_parts head_parts_at(const struct kvd_geom *g, uint32_t n, char *p)
+{
+	int i8 = g->kv_dtype == KVD_KV_INT8;
+	size_t rows = ALIGN64((size_t)n * g->d * (i8 ? 1 : sizeof(uint16_t)));
+	size_t vec = ALIGN64((size_t)n * sizeof(float));
+	struct head_parts hp = { .k = p, .v = p + rows };
+
+	p += 2 * rows;
+	if (i8) {
+		hp.kscale = p;
+		p += ALIGN64((size_t)g->d * sizeof(float));
+		hp.vscale = p;
+		p += vec;
+		hp.kfac = p;
+		p += vec;
+	}
+	hp.kinv = p;
+	hp.tab = p + vec;
+	hp.bytes = (size_t)(hp.tab - hp.k) + kvd_lsh_tables_bytes(n, (int)g->K, (int)g->L);
+	return hp;
+}
+
+static size_t head_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	return head_parts_at(g, n, NULL).bytes;
+}
+
+size_t kvd_seg_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	return (size_t)g->kv_heads * head_bytes(g, n);
+}
+
+/* ---- io buffers --------------------------------------------------------- */
+
+#define IO_PAGE ((size_t)KVD_SEG_IO_PAGE)
+
+static int seg_geom_ok(const struct kvd_geom *g, uint32_t n)
+{
+	return g->kv_heads >= 1 && g->kv_heads <= KVD_QHEADS_MAX && g->d >= 16 &&
+	       g->d <= KVD_DMAX && g->d % 16 == 0 && g->K >= 1 && g->K <= KVD_LSH_KMAX &&
+	       g->L >= 1 && g->L <= KVD_LSH_LMAX && g->kv_dtype <= KVD_KV_DTYPE_MAX &&
+	       n >= 1 && n <= KVD_SEG_MAX;
+}
+
+size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	if (!seg_geom_ok(g, n))
+		return 0;
+	/* At most 1024 heads of ~330 MiB: far from overflowing. */
+	return IO_PAGE + ((kvd_seg_bytes(g, n) + IO_PAGE - 1) & ~(IO_PAGE - 1));
+}
+
+void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes)
+{
+	return kvd_seg_io_alloc_node(g, n, -1, bytes);
+}
+
+void *kvd_seg_io_alloc_node(const struct kvd_geom *g, uint32_t n, int node, size_t *bytes)
+{
+	size_t b = kvd_seg_io_bytes(g, n);
+	void *p;
+
+	if (!b)
+		return NULL;
+	if (b >= KVD_MEM_HUGE) {
+		/* Huge-page aligned, and zero as every fresh mapping is; touching
+		 * it here would fault huge pages on this thread, not on the
+		 * workers that fill them. */
+		p = kvd_mem_alloc_node(b, node);
+	} else {
+		/* Zeroed so that no stale heap bytes reach a file through the
+		 * header page or the padding. */
+		p = aligned_alloc(IO_PAGE, b);
+		if (p)
+			memset(p, 0, b);
+	}
+	if (p && bytes)
+		*bytes = b;
+	return p;
+}
+
+void kvd_seg_io_free(void *io, size_t bytes)
+{
+	if (bytes >= KVD_MEM_HUGE)
+		kvd_mem_free(io, bytes);
+	else
+		free(io);
+}
+
+/* ---- build, check, adopt ----------------------------------------------- */
+
+/* Where head h's parts lie in a payload. */
+static struct head_parts head_parts(const struct kvd_geom *g, uint32_t n, void *mem, uint32_t h)
+{
+	return head_parts_at(g, n, (char *)mem + h * head_bytes(g, n));
+}
+
+/* The one place a head's pointers are set: build and adopt must agree. */
+static void head_layout(const struct kvd_geom *g, struct kvd_seg *s, uint32_t h)
+{
+	struct head_parts hp = head_parts(g, s->n, s->mem, h);
+	struct kvd_seg_head *sh = &s->h[h];
+
+	if (s->kv_dtype == KVD_KV_INT8) {
+		sh->k8 = (int8_t *)hp.k;
+		sh->v8 = (int8_t *)hp.v;
+		sh->kscale = (float *)hp.kscale;
+		sh->vscale = (float *)hp.vscale;
+		sh->kfac = (float *)hp.kfac;
+	} else {
+		sh->k = (uint16_t *)hp.k;
+		sh->v = (uint16_t *)hp.v;
+	}
+	sh->kinv = (float *)hp.kinv;
+	(void)kvd_lsh_tables_layout(&sh->tab, hp.tab, s->n, (int)s->K, (int)s->L);
+}
+
+static struct kvd_seg *seg_new(const struct kvd_geom *g, uint32_t n)
+{
+	struct kvd_seg *s = calloc(1, sizeof *s + g->kv_heads * sizeof s->h[0]);
+
+	if (!s)
+		return NULL;
+	s->n = n;
+	s->kv_heads = g->kv_heads;
+	s->d = g->d;
+	s->K = g->K;
+	s->L = g->L;
+	s->kv_dtype = g->kv_dtype;
+	return s;
+}
+
+struct seg_build {
+	const struct kvd_geom *g;
+	struct kvd_seg *seg;
+	const uint16_t *k, *v, *codes;
+};
+
+/* Phase 1, per (head, chunk of ROWS_PER_TASK rows): copy the rows, 1/|k|,
+ * and fault in the same share of the head's table memory on this worker
+ * (the tables phase then does only the counting sort).  Chunks rather than
+ * whole heads: copying into fresh pages is most of a seal, and a task of a
+ * few milliseconds is what a sliced build makes others wait for. */
+#define ROWS_PER_TASK 4096u
+
+static uint32_t row_tasks(const struct kvd_seg *s)
+{
+	return (s->n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+}
+
+/* ---- int8 quantization --------------------------------------------------- */
+
+/* |x| when finite, else 0: a scale comes from finite values only. */
+static inline float finite_abs(float x)
+{
+	float a = fabsf(x);
+
+	return a <= FLT_MAX ? a : 0.0f;
+}
+
+/* Round to nearest of x * inv, saturated to [-127, 127]; written so that
+ * NaN lands on -127 (a conversion of NaN would be anything). */
+static inline int8_t quant(float x, float inv)
+{
+	float y = x * inv;
+
+	y = y > 127.0f ? 127.0f : y >= -127.0f ? y : -127.0f;
+	return (int8_t)lrintf(y);
+}
+
+/* Phase 0 of an int8 build, one task per head: the per-channel key scales,
+ * which every row chunk of phase 1 needs. */
+static void seg_build_kscale(void *arg, uint32_t h, unsigned worker)
+{
+	struct seg_build *b = arg;
+	struct kvd_seg *s = b->seg;
+	size_t n = s->n, d = s->d;
+	const uint16_t *k = b->k + h * n * d;
+	float mx[KVD_DMAX] = { 0 };
+
+	(void)worker;
+	for (size_t i = 0; i < n; i++)
+		for (size_t e = 0; e < d; e++) {
+			float a = finite_abs(kvd_bf16_to_f32(k[i * d + e]));
+
+			mx[e] = a > mx[e] ? a : mx[e];
+		}
+	for (size_t e = 0; e < d; e++)
+		s->h[h].kscale[e] = mx[e] / 127.0f;
+}
+
+/* Keys in two levels: the channel scales bring every channel to the same
+ * range (outlier channels), then each row is rounded on its own grid, so a
+ * row of small norm keeps its precision instead of rounding to zero on a
+ * grid made for the largest rows.  The row's factor is the least-squares fit
+ * f = k.y / |y|^2 of the row to y = kscale * k8, which absorbs the row's grid
+ * and leaves the error orthogonal to the key: the keys that dominate a
+ * softmax are nearly parallel to the query, and for them that removes most
+ * of the score error (needle at 16k tokens: 0.016 -> 0.013, bf16 keys 0.0064). */
+static void quant_rows(struct kvd_seg_head *sh, const uint16_t *k, const uint16_t *v,
+		       size_t r0, size_t r1, size_t d)
+{
+	float cinv[KVD_DMAX];
+
+	for (size_t e = 0; e < d; e++)
+		cinv[e] = sh->kscale[e] > 0.0f ? 1.0f / sh->kscale[e] : 0.0f;
+	for (size_t i = r0; i < r1; i++) {
+		const uint16_t *kr = k + i * d, *vr = v + i * d;
+		int8_t *kq = sh->k8 + i * d, *vq = sh->v8 + i * d;
+		float z[KVD_DMAX], t = 0.0f, vmx = 0.0f, nn = 0.0f, dot = 0.0f;
+
+		for (size_t e = 0; e < d; e++) {
+			z[e] = kvd_bf16_to_f32(kr[e]) * cinv[e];
+			t = fmaxf(t, finite_abs(z[e]));
+		}
+		float ti = t > 0.0f ? 127.0f / t : 0.0f;
+
+		for (size_t e = 0; e < d; e++) {
+			kq[e] = quant(z[e], ti);
+			float y = sh->kscale[e] * kq[e];
+
+			nn += y * y;
+			dot += kvd_bf16_to_f32(kr[e]) * y;
+		}
+		float f = nn > 0.0f ? dot / nn : 0.0f;
+
+		f = f > 0.0f && f <= FLT_MAX ? f : nn > 0.0f ? 1.0f : 0.0f;
+		sh->kfac[i] = f;
+		sh->kinv[i] = nn > 0.0f ? 1.0f / (f * sqrtf(nn)) : 0.0f;
+		for (size_t e = 0; e < d; e++) {
+			float a = finite_abs(kvd_bf16_to_f32(vr[e]));
+
+			vmx = a > vmx ? a : vmx;
+		}
+		sh->vscale[i] = vmx / 127.0f;
+		float vi = vmx > 0.0f ? 127.0f / vmx : 0.0f;
+
+		for (size_t e = 0; e < d; e++)
+			vq[e] = quant(kvd_bf16_to_f32(vr[e]), vi);
+	}
+}
+
+static void seg_build_rows(void *arg, uint32_t task, unsigned worker)
+{
+	struct seg_build *b = arg;
+	struct kvd_seg *s = b->seg;
+	uint32_t per = row_tasks(s), h = task / per, chunk = task % per;
+	struct kvd_seg_head *sh = &s->h[h];
+	size_t n = s->n, d = s->d, r0 = (size_t)chunk * ROWS_PER_TASK;
+	size_t r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
+
+	(void)worker;
+	if (s->kv_dtype == KVD_KV_INT8) {
+		quant_rows(sh, b->k + h * n * d, b->v + h * n * d, r0, r1, d);
+	} else {
+		memcpy(sh->k + r0 * d, b->k + (h * n + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
+		memcpy(sh->v + r0 * d, b->v + (h * n + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
+		kvd_kern_get()->kinv(sh->k + r0 * d, r1 - r0, (int)d, sh->kinv + r0);
+	}
+
+	char *tab = head_parts(b->g, s->n, s->mem, h).tab;
+	size_t tb = kvd_lsh_tables_bytes(s->n, (int)s->K, (int)s->L);
+	size_t t0 = tb * chunk / per / 4096 * 4096, t1 = chunk + 1 == per ? tb : tb * (chunk + 1) / per / 4096 * 4096;
+
+	for (size_t off = t0; off < t1; off += 4096)
+		tab[off] = 0;
+}
+
+/* Phase 2: tables [l0, l0 + TABLES_PER_TASK) of one head from the codes.
+ * Tasks of a few dozen tables rather than whole heads keep a pool task (and
+ * so what a sliced build makes others wait for) to a few milliseconds even
+ * for a full 65536-token segment. */
+#define TABLES_PER_TASK 32
+
+static uint32_t table_tasks(const struct kvd_seg *s)
+{
+	return (s->L + TABLES_PER_TASK - 1) / TABLES_PER_TASK;
+}
+
+static void seg_build_tables(void *arg, uint32_t task, unsigned worker)
+{
+	struct seg_build *b = arg;
+	struct kvd_seg *s = b->seg;
+	uint32_t per = table_tasks(s), h = task / per, l0 = task % per * TABLES_PER_TASK;
+	uint32_t l1 = l0 + TABLES_PER_TASK < s->L ? l0 + TABLES_PER_TASK : s->L;
+
+	kvd_lsh_build_range(&s->h[h].tab, b->codes + (size_t)h * s->L * s->n, s->n, l0, l1);
+}
+
+/* With the executor's yield hook set (kvd_pool_set_yield), one head per
+ * worker at a time, other clients' requests between the slices. */
+static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *arg)
+{
+	if (pool) {
+		kvd_pool_run_sliced(pool, H, fn, arg);
+		return;
+	}
+	for (uint32_t h = 0; h < H; h++)
+		fn(arg, h, 0);
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
+		  struct kvd_seg **out)
+{
+	return kvd_seg_build_node(g, n, k, v, codes, pool, -1, out);
+}
+
+int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
+		       struct kvd_seg **out)
+{
+	struct kvd_seg *s;
+	int rc = kvd_geom_check(g);
+
+	if (rc)
+		return rc;
+	if (n < 1 || n > KVD_SEG_MAX)
+		return -KVD_EGEOM;
+	s = seg_new(g, n);
+	if (!s)
+		return -ENOMEM;
+	s->io = kvd_seg_io_alloc_node(g, n, node, &s->bytes);
+	if (!s->io) {
+		free(s);
+		return -ENOMEM;
+	}
+	s->mem = (char *)s->io + IO_PAGE;
+
+	struct seg_build b = { g, s, k, v, codes };
+
+	for (uint32_t h = 0; h < g->kv_heads; h++)
+		head_layout(g, s, h);
+	if (g->kv_dtype == KVD_KV_INT8)
+		run_heads(pool, g->kv_heads, seg_build_kscale, &b);
+	run_heads(pool, g->kv_heads * row_tasks(s), seg_build_rows, &b);
+	kvd_pool_yield();
+	double t = now_ms();
+
+	run_heads(pool, g->kv_heads * table_tasks(s), seg_build_tables, &b);
+	s->tables_ms = now_ms() - t;
+	*out = s;
+	return 0;
+}
+
+/* 1/|k| as the kernels compute it is 0 or 1/sqrt of a positive float, and
+ * a scale is a finite maximum over 127: never negative, NaN or infinite. */
+static int kinv_check(const float *kinv, uint32_t n)
+{
+	uint32_t bad = 0;
+
+	for (uint32_t i = 0; i < n; i++)
+		bad |= !(kinv[i] >= 0.0f && kinv[i] <= FLT_MAX);
+	return bad ? -KVD_EFORMAT : 0;
+}
+
+int kvd_seg_check(const struct kvd_geom *g, uint32_t n, const void *mem)
+{
+	if (!seg_geom_ok(g, n))
+		return -KVD_EGEOM;
+	if ((uintptr_t)mem & 63)
+		return -EINVAL;
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		/* head_parts() only computes addresses. */
+		struct head_parts hp = head_parts(g, n, (void *)mem, h);
+		int rc = kinv_check((const float *)hp.kinv, n);
+
+		if (!rc && g->kv_dtype == KVD_KV_INT8)
+			rc = kinv_check((const float *)hp.kscale, g->d) |
+			     kinv_check((const float *)hp.vscale, n) |
+			     kinv_check((const float *)hp.kfac, n);
+
+		if (!rc)
+			rc = kvd_lsh_tables_check(hp.tab, n, (int)g->K, (int)g->L);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
+		  struct kvd_seg **out)
+{
+	struct kvd_seg *s;
+
+	if (!seg_geom_ok(g, n))
+		return -KVD_EGEOM;
+	if (!io || (uintptr_t)io % IO_PAGE || bytes != kvd_seg_io_bytes(g, n))
+		return -EINVAL;
+	s = seg_new(g, n);
+	if (!s)
+		return -ENOMEM;
+	s->io = io;
+	s->mem = (char *)io + IO_PAGE;
+	s->bytes = bytes;
+	for (uint32_t h = 0; h < g->kv_heads; h++)
+		head_layout(g, s, h);
+	*out = s;
+	return 0;
+}
+
+void kvd_seg_free(struct kvd_seg *s)
+{
+	if (!s)
+		return;
+	kvd_seg_io_free(s->io, s->bytes);
+	free(s);
+}

@@ -1,0 +1,51 @@
+/* The store's private part: a sequence's and its layers' fields.
+ *
+ * Only kvd/store.c and kvd/tier.c include this.  The tier is the store's
+ * close partner: it moves a sequence's data between RAM and disk (state,
+ * ready, gen, its record in `tier`) and writes a layer's parts out as they
+ * lie.  Everyone else goes through the functions in store.h, so that the
+ * rules about a sequence's state (which layer can be attended, who owns
+ * it) stay in one place.
+ */
+#ifndef KVD_STORE_INT_H
+#define KVD_STORE_INT_H
+
+#include "store.h"
+
+struct kvd_layer_state {
+	float *mean;                    /* [kv][d], NULL until the first PREFILL */
+	struct kvd_seg **seg;
+	uint32_t nseg, segcap;
+	int sealed;                     /* prefill finished (KVD_RF_LAST seen) */
+	/* Prefill staging: rows of the segment being filled, K and V
+	 * [kv][stage_cap][d], codes [kv][L][stage_cap]; stage_n rows used. */
+	uint16_t *stage_k, *stage_v, *stage_codes;
+	uint32_t stage_n, stage_cap;
+	/* The tail (APPEND after prefill), K and V [kv][seal_tokens][d], codes
+	 * [kv][L][seal_tokens]; tail_n rows used, sealed into a segment when
+	 * it reaches seal_tokens. */
+	uint16_t *tail_k, *tail_v, *tail_codes;
+	uint32_t tail_n;
+	uint64_t tokens;                /* tokens kvd holds for this layer */
+};
+
+struct kvd_seqn {
+	uint64_t id;
+	uint64_t owner;                 /* client id */
+	uint32_t uid;                   /* charged for it (the number before ':' in tenant) */
+	char tenant[KVD_NAME_MAX + 1];
+	const struct kvd_profile *p;
+	struct kvd_layer_state *ly;     /* [layers] */
+	size_t bytes;                   /* resident: segments and their tables, staging,
+					 * tail, means (0 on disk) */
+	size_t fixed;                   /* the struct and its layer array: charged, and
+					 * kept when dropped, but not in bytes */
+	uint64_t gen;                   /* bumped by every change to the data */
+	uint8_t state;                  /* enum kvd_seq_state */
+	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
+	uint32_t node;                  /* NUMA node (index into the store's nodes) */
+	void *tier;                     /* kvd_tier's record, or NULL */
+	struct kvd_seqn *next;          /* hash chain */
+};
+
+#endif
