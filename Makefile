@@ -27,7 +27,7 @@ endif
 WARN    := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wno-unused-parameter -Werror
 CFLAGS  ?= -O2 -g
 # -fPIC: the same objects go into libkvclient.so.
-CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ishm -Iproto -Igpu-client -I$(B)/proto
+CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -I$(B)/proto
 LDLIBS  += -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 ifneq ($(SAN),)
@@ -62,7 +62,7 @@ CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudar
 NVCCFLAGS ?= -O2 -lineinfo
 NVCCFLAGS += -std=c++17 $(CUDA_ARCH) -MMD -MP -Werror all-warnings \
 	     -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter,-Werror \
-	     -I. -Ikvd -Ishm -Iproto -Igpu-client
+	     -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client
 endif
 
 # Per-ISA kernel files get their own flags; everything else stays baseline
@@ -71,7 +71,7 @@ ISA_avx2   := -mavx2 -mfma -mf16c
 ISA_avx512 := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
 
 PROTO_C  := $(B)/proto/kvd.pb-c.c
-CORE_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c)) $(wildcard shm/*.c)
+CORE_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c kvd/engine/*.c kvd/store/*.c)) $(wildcard shm/*.c)
 CORE_OBJ := $(CORE_SRC:%.c=$(B)/obj/%.o) $(B)/proto/kvd.pb-c.o
 # kvg_cuda.c + kvg_hash.c + kvg_kern.cu are the CUDA backend; kvg_nocuda.c
 # stands in for them without CUDA.
@@ -132,14 +132,14 @@ $(B)/proto/kvd.pb-c.o: $(B)/proto/kvd.pb-c.c
 deps:
 	$(Q)sh tools/deps.sh
 
-$(B)/obj/kvd/kern_avx2.o: EXTRA := $(ISA_avx2)
+$(B)/obj/kvd/engine/kern_avx2.o: EXTRA := $(ISA_avx2)
 # The revision kvd_build_info{git=...} reports, read from .git without running
 # git ("unknown" outside a checkout); `make GIT_REV=...` overrides.
 GIT_REV ?= $(shell r=$$(sed -n 's/^ref: //p' .git/HEAD 2>/dev/null); \
 	{ if [ -n "$$r" ]; then cat .git/$$r 2>/dev/null || awk -v r="$$r" '$$2 == r {print $$1}' .git/packed-refs; \
 	  else cat .git/HEAD; fi; } 2>/dev/null | cut -c1-12)
 $(B)/obj/kvd/metrics.o: EXTRA := -DKVD_GIT_REV='"$(or $(GIT_REV),unknown)"'
-$(B)/obj/kvd/kern_avx512.o: EXTRA := $(ISA_avx512)
+$(B)/obj/kvd/engine/kern_avx512.o: EXTRA := $(ISA_avx512)
 
 $(B)/obj/%.o: %.c
 	$(call msg,CC,$<)
@@ -216,13 +216,13 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 # instrumentation (not its main); only the per-ISA kernel files get their ISA
 # flags, as in every other build, so a fuzz target runs on any x86-64 and
 # dispatch picks the kernels the CPU has.
-FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ishm -Iproto -Igpu-client -Ibuild/proto \
+FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -Ibuild/proto \
 	-fsanitize=fuzzer-no-link,address,undefined -DKVD_INVARIANTS
 FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
 FUZZ_LIBS := -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
-build/fuzz/obj/kvd/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
-build/fuzz/obj/kvd/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
+build/fuzz/obj/kvd/engine/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
+build/fuzz/obj/kvd/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
 
 build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
 	$(call msg,FUZZCC,$<)

@@ -6,7 +6,7 @@
  *                [--batch N]
  *
  * Setup (not measured): the parent makes one synthetic sequence per decode
- * client (kvd/synth.h, workloads rotating needle/dense/mixed as in the demo),
+ * client (kvd/engine/synth.h, workloads rotating needle/dense/mixed as in the demo),
  * centers, rounds and hashes its rows once on a pool (kvd_prep_mean /
  * kvd_prep_rows, exactly the pieces kvd_prep_layer builds segments from),
  * and makes every query of the run and its codes.  It then starts kvd as a

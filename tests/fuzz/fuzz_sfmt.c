@@ -1,4 +1,4 @@
-/* libFuzzer target for the spill format (kvd/sfmt.c) and the segment check
+/* libFuzzer target for the spill format (kvd/store/sfmt.c) and the segment check
  * (kvd_seg_check): what stands between a file on disk and kvd's memory.
  *
  * The input is one extent without its page padding: the header struct

@@ -148,7 +148,7 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
 			  float **m, uint16_t **k, uint16_t **v, uint16_t **codes);
 
 /* The extent writer: the one place a header is filled, so the writers of
- * files (kvd/tier.c, bench/spill.c, the tests) cannot disagree on which
+ * files (kvd/store/tier.c, bench/spill.c, the tests) cannot disagree on which
  * fields a kind carries.
  *
  * kvd_sfmt_file: what every extent of one file shares.  profile_fp is

@@ -4,13 +4,13 @@
  * centered K and V rows (bf16, or int8 with scales), 1/|k| (f32) and the L
  * bucket tables.  It is immutable once built and may be read by any number
  * of threads.  It lives in an io buffer laid out as one spill extent
- * (kvd/sfmt.h): a KVD_SEG_IO_PAGE header page, then the kvd_seg_bytes()
+ * (kvd/store/sfmt.h): a KVD_SEG_IO_PAGE header page, then the kvd_seg_bytes()
  * payload padded to a multiple of the page, 4096-aligned, so spilling it and
  * reading it back (O_DIRECT) need no copy, and a segment read back is
  * adopted in place after kvd_seg_check().
  *
  * One module owns the layout so that build, check, adopt and the byte count
- * cannot disagree; attention (kvd/attn.h) only reads segments.
+ * cannot disagree; attention (kvd/engine/attn.h) only reads segments.
  */
 #ifndef KVD_SEG_H
 #define KVD_SEG_H

@@ -59,7 +59,7 @@ struct kvd_profile {
 	struct kvd_logp_tab *tab;
 };
 
-/* Where a sequence's data is (kvd/tier.c moves it). */
+/* Where a sequence's data is (kvd/store/tier.c moves it). */
 enum kvd_seq_state {
 	KVD_SEQ_RAM = 0,                /* all resident */
 	KVD_SEQ_SPILLING,               /* all resident, a file being written */
@@ -68,8 +68,8 @@ enum kvd_seq_state {
 	KVD_SEQ_LOST,                   /* a restore failed: every use fails -KVD_ELOST */
 };
 
-/* A sequence.  Its fields are the store's (and the tier's, kvd/tier.c,
- * which moves its data): kvd/store_int.h.  Everyone else reads it through
+/* A sequence.  Its fields are the store's (and the tier's, kvd/store/tier.c,
+ * which moves its data): kvd/store/store_int.h.  Everyone else reads it through
  * the kvd_store_seq_* functions below, so every rule about a sequence's
  * state lives here. */
 struct kvd_seqn;
@@ -163,7 +163,7 @@ void kvd_store_profile_each(struct kvd_store *s,
 			    void (*fn)(void *arg, const struct kvd_profile *p, uint32_t refs),
 			    void *arg);
 
-/* Tiering (kvd/tier.c).  drop frees every resident byte of a sequence but
+/* Tiering (kvd/store/tier.c).  drop frees every resident byte of a sequence but
  * keeps its identity and token counts (and its fixed bytes); the install
  * functions put restored parts back, accounted.  A layer's tail rows are
  * copied; a segment is taken over.  Install charges without checking caps:
