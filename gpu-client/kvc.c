@@ -12,11 +12,11 @@
 #include "kvc.h"
 #include "kvd_ring.h"
 #include "kvg.h"
+#include "kvg_plan.h"
 #include "kvt.h"
 #include "lsh.h"
 #include "prep.h"
 
-#define APPEND_BATCH 32         /* window evictions sent to kvd together */
 
 struct kvc_layer {
 	float *mean;                    /* [H][d]; NULL: dense layer or not prefilled */
@@ -285,17 +285,20 @@ static int evict(struct kvc *c, struct kvc_seq *s, uint32_t layer, uint32_t cnt)
 	struct kvc_layer *l = &s->ly[layer];
 	const uint32_t H = c->g->kv_heads, d = c->g->d, L = c->g->L;
 	const struct kvd_rows_layout lay = kvd_rows_layout(H, d, L, cnt, 0);
-	int slot = kvt_slot_get(c->t, 1);
 	float *x;
-	int rc;
+	int slot, rc;
 
-	if (slot < 0)
-		return slot;
+	/* Checked before a slot is taken: an error return must not keep one. */
 	if (lay.bytes > kvt_slot_size(c->t))
 		return kvt_fail(c->t, -EMSGSIZE, "slots too small for %u appended tokens", cnt);
 	x = malloc((size_t)cnt * d * sizeof *x);
 	if (!x)
 		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	slot = kvt_slot_get(c->t, 1);
+	if (slot < 0) {
+		free(x);
+		return slot;
+	}
 
 	char *base = kvt_slot(c->t, (uint32_t)slot);
 	uint16_t *kb = (uint16_t *)(base + lay.k), *vb = (uint16_t *)(base + lay.v);
@@ -347,8 +350,8 @@ int kvc_append(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
 		return kvt_fail(c->t, -EINVAL, "layer %u: append before prefill", layer);
 	if ((rc = local_put(c, l, k, v, 1, 0, 1)))
 		return rc;
-	if (!kvt_dense(c->t, layer) && l->n - l->nsink >= c->m->window + APPEND_BATCH)
-		return evict(c, s, layer, APPEND_BATCH);
+	if (!kvt_dense(c->t, layer) && l->n - l->nsink >= c->m->window + KVG_APPEND_BATCH)
+		return evict(c, s, layer, KVG_APPEND_BATCH);
 	return 0;
 }
 

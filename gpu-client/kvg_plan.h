@@ -17,7 +17,7 @@
 #define KVG_ATTN_BATCH  64u     /* sequences per attention launch (by-value descriptors) */
 #define KVG_SPLIT_MAX   128u    /* most blocks one (sequence, kv head) is split over */
 #define KVG_SPLIT_MIN_ROWS 256u /* fewer rows per split than this is not worth a combine */
-#define KVG_APPEND_BATCH 32u    /* window evictions sent to kvd together (== kvc.c) */
+#define KVG_APPEND_BATCH 32u    /* window evictions sent to kvd together (both backends) */
 
 /* ---- attention over rows held on the GPU --------------------------------- */
 
