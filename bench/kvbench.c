@@ -53,13 +53,17 @@ struct opts {
 	const char *trace;
 	int warm;                       /* --warm: no sweep before the reps */
 	uint32_t dt[KVD_KV_DTYPE_MAX + 1], ndt;
+	uint32_t est[KVD_EST_MAX + 1], nest;
+	uint32_t steps;                 /* decode steps of a synthetic workload */
 };
 
 /* One layer's raw input: what a model's attention would see. */
 struct layer_in {
 	const char *name;
 	uint32_t n, q_heads, kv_heads, d;
-	const float *k, *v, *q;
+	const float *k, *v, *q;         /* q: the last step's query */
+	uint32_t steps;                 /* qs holds [steps][q_heads][d]; q is its last */
+	const float *qs;
 };
 
 struct probes {
@@ -194,7 +198,7 @@ static double rel_err(const double *a, const double *b, size_t n)
 /* ---- one measured configuration --------------------------------------- */
 
 struct result {
-	uint32_t ctx, K, L, c, nseg, kv_dtype;
+	uint32_t ctx, K, L, c, nseg, kv_dtype, est;
 	const char *workload, *isa;
 	double cand_frac, rows_frac, build_ms, seg_build_ms, hash_ms, sampled_ms, dense_ms;
 	double sampled_warm_ms, dense_warm_ms;
@@ -213,61 +217,86 @@ struct layer_call {
 	const uint16_t *qc;
 	float *o, *lse;
 	int dense;
+	uint32_t est;
+	uint32_t *heavy;                /* estimator state, reset from heavy0 every call */
+	const uint32_t *heavy0;
+	size_t heavy_words;
+	struct kvd_attn_stats *st;
 };
 
 static void layer_once(const struct layer_call *c)
 {
-	if (c->dense)
+	struct kvd_attn_req r = { .g = c->g, .tab = c->tab, .lv = c->lv, .q = c->q, .qc = c->qc,
+				  .o = c->o, .lse = c->lse, .est = c->est, .heavy = c->heavy };
+	int rc;
+
+	if (c->dense) {
 		kvd_attn_layer_dense(c->pool, c->scr, c->kk, c->g, c->lv, c->q, c->o, c->lse);
-	else
-		kvd_attn_layer(c->pool, c->scr, c->kk, c->g, c->tab, c->lv, c->q, c->qc, c->o, c->lse,
-			       NULL);
+		return;
+	}
+	/* Every rep answers the same step from the same state. */
+	if (c->heavy)
+		memcpy(c->heavy, c->heavy0, c->heavy_words * sizeof *c->heavy);
+	rc = kvd_attn_layers(c->pool, c->scr, c->kk, &r, 1, c->st);
+	if (rc || r.rc)
+		die("attend", rc ? rc : r.rc);
 }
 
-/* Median ms of `reps` calls, each after a sweep when sw is not NULL. */
-static double time_reps(const struct layer_call *c, int reps, struct bench_sweep *sw)
+/* Median ms of `reps` calls of each of the n calls c[], the calls taken in
+ * turn within a rep (each after a sweep when sw is not NULL), so that every
+ * estimator sees the same machine: ms[i] for c[i]. */
+static void time_reps(const struct layer_call *c, int n, int reps, struct bench_sweep *sw,
+		      double *ms)
 {
-	double *ts = malloc((size_t)reps * sizeof *ts), med;
+	double *ts = malloc((size_t)n * reps * sizeof *ts);
 
 	if (!ts)
 		die("timing", -ENOMEM);
-	for (int r = 0; r < reps; r++) {
-		double t;
+	for (int r = 0; r < reps; r++)
+		for (int i = 0; i < n; i++) {
+			double t;
 
-		if (sw)
-			bench_sweep(c->pool, sw);
-		t = bench_now_ms();
-		layer_once(c);
-		ts[r] = bench_now_ms() - t;
-	}
-	med = bench_median(ts, reps);
+			if (sw)
+				bench_sweep(c[i].pool, sw);
+			t = bench_now_ms();
+			layer_once(&c[i]);
+			ts[(size_t)i * reps + r] = bench_now_ms() - t;
+		}
+	for (int i = 0; i < n; i++)
+		ms[i] = bench_median(ts + (size_t)i * reps, reps);
 	free(ts);
-	return med;
 }
 
+/* One layer of one dtype, built once, answered by every estimator asked for
+ * (res[e] for op->est[e]): the steps before the last only feed an
+ * estimator's state; the last step is measured, every rep of it starting
+ * from the state the earlier steps left. */
 static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
 		       const struct probes *pr, uint32_t K, uint32_t L, uint32_t dt,
 		       struct result *res)
 {
 	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c, dt };
-	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads;
+	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads, ne = op->nest;
 	unsigned nw = kvd_pool_size(pool);
 	const struct kvd_kern *kk = kvd_kern_get();
 	float *W = malloc((size_t)d * K * L * sizeof *W);
 	uint16_t *qc = malloc((size_t)nq * L * sizeof *qc);
-	float *o = malloc((size_t)nq * d * sizeof *o), *lse = malloc(nq * sizeof *lse);
+	float *o = malloc((size_t)ne * nq * d * sizeof *o), *lse = malloc((size_t)ne * nq * sizeof *lse);
 	float *od = malloc((size_t)nq * d * sizeof *od), *lsed = malloc(nq * sizeof *lsed);
 	struct kvd_logp_tab *tab = malloc(sizeof *tab);
 	struct kvd_attn_scratch *scr = calloc(nw, sizeof *scr);
 	struct kvd_prep p;
-	struct kvd_attn_stats st;
+	struct kvd_attn_stats st[KVD_EST_MAX + 1];
+	struct layer_call sc[KVD_EST_MAX + 1];
+	double ms[KVD_EST_MAX + 1];
 	int rc;
 
+	if (!W || !qc || !o || !lse || !od || !lsed || !tab || !scr)
+		die("buffers", -ENOMEM);
 	rc = kvd_geom_check(&g);
 	if (rc)
 		die("geometry", rc);
 	kvd_lsh_make_w(op->seed ^ 0x5eed0000ull, (int)d, (int)K, (int)L, W);
-	kvd_prep_query_codes(&g, W, in->q, qc);
 	rc = kvd_prep_layer(&p, &g, W, in->k, in->v, in->n, lo, hi, op->seg, pool);
 	if (rc)
 		die("prefill", rc);
@@ -277,19 +306,53 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 			die("scratch", rc);
 
 	struct kvd_layer_view lv = kvd_prep_view(&p);
-	struct layer_call sc = { pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, 0 };
-	struct layer_call dc = { pool, scr, kk, &g, tab, &lv, in->q, qc, od, lsed, 1 };
+	struct layer_call dc = { pool, scr, kk, &g, tab, &lv, in->q, qc, od, lsed, 1,
+				 KVD_EST_MAGICPIG, NULL, NULL, 0, NULL };
 
-	/* warm-up, and the stats of the sample (identical every repetition) */
-	if ((rc = kvd_attn_layer(pool, scr, kk, &g, tab, &lv, in->q, qc, o, lse, &st)))
-		die("attend", rc);
-	res->sampled_warm_ms = time_reps(&sc, op->reps, NULL);
-	res->sampled_ms = pr->sw ? time_reps(&sc, op->reps, pr->sw) : res->sampled_warm_ms;
+	for (uint32_t e = 0; e < ne; e++) {
+		uint32_t est = op->est[e];
+		size_t hw = est != KVD_EST_MAGICPIG ? kvd_heavy_words(&g) : 0;
+		uint32_t *heavy = hw ? calloc(hw, sizeof *heavy) : NULL;
+		uint32_t *heavy0 = hw ? calloc(hw, sizeof *heavy0) : NULL;
+
+		if (hw && (!heavy || !heavy0))
+			die("estimator state", -ENOMEM);
+		sc[e] = (struct layer_call){ pool, scr, kk, &g, tab, &lv, in->q, qc,
+					     o + (size_t)e * nq * d, lse + (size_t)e * nq, 0,
+					     est, heavy, heavy0, hw, NULL };
+		for (uint32_t t = 0; t + 1 < in->steps; t++) {
+			struct layer_call c1 = sc[e];
+
+			c1.q = in->qs + (size_t)t * nq * d;
+			kvd_prep_query_codes(&g, W, c1.q, qc);
+			layer_once(&c1);
+			if (hw)
+				memcpy(heavy0, heavy, hw * sizeof *heavy);
+		}
+		kvd_prep_query_codes(&g, W, in->q, qc);
+		/* the answer measured, and the stats of its sample (the same
+		 * every repetition) */
+		sc[e].st = &st[e];
+		layer_once(&sc[e]);
+		sc[e].st = NULL;
+	}
+	/* Timed reps write the same answers again into o. */
+	time_reps(sc, (int)ne, op->reps, NULL, ms);
+	for (uint32_t e = 0; e < ne; e++)
+		res[e].sampled_warm_ms = ms[e];
+	if (pr->sw)
+		time_reps(sc, (int)ne, op->reps, pr->sw, ms);
+	for (uint32_t e = 0; e < ne; e++)
+		res[e].sampled_ms = ms[e];
 	layer_once(&dc);
-	res->dense_warm_ms = time_reps(&dc, op->reps, NULL);
-	res->dense_ms = pr->sw ? time_reps(&dc, op->reps, pr->sw) : res->dense_warm_ms;
+	time_reps(&dc, 1, op->reps, NULL, &res[0].dense_warm_ms);
+	if (pr->sw)
+		time_reps(&dc, 1, op->reps, pr->sw, &res[0].dense_ms);
+	else
+		res[0].dense_ms = res[0].dense_warm_ms;
 
-	/* per q head sample sizes, for TopK's budget */
+	/* per q head sample sizes (magicpig's sample of the last step), for
+	 * TopK's budget */
 	uint64_t *cand = calloc(nq, sizeof *cand);
 	uint16_t *ids = malloc(KVD_SEG_MAX * sizeof *ids);
 	uint32_t G = nq / in->kv_heads;
@@ -307,43 +370,50 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		.topk = malloc((size_t)nq * d * sizeof(double)),
 	};
 	double *full = malloc((size_t)nq * d * sizeof(double));
-
-	reference(in, p.mean, lo, hi, cand, &ref);
-	for (uint32_t qh = 0; qh < nq; qh++) {
-		double lo_ = ref.gpu_l[qh], part[KVD_DMAX];
-
-		memcpy(full + (size_t)qh * d, ref.gpu_o + (size_t)qh * d, d * sizeof(double));
-		for (uint32_t e = 0; e < d; e++)
-			part[e] = o[(size_t)qh * d + e];
-		kvd_ref_merge(full + (size_t)qh * d, &lo_, part, lse[qh], (int)d);
-	}
-
 	size_t bytes_seg = 0;
 
+	reference(in, p.mean, lo, hi, cand, &ref);
 	for (uint32_t s = 0; s < p.nseg; s++)
 		bytes_seg += p.seg[s]->bytes;
-	res->ctx = in->n;
-	res->K = K;
-	res->L = L;
-	res->c = op->c;
-	res->kv_dtype = dt;
-	res->nseg = p.nseg;
-	res->isa = kk->name;
-	res->workload = in->name;
-	res->cand_frac = (double)st.cand / ((double)nq * (hi - lo));
-	res->rows_frac = (double)st.rows / ((double)in->kv_heads * (hi - lo));
-	res->build_ms = p.tables_ms;
-	res->seg_build_ms = p.build_ms;
-	res->hash_ms = p.hash_ms;
 	/* A gathered row: K and V, 1/|k|, and for int8 its value scale. */
 	double row_bytes = dt == KVD_KV_INT8 ? 2.0 * d + 8 : 2.0 * d * 2 + 4;
 
-	res->bytes_touched = (double)st.rows * row_bytes + (double)st.bucket_ids * 2 +
-			     (double)nq * p.nseg * L * 4;
-	res->rel_err = rel_err(full, ref.exact, (size_t)nq * d);
-	res->topk_rel_err = rel_err(ref.topk, ref.exact, (size_t)nq * d);
-	res->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
+	for (uint32_t e = 0; e < ne; e++) {
+		struct result *r = &res[e];
 
+		for (uint32_t qh = 0; qh < nq; qh++) {
+			double lo_ = ref.gpu_l[qh], part[KVD_DMAX];
+
+			memcpy(full + (size_t)qh * d, ref.gpu_o + (size_t)qh * d, d * sizeof(double));
+			for (uint32_t j = 0; j < d; j++)
+				part[j] = o[((size_t)e * nq + qh) * d + j];
+			kvd_ref_merge(full + (size_t)qh * d, &lo_, part, lse[(size_t)e * nq + qh],
+				      (int)d);
+		}
+		r->ctx = in->n;
+		r->K = K;
+		r->L = L;
+		r->c = op->c;
+		r->kv_dtype = dt;
+		r->est = op->est[e];
+		r->nseg = p.nseg;
+		r->isa = kk->name;
+		r->workload = in->name;
+		r->dense_ms = res[0].dense_ms;
+		r->dense_warm_ms = res[0].dense_warm_ms;
+		r->cand_frac = (double)st[e].cand / ((double)nq * (hi - lo));
+		r->rows_frac = (double)st[e].rows / ((double)in->kv_heads * (hi - lo));
+		r->build_ms = p.tables_ms;
+		r->seg_build_ms = p.build_ms;
+		r->hash_ms = p.hash_ms;
+		r->bytes_touched = (double)st[e].rows * row_bytes + (double)st[e].bucket_ids * 2 +
+				   (double)nq * p.nseg * L * 4;
+		r->rel_err = rel_err(full, ref.exact, (size_t)nq * d);
+		r->topk_rel_err = rel_err(ref.topk, ref.exact, (size_t)nq * d);
+		r->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
+		free(sc[e].heavy);
+		free((void *)sc[e].heavy0);
+	}
 	free(full);
 	free(ref.exact);
 	free(ref.gpu_o);
@@ -363,10 +433,11 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	free(tab);
 }
 
-/* base: the bf16 row of the same configuration in this run, or NULL. */
+/* base: the bf16 row of the same configuration in this run, or NULL; mp:
+ * the magicpig row of the same dtype, or NULL. */
 static void print_result(const struct opts *op, const struct layer_in *in, unsigned threads,
 			 const struct probes *pr, const struct result *r,
-			 const struct result *base, int *header)
+			 const struct result *base, const struct result *mp, int *header)
 {
 	int i8 = r->kv_dtype == KVD_KV_INT8;
 	double floor_ms = r->bytes_touched / ((i8 ? pr->gather8_gbps : pr->gather_gbps) * 1e6);
@@ -381,39 +452,56 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 			 r->sampled_ms / base->sampled_ms, r->dense_ms / base->dense_ms,
 			 r->rel_err - base->rel_err);
 
+	char vm[256] = "";
+
+	if (mp && op->json)
+		snprintf(vm, sizeof vm,
+			 "\"sampled_vs_magicpig\":%.3f,\"rel_err_vs_magicpig\":%.3f,"
+			 "\"bytes_vs_magicpig\":%.3f,",
+			 r->sampled_ms / mp->sampled_ms, r->rel_err / mp->rel_err,
+			 r->bytes_touched / mp->bytes_touched);
+
+	/* TopK is exact on needle (its error is ~1e-10): no ratio then. */
+	char vs_topk[32] = "null";
+
+	if (r->topk_rel_err > 1e-6)
+		snprintf(vs_topk, sizeof vs_topk, "%.3f", r->rel_err / r->topk_rel_err);
 	if (op->json) {
 		printf("{\"bench\":\"attn\",\"ctx\":%u,\"q_heads\":%u,\"kv_heads\":%u,\"head_dim\":%u,"
 		       "\"K\":%u,\"L\":%u,\"c\":%u,\"threads\":%u,\"isa\":\"%s\",\"workload\":\"%s\","
 		       "\"segments\":%u,\"cand_frac\":%.5f,\"rows_frac\":%.5f,\"build_ms\":%.2f,\"seg_build_ms\":%.2f,"
 		       "\"hash_ms\":%.1f,\"timing\":\"%s\",\"llc_bytes\":%zu,\"kv_dtype\":\"%s\",%s"
+		       "\"estimator\":\"%s\",\"steps\":%u,%s"
 		       "\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"sampled_warm_ms\":%.3f,"
 		       "\"dense_warm_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
 		       "\"bytes_touched\":%.0f,\"gather_floor_ms\":%.3f,\"mem_read_gbps\":%.2f,"
 		       "\"gather_gbps\":%.2f,\"dense_gbps\":%.2f,\"dense_vs_stream\":%.3f,"
 		       "\"floor_ratio\":%.3f,\"rel_err\":%.5f,"
-		       "\"topk_rel_err\":%.5f,\"bytes_per_token\":%.1f,\"cpu\":\"%s\"}\n",
+		       "\"topk_rel_err\":%.5f,\"vs_topk\":%s,\"bytes_per_token\":%.1f,\"cpu\":\"%s\"}\n",
 		       r->ctx, in->q_heads, in->kv_heads, in->d, r->K, r->L, r->c, threads, r->isa,
 		       r->workload, r->nseg, r->cand_frac, r->rows_frac, r->build_ms, r->seg_build_ms, r->hash_ms,
 		       pr->sw ? "cold" : "warm", pr->llc, kvd_kv_dtype_name(r->kv_dtype), vs,
+		       kvd_estimator_name(r->est), in->steps, vm,
 		       r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
 		       r->dense_warm_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
 		       floor_ms, pr->mem_read_gbps, i8 ? pr->gather8_gbps : pr->gather_gbps,
 		       dense_gbps, dense_gbps / pr->mem_read_gbps, r->sampled_ms / floor_ms, r->rel_err,
-		       r->topk_rel_err, r->bytes_per_token, bench_cpu_name());
+		       r->topk_rel_err, vs_topk, r->bytes_per_token,
+		       bench_cpu_name());
 		fflush(stdout);
 		return;
 	}
 	if (!*header) {
-		printf("%-7s %-7s %-9s %-5s %6s %8s %9s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
-		       "workload", "kv", "cand%", "build_ms", "sampled", "s_warm", "dense", "speedup",
+		printf("%-7s %-7s %-9s %-5s %-8s %6s %8s %9s %9s %8s %7s %8s %8s %8s %7s\n", "ctx", "K/L/c",
+		       "workload", "kv", "est", "cand%", "build_ms", "sampled", "s_warm", "dense", "speedup",
 		       "floor_ms", "rel_err", "topk_err", "B/tok");
 		*header = 1;
 	}
 	char klc[32];
 
 	snprintf(klc, sizeof klc, "%u/%u/%u", r->K, r->L, r->c);
-	printf("%-7u %-7s %-9s %-5s %6.2f %8.1f %9.3f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx,
-	       klc, r->workload, kvd_kv_dtype_name(r->kv_dtype), 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->sampled_warm_ms,
+	printf("%-7u %-7s %-9s %-5s %-8s %6.2f %8.1f %9.3f %9.3f %8.3f %7.1f %8.3f %8.4f %8.4f %7.1f\n", r->ctx,
+	       klc, r->workload, kvd_kv_dtype_name(r->kv_dtype), kvd_estimator_name(r->est), 100 * r->cand_frac, r->build_ms, r->sampled_ms, r->sampled_warm_ms,
 	       r->dense_ms,
 	       r->dense_ms / r->sampled_ms, floor_ms, r->rel_err, r->topk_rel_err,
 	       r->bytes_per_token);
@@ -444,18 +532,24 @@ static void load_trace(const char *dir, struct layer_in *in, float **bufs)
 	bufs[0] = load(dir, "keys.npy", &hk);
 	bufs[1] = load(dir, "values.npy", &hv);
 	bufs[2] = load(dir, "queries.npy", &hq);
-	if (hk.ndim != 3 || hv.ndim != 3 || hq.ndim != 2 || memcmp(hk.shape, hv.shape, sizeof hk.shape) ||
-	    hq.shape[1] != hk.shape[2] || hk.shape[0] == 0 || hq.shape[0] % hk.shape[0] ||
+	/* queries [q_heads, d] (one step) or [steps, q_heads, d] */
+	uint64_t steps = hq.ndim == 3 ? hq.shape[0] : 1, qh = hq.shape[hq.ndim - 2];
+
+	if (hk.ndim != 3 || hv.ndim != 3 || (hq.ndim != 2 && hq.ndim != 3) ||
+	    memcmp(hk.shape, hv.shape, sizeof hk.shape) || hq.shape[hq.ndim - 1] != hk.shape[2] ||
+	    hk.shape[0] == 0 || qh % hk.shape[0] || steps == 0 || steps > 4096 ||
 	    hk.shape[1] > UINT32_MAX || hk.shape[1] <= SINKS + WINDOW) {
 		fprintf(stderr, "kvbench: %s: want keys/values [kv_heads, n, d] and queries "
-				"[q_heads, d] with q_heads a multiple of kv_heads and n > %d\n",
+				"[q_heads, d] or [steps, q_heads, d] (1..4096 steps) with q_heads "
+				"a multiple of kv_heads and n > %d\n",
 			dir, SINKS + WINDOW);
 		exit(1);
 	}
 	*in = (struct layer_in){
-		.name = "trace", .n = (uint32_t)hk.shape[1], .q_heads = (uint32_t)hq.shape[0],
+		.name = "trace", .n = (uint32_t)hk.shape[1], .q_heads = (uint32_t)qh,
 		.kv_heads = (uint32_t)hk.shape[0], .d = (uint32_t)hk.shape[2],
-		.k = bufs[0], .v = bufs[1], .q = bufs[2],
+		.k = bufs[0], .v = bufs[1], .q = bufs[2] + (steps - 1) * qh * hk.shape[2],
+		.steps = (uint32_t)steps, .qs = bufs[2],
 	};
 }
 
@@ -485,8 +579,9 @@ static void usage(void)
 		"usage: kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]\n"
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
 		"                    [--seed S] [--seg TOKENS] [--trace DIR] [--warm]\n"
-		"                    [--kv-dtype bf16,int8]\n"
-		"       kvbench trace-dump --workload W --ctx N DIR\n"
+		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive|all]\n"
+		"                    [--steps N]\n"
+		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n");
 	exit(2);
@@ -551,6 +646,24 @@ static void parse(int argc, char **argv, struct opts *op)
 			op->seg = (uint32_t)atoi(v);
 		} else if (!strcmp(a, "--trace")) {
 			op->trace = v;
+		} else if (!strcmp(a, "--estimator")) {
+			char buf[64], *save, *tok;
+
+			snprintf(buf, sizeof buf, "%s", v);
+			op->nest = 0;
+			if (!strcmp(buf, "all")) {
+				for (uint32_t e = 0; e <= KVD_EST_MAX; e++)
+					op->est[op->nest++] = e;
+				continue;
+			}
+			for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+				if (op->nest > KVD_EST_MAX ||
+				    kvd_estimator_parse(tok, &op->est[op->nest++]))
+					usage();
+			if (!op->nest)
+				usage();
+		} else if (!strcmp(a, "--steps")) {
+			op->steps = (uint32_t)atoi(v);
 		} else if (!strcmp(a, "--kv-dtype")) {
 			char buf[64], *save, *tok;
 
@@ -566,7 +679,7 @@ static void parse(int argc, char **argv, struct opts *op)
 			usage();
 		}
 	}
-	if (op->reps < 1 || op->seg < 1 || op->seg > KVD_SEG_MAX || (op->c != 1 && op->c != 2))
+	if (op->reps < 1 || op->steps < 1 || op->steps > 4096 || op->seg < 1 || op->seg > KVD_SEG_MAX || (op->c != 1 && op->c != 2))
 		usage();
 }
 
@@ -590,23 +703,37 @@ static void defaults(struct opts *op)
 	op->dt[0] = KVD_KV_BF16;
 	op->dt[1] = KVD_KV_INT8;
 	op->ndt = 2;
+	op->est[0] = KVD_EST_MAGICPIG;
+	op->nest = 1;
+	/* The drift of kvd_synth_steps forgets over about 1/(1 - RHO) = 5
+	 * steps; 16 is past the warm-up of any state an estimator keeps. */
+	op->steps = 16;
 	op->seg = 32768;
 }
 
-/* One configuration for every dtype asked for; int8 rows compare with the
- * bf16 row just measured. */
+/* One configuration for every dtype and estimator asked for, on the same
+ * data: int8 rows compare with the bf16 row of the same estimator, other
+ * estimators with magicpig's row of the same dtype. */
 static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
 		       const struct probes *pr, uint32_t K, uint32_t L, int *header)
 {
-	struct result r[KVD_KV_DTYPE_MAX + 1];
-	const struct result *base = NULL;
+	struct result r[KVD_KV_DTYPE_MAX + 1][KVD_EST_MAX + 1];
+	int have[KVD_KV_DTYPE_MAX + 1][KVD_EST_MAX + 1] = { { 0 } };
 
 	for (uint32_t i = 0; i < op->ndt; i++) {
-		run_config(op, pool, in, pr, K, L, op->dt[i], &r[i]);
-		print_result(op, in, kvd_pool_size(pool), pr, &r[i],
-			     op->dt[i] != KVD_KV_BF16 ? base : NULL, header);
-		if (op->dt[i] == KVD_KV_BF16)
-			base = &r[i];
+		uint32_t dt = op->dt[i];
+
+		run_config(op, pool, in, pr, K, L, dt, r[dt]);
+		for (uint32_t e = 0; e < op->nest; e++)
+			have[dt][op->est[e]] = e + 1;
+		for (uint32_t e = 0; e < op->nest; e++) {
+			uint32_t est = op->est[e];
+			int b = have[KVD_KV_BF16][est], m = have[dt][KVD_EST_MAGICPIG];
+
+			print_result(op, in, kvd_pool_size(pool), pr, &r[dt][e],
+				     dt != KVD_KV_BF16 && b ? &r[KVD_KV_BF16][b - 1] : NULL,
+				     est != KVD_EST_MAGICPIG && m ? &r[dt][m - 1] : NULL, header);
+		}
 	}
 }
 
@@ -654,10 +781,19 @@ static int cmd_attn(struct opts *op)
 			rc = kvd_synth_make(&w, (enum kvd_wl)op->wl[wi], op->ctx[ci], 32, 8, 128, op->seed);
 			if (rc)
 				die("workload", rc);
+			float *qs = malloc((size_t)op->steps * w.q_heads * w.d * sizeof *qs);
+
+			if (!qs)
+				die("queries", -ENOMEM);
+			if ((rc = kvd_synth_steps(&w, op->steps, op->seed, qs)))
+				die("decode steps", rc);
 			in = (struct layer_in){ kvd_wl_name(w.kind), w.n, w.q_heads, w.kv_heads, w.d,
-						w.k, w.v, w.q };
+						w.k, w.v,
+						qs + (size_t)(op->steps - 1) * w.q_heads * w.d,
+						op->steps, qs };
 			for (uint32_t c = 0; c < op->nkl; c++)
 				run_dtypes(op, pool, &in, &pr, op->K[c], op->L[c], &header);
+			free(qs);
 			kvd_synth_free(&w);
 		}
 	}
@@ -682,11 +818,26 @@ static int cmd_trace_dump(int argc, char **argv)
 	if (rc)
 		die("workload", rc);
 
-	const uint64_t kshape[3] = { w.kv_heads, w.n, w.d }, qshape[2] = { w.q_heads, w.d };
+	/* --steps N: queries [N][q_heads][d] (decode steps); otherwise the one
+	 * query as [q_heads][d], as before. */
+	int multi = 0;
+
+	for (int i = 0; i + 1 < argc - 1; i++)
+		multi |= !strcmp(argv[i], "--steps");
+
+	float *qs = malloc((size_t)op.steps * w.q_heads * w.d * sizeof *qs);
+
+	if (!qs)
+		die("queries", -ENOMEM);
+	if ((rc = kvd_synth_steps(&w, op.steps, op.seed, qs)))
+		die("decode steps", rc);
+
+	const uint64_t kshape[3] = { w.kv_heads, w.n, w.d };
+	const uint64_t qshape[3] = { op.steps, w.q_heads, w.d };
 	const struct { const char *name; const float *data; int nd; const uint64_t *shape; } f[] = {
 		{ "keys.npy", w.k, 3, kshape },
 		{ "values.npy", w.v, 3, kshape },
-		{ "queries.npy", w.q, 2, qshape },
+		{ "queries.npy", multi ? qs : w.q, multi ? 3 : 2, multi ? qshape : qshape + 1 },
 	};
 
 	for (int i = 0; i < 3; i++) {
@@ -694,9 +845,11 @@ static int cmd_trace_dump(int argc, char **argv)
 		rc = kvd_npy_save(path, f[i].data, f[i].nd, f[i].shape);
 		if (rc) {
 			fprintf(stderr, "kvbench: %s: %s\n", path, kvd_strerror(rc));
+			free(qs);
 			return 1;
 		}
 	}
+	free(qs);
 	kvd_synth_free(&w);
 	return 0;
 }

@@ -11,6 +11,33 @@
 
 #define ALIGN64(x) (((x) + 63) & ~(size_t)63)
 
+/* ---- estimators --------------------------------------------------------- */
+
+static const char *const est_names[] = {
+	[KVD_EST_MAGICPIG] = "magicpig", [KVD_EST_HYBRID] = "hybrid",
+	[KVD_EST_ADAPTIVE] = "adaptive",
+};
+
+const char *kvd_estimator_name(uint32_t est)
+{
+	return est <= KVD_EST_MAX ? est_names[est] : NULL;
+}
+
+int kvd_estimator_parse(const char *s, uint32_t *out)
+{
+	for (uint32_t i = 0; i <= KVD_EST_MAX; i++)
+		if (strcmp(s, est_names[i]) == 0) {
+			*out = i;
+			return 0;
+		}
+	return -EINVAL;
+}
+
+size_t kvd_heavy_words(const struct kvd_geom *g)
+{
+	return (size_t)g->q_heads * (1 + KVD_HEAVY_MAX);
+}
+
 /* ---- scratch ----------------------------------------------------------- */
 
 int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
@@ -23,12 +50,13 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->cap = cap;
 	s->bits = calloc(words, sizeof *s->bits);
 	s->mask = calloc(cap, sizeof *s->mask);
+	s->hmask = calloc(cap, sizeof *s->hmask);
 	s->cand = malloc(cap * sizeof *s->cand);
 	s->rows = malloc(cap * sizeof *s->rows);
 	s->kinv = malloc(cap * sizeof *s->kinv);
 	/* Dense attention reuses s in blocks of DENSE_BLOCK rows. */
 	s->s = aligned_alloc(64, ALIGN64((size_t)KVD_GMAX * (cap > 256 ? cap : 256) * sizeof(float)));
-	if (!s->bits || !s->mask || !s->cand || !s->rows || !s->kinv || !s->s ||
+	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->s ||
 	    kvd_lsh_scratch_init(&s->lsh, cap)) {
 		kvd_attn_scratch_free(s);
 		return -ENOMEM;
@@ -41,6 +69,7 @@ void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 	kvd_lsh_scratch_free(&s->lsh);
 	free(s->bits);
 	free(s->mask);
+	free(s->hmask);
 	free(s->cand);
 	free(s->rows);
 	free(s->kinv);
@@ -57,20 +86,90 @@ static void empty_result(int G, int d, float *o, float *lse)
 		lse[g] = -INFINITY;
 }
 
-void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
-		      const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
-		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
-		      float *o, float *lse, struct kvd_attn_stats *st)
+/* The heavy keys of one segment-head for the G q heads of its group: ids
+ * (rows of the segment) and how many per q head. */
+struct heavy_in {
+	const uint32_t *id[KVD_GMAX];           /* packed (segment << 16 | row) */
+	uint32_t n[KVD_GMAX];
+	uint32_t seg;
+};
+
+/* What a task reports for the next step's heavy lists: per q head gi of the
+ * group, the KVD_HEAVY_MAX rows of its union with the largest exact score,
+ * s[gi * KVD_HEAVY_MAX + k] and id[...] (packed segment << 16 | row), n[gi]
+ * of them. */
+struct heavy_top {
+	float *s;
+	uint32_t *id;
+	uint32_t *n;
+};
+
+/* Keep the k largest (s, id) in a min-heap on s (ties: the larger id is the
+ * smaller entry, so equal scores keep the lowest ids whatever the order of
+ * insertion). */
+static int top_less(float a, uint32_t ia, float b, uint32_t ib)
+{
+	return a < b || (a == b && ia > ib);
+}
+
+static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s, uint32_t id)
+{
+	uint32_t i;
+
+	if (!(s == s))                          /* NaN never becomes heavy */
+		return;
+	if (*n < k) {
+		i = (*n)++;
+		while (i > 0 && top_less(s, id, hs[(i - 1) / 2], hid[(i - 1) / 2])) {
+			hs[i] = hs[(i - 1) / 2];
+			hid[i] = hid[(i - 1) / 2];
+			i = (i - 1) / 2;
+		}
+		hs[i] = s;
+		hid[i] = id;
+		return;
+	}
+	if (!top_less(hs[0], hid[0], s, id))
+		return;
+	i = 0;
+	for (;;) {
+		uint32_t l = 2 * i + 1, r = l + 1, m = i;
+		float ms = s;
+		uint32_t mid = id;
+
+		if (l < k && top_less(hs[l], hid[l], ms, mid))
+			m = l, ms = hs[l], mid = hid[l];
+		if (r < k && top_less(hs[r], hid[r], ms, mid))
+			m = r;
+		if (m == i)
+			break;
+		hs[i] = hs[m];
+		hid[i] = hid[m];
+		i = m;
+	}
+	hs[i] = s;
+	hid[i] = id;
+}
+
+/* Sampled attention of one segment-head; with hv, the heavy keys of each q
+ * head are attended exactly (weight 1) and left out of the sampled part; with
+ * top, each q head's best rows of the union are reported. */
+static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
+		    const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
+		    const float *q, const uint16_t *qc, struct kvd_attn_scratch *s, float *o,
+		    float *lse, struct kvd_attn_stats *st, const struct heavy_in *hv,
+		    struct heavy_top *top)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
 	const uint32_t n = seg->n, words = (n + 63) / 64;
 	uint64_t cand = 0, walked = 0;
-	uint32_t m = 0;
+	uint32_t m = 0, nheavy = 0;
 
 	/* Union of the group's candidates: a bit per id for the ascending scan,
-	 * and per id the set of q heads that sampled it.  Both are reset from
-	 * the union itself, so the cost follows the sample, not n. */
+	 * and per id the set of q heads that sampled it (and, for the hybrid
+	 * estimators, the set that holds it as heavy).  All are reset from the
+	 * union itself, so the cost follows the sample, not n. */
 	for (int gi = 0; gi < G; gi++) {
 		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
 						 &s->lsh, s->cand);
@@ -89,6 +188,13 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
 							 qc[(size_t)gi * L + t], &ids);
 		}
+		for (uint32_t i = 0; hv && i < hv->n[gi]; i++) {
+			uint32_t id = hv->id[gi][i] & 0xffff;
+
+			s->bits[id >> 6] |= 1ull << (id & 63);
+			s->hmask[id] |= (uint16_t)(1u << gi);
+			nheavy++;
+		}
 	}
 	for (uint32_t w = 0; w < words; w++) {
 		uint64_t x = s->bits[w];
@@ -106,6 +212,9 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		st->rows += m;
 		st->bucket_ids += walked;
 	}
+	if (top)
+		for (int gi = 0; gi < G; gi++)
+			top->n[gi] = 0;
 	if (m == 0) {
 		empty_result(G, d, o, lse);
 		return;
@@ -133,23 +242,74 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 	} else {
 		kk->qk(q, G, d, sh->k, s->rows, m, sc, m);
 	}
+	/* Exact scores, before the sampling correction: the next step's
+	 * heavy candidates are every row of the union, which every q head of
+	 * the group has scored anyway. */
+	if (top)
+		for (int gi = 0; gi < G; gi++) {
+			const float *sg = sc + (size_t)gi * m;
+			float *hs = top->s + gi * KVD_HEAVY_MAX;
+			uint32_t *hid = top->id + gi * KVD_HEAVY_MAX, hn = 0;
+			/* A row below 2^-KVD_HEAVY_SHARE_LOG2 of this task's best
+			 * weight is below that share of the head's mass too.  The
+			 * heap holds dot products (scaled once at the end), so the
+			 * test against its root is exact and most rows cost one
+			 * compare: ascending rows make the earlier of equal scores
+			 * win, as top_less does. */
+			float floor = kk->max(sg, m) - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2) / scale;
+			float root = -INFINITY;
+
+			for (uint32_t i = 0; i < m; i++) {
+				if (!(sg[i] >= floor) || sg[i] <= root)
+					continue;
+				top_push(hs, hid, &hn, KVD_HEAVY_MAX, sg[i], hv->seg << 16 | s->rows[i]);
+				if (hn == KVD_HEAVY_MAX)
+					root = hs[0];
+			}
+			for (uint32_t k = 0; k < hn; k++)
+				hs[k] *= scale;
+			top->n[gi] = hn;
+		}
 	for (int gi = 0; gi < G; gi++) {
 		const float *qg = q + (size_t)gi * d;
 		float nn = 0.0f;
 
 		for (int e = 0; e < d; e++)
 			nn += qg[e] * qg[e];
+		/* Heavy keys are attended exactly: their raw dot products are
+		 * kept across the sampling correction (rows is ascending). */
+		float hraw[KVD_HEAVY_MAX];
+		uint32_t hidx[KVD_HEAVY_MAX], nh = 0;
+
+		for (uint32_t k = 0; nheavy && k < hv->n[gi]; k++) {
+			uint32_t id = hv->id[gi][k] & 0xffff, lo = 0, hi = m;
+
+			while (lo < hi) {
+				uint32_t mid = (lo + hi) / 2;
+
+				if (s->rows[mid] < id)
+					lo = mid + 1;
+				else
+					hi = mid;
+			}
+			hidx[nh] = lo;
+			hraw[nh++] = sc[(size_t)gi * m + lo];
+		}
 		kk->logp(sc + (size_t)gi * m, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f,
 			 scale, tab);
+		for (uint32_t k = 0; k < nh; k++)
+			sc[(size_t)gi * m + hidx[k]] = hraw[k] * scale;
 	}
-	/* Keys in the union that this q head did not sample weigh nothing. */
+	/* Keys in the union that this q head neither sampled nor holds as heavy
+	 * weigh nothing; heavy ones weigh exactly their softmax weight. */
 	for (uint32_t i = 0; i < m; i++) {
 		uint32_t id = s->rows[i];
-		unsigned msk = s->mask[id];
+		unsigned msk = s->mask[id], hmsk = s->hmask[id];
 
 		s->mask[id] = 0;
+		s->hmask[id] = 0;
 		for (int gi = 0; gi < G; gi++)
-			if (!(msk >> gi & 1))
+			if (!((msk | hmsk) >> gi & 1))
 				sc[(size_t)gi * m + i] = -INFINITY;
 	}
 	float sum[KVD_GMAX];
@@ -186,6 +346,14 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		for (int e = 0; e < d; e++)
 			o[(size_t)gi * d + e] *= r;
 	}
+}
+
+void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
+		      const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
+		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
+		      float *o, float *lse, struct kvd_attn_stats *st)
+{
+	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -321,8 +489,36 @@ struct layer_job {
 	const size_t *po;                   /* [n]: request i's first float in part_o */
 	const size_t *pl;                   /* [n]: and in part_lse */
 	float *part_o, *part_lse;
+	/* Requests with estimator state: per task, G * KVD_HEAVY_MAX scores
+	 * and ids and G counts from top[ri] on, in task order. */
+	float *top_s[KVD_ATTN_BATCH_MAX];
+	uint32_t *top_id[KVD_ATTN_BATCH_MAX], *top_n[KVD_ATTN_BATCH_MAX];
 	struct kvd_attn_stats *st;          /* [workers] */
 };
+
+static int has_state(const struct kvd_attn_req *r)
+{
+	return r->est != KVD_EST_MAGICPIG && r->heavy && r->tab;
+}
+
+/* The heavy keys of q heads [h*G, h*G+G) that lie in segment `seg` of n
+ * rows.  Entries that name no row of it are skipped: the state is the
+ * daemon's own, but it may predate a change of the layer. */
+static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t seg, uint32_t n,
+		     uint32_t ids[][KVD_HEAVY_MAX], struct heavy_in *hv)
+{
+	hv->seg = seg;
+	for (uint32_t gi = 0; gi < G; gi++) {
+		const uint32_t *e = heavy + (size_t)(h * G + gi) * (1 + KVD_HEAVY_MAX);
+		uint32_t cnt = e[0] < KVD_HEAVY_MAX ? e[0] : KVD_HEAVY_MAX, k = 0;
+
+		for (uint32_t i = 0; i < cnt; i++)
+			if (e[1 + i] >> 16 == seg && (e[1 + i] & 0xffff) < n)
+				ids[gi][k++] = e[1 + i];
+		hv->id[gi] = ids[gi];
+		hv->n[gi] = k;
+	}
+}
 
 static uint32_t nparts_of(const struct kvd_layer_view *lv)
 {
@@ -348,7 +544,19 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 	float *lse = j->part_lse + j->pl[ri] + (size_t)task * G;
 	struct kvd_attn_scratch *s = &j->scr[worker];
 
-	if (part < lv->nseg && r->tab) {
+	if (part < lv->nseg && part < 0xffff && has_state(r)) {   /* ids pack seg << 16 */
+		uint32_t ids[KVD_GMAX][KVD_HEAVY_MAX];
+		struct heavy_in hv;
+		struct heavy_top top = {
+			.s = j->top_s[ri] + (size_t)task * G * KVD_HEAVY_MAX,
+			.id = j->top_id[ri] + (size_t)task * G * KVD_HEAVY_MAX,
+			.n = j->top_n[ri] + (size_t)task * G,
+		};
+
+		heavy_of(r->heavy, h, G, part, lv->seg[part]->n, ids, &hv);
+		sampled(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
+			o, lse, j->st ? &j->st[worker] : NULL, &hv, &top);
+	} else if (part < lv->nseg && r->tab) {
 		kvd_attn_sampled(j->kk, g, r->tab, lv->seg[part], h, q,
 				 r->qc + (size_t)h * G * g->L, s, o, lse,
 				 j->st ? &j->st[worker] : NULL);
@@ -359,6 +567,46 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 
 		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off, lv->tail_v + off,
 			       lv->tail_n, o, lse, s->s);
+	}
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+	return (x > y) - (x < y);
+}
+
+/* The next step's heavy lists of request r from its tasks' reports: per q
+ * head the KVD_HEAVY_MAX best rows over all segments, and for adaptive only
+ * those that carried at least 2^-KVD_HEAVY_SHARE_LOG2 of the head's mass in
+ * this step (r->lse is kvd's part, merged). */
+static void heavy_update(struct kvd_attn_req *r, const float *ts, const uint32_t *tid,
+			 const uint32_t *tn)
+{
+	const struct kvd_geom *g = r->g;
+	uint32_t G = kvd_geom_group(g), nseg = r->lv->nseg, nparts = nparts_of(r->lv);
+
+	for (uint32_t qh = 0; qh < g->q_heads; qh++) {
+		uint32_t h = qh / G, gi = qh % G, n = 0, cnt = 0;
+		uint32_t *e = r->heavy + (size_t)qh * (1 + KVD_HEAVY_MAX);
+		float hs[KVD_HEAVY_MAX], floor = -INFINITY;
+		uint32_t hid[KVD_HEAVY_MAX];
+
+		for (uint32_t p = 0; p < nseg; p++) {
+			size_t t = ((size_t)h * nparts + p) * G + gi;
+
+			for (uint32_t k = 0; k < tn[t]; k++)
+				top_push(hs, hid, &n, KVD_HEAVY_MAX, ts[t * KVD_HEAVY_MAX + k],
+					 tid[t * KVD_HEAVY_MAX + k]);
+		}
+		if (r->est == KVD_EST_ADAPTIVE)
+			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
+		for (uint32_t k = 0; k < n; k++)
+			if (hs[k] >= floor)
+				e[1 + cnt++] = hid[k];
+		qsort(e + 1, cnt, sizeof *e, cmp_u32);
+		e[0] = cnt;
 	}
 }
 
@@ -412,9 +660,22 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	if (!ok)
 		return 0;
 
-	float *part_o = malloc((no + nl) * sizeof(float));
+	/* Per task of a request with state: G * KVD_HEAVY_MAX scores and ids,
+	 * G counts. */
+	size_t nt = 0, tw[KVD_ATTN_BATCH_MAX];
 
-	if (!part_o) {
+	for (uint32_t i = 0; i < n; i++) {
+		tw[i] = nt;
+		if (!r[i].rc && has_state(&r[i]))
+			nt += (size_t)(first[i + 1] - first[i]) * kvd_geom_group(r[i].g);
+	}
+
+	float *part_o = malloc((no + nl) * sizeof(float));
+	uint32_t *topbuf = nt ? malloc(nt * (2 * KVD_HEAVY_MAX + 1) * sizeof(uint32_t)) : NULL;
+
+	if (!part_o || (nt && !topbuf)) {
+		free(part_o);
+		free(topbuf);
 		for (uint32_t i = 0; i < n; i++)
 			r[i].rc = r[i].rc ? r[i].rc : -ENOMEM;
 		return -ENOMEM;
@@ -424,6 +685,12 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		.scr = scr, .kk = kk, .r = r, .n = n, .first = first, .po = po, .pl = pl,
 		.part_o = part_o, .part_lse = part_o + no, .st = st ? wst : NULL,
 	};
+
+	for (uint32_t i = 0; topbuf && i < n; i++) {
+		j.top_s[i] = (float *)(topbuf + tw[i] * KVD_HEAVY_MAX);
+		j.top_id[i] = topbuf + (nt + tw[i]) * KVD_HEAVY_MAX;
+		j.top_n[i] = topbuf + 2 * nt * KVD_HEAVY_MAX + tw[i];
+	}
 
 	kvd_pool_run(pool, first[n], layer_task, &j);
 
@@ -448,6 +715,12 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 			}
 		}
 	}
+	/* After every task of the job: a request reads the state as it was
+	 * before the job, even when the batch holds the same layer twice. */
+	for (uint32_t i = 0; topbuf && i < n; i++)
+		if (!r[i].rc && has_state(&r[i]))
+			heavy_update(&r[i], j.top_s[i], j.top_id[i], j.top_n[i]);
+	free(topbuf);
 	if (st) {
 		memset(st, 0, sizeof *st);
 		for (unsigned w = 0; w < nw; w++) {

@@ -34,6 +34,7 @@ struct kvd_attn_scratch {
 	uint32_t cap;
 	uint64_t *bits;                 /* [cap/64]: union of the group's candidates */
 	uint16_t *mask;                 /* [cap]: which q heads sampled each id */
+	uint16_t *hmask;                /* [cap]: which q heads hold each id as heavy */
 	uint16_t *cand;                 /* [cap] */
 	uint32_t *rows;                 /* [cap]: the union, ascending */
 	float *kinv;                    /* [cap] */
@@ -81,6 +82,39 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		   const float *q, const uint16_t *qc, float *o, float *lse,
 		   struct kvd_attn_stats *st);
 
+/* Estimators (docs/ARCHITECTURE.md, "Estimators"), chosen per profile.
+ *
+ * magicpig: every sealed segment by LSH sampling, each sampled key weighted
+ *   1/P(key sampled) (Horvitz-Thompson); no state.
+ * hybrid: a per-(sequence, layer, q head) heavy list -- the keys with the
+ *   largest exact weight seen in the previous steps -- is attended exactly
+ *   (weight 1) and the rest by the same sampling as magicpig, keys of the
+ *   list excluded from it.  Up to KVD_HEAVY_MAX keys per q head.
+ * adaptive: hybrid, but a key stays in the list only while it carried at
+ *   least 2^-KVD_HEAVY_SHARE_LOG2 of its head's attention mass, so each
+ *   head spends extra rows only where sampling variance matters (diffuse
+ *   heads keep an empty list and cost what magicpig costs).
+ *
+ * The state of one layer is kvd_heavy_words(g) uint32 words, zero-filled
+ * when new (empty lists): per q head a count then KVD_HEAVY_MAX entries
+ * (segment << 16 | row), ascending.  Attention reads it; kvd_attn_layers
+ * rewrites it after the step.  Entries that no longer name a row of the
+ * view are ignored, so any bytes there are safe. */
+enum kvd_estimator {
+	KVD_EST_MAGICPIG = 0,
+	KVD_EST_HYBRID = 1,
+	KVD_EST_ADAPTIVE = 2,
+};
+#define KVD_EST_MAX KVD_EST_ADAPTIVE
+#define KVD_HEAVY_MAX 32
+#define KVD_HEAVY_SHARE_LOG2 10
+/* "magicpig" / "hybrid" / "adaptive"; NULL for an unknown value.
+ * kvd_estimator_parse: 0 and *out, or -EINVAL. */
+const char *kvd_estimator_name(uint32_t est);
+int kvd_estimator_parse(const char *s, uint32_t *out);
+/* Words of one layer's state (q_heads * (1 + KVD_HEAVY_MAX)). */
+size_t kvd_heavy_words(const struct kvd_geom *g);
+
 /* Several layers' requests (of any sequences and profiles) in one pool job,
  * so requests from different clients share one pass over the workers.
  * Each result is bit-identical to kvd_attn_layer() on the same request: its
@@ -97,6 +131,8 @@ struct kvd_attn_req {
 	const float *q;
 	const uint16_t *qc;
 	float *o, *lse;
+	uint32_t est;                   /* enum kvd_estimator; magicpig without heavy */
+	uint32_t *heavy;                /* kvd_heavy_words(g), or NULL (no state) */
 	int rc;
 };
 int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,

@@ -45,7 +45,9 @@ enum {
 	ST_NPOS,        /* q head: needle positions, below() cursor */
 	ST_MPOS,        /* q head: the 64 keys of mixed, below() cursor */
 	ST_MG,          /* q head: g of mixed, normal index j */
+	ST_QSTEP,       /* q head: z_t[j] of decode step t >= 1, normal index (t-1)*d + j */
 };
+_Static_assert(ST_MG == 11 && ST_QSTEP == 12, "stream labels are part of the specification");
 
 #define SCALE_DIMS   4
 #define SCALE_HI     6.0
@@ -470,6 +472,47 @@ void kvd_synth_free(struct kvd_synth *w)
 	free(w->q);
 	free(w->needle_pos);
 	memset(w, 0, sizeof(*w));
+}
+
+/* An AR(1) walk per dimension: delta_t = rho delta_{t-1} + sqrt(1-rho^2) z_t
+ * keeps every step's delta a unit-variance normal once stationary, while
+ * consecutive steps share rho of it, as successive decode queries do.  The
+ * loop runs j outside t so each dimension's walk is one scalar: no scratch,
+ * no -ENOMEM, and the order of operations is the document's per element. */
+int kvd_synth_steps(const struct kvd_synth *w, uint32_t steps, uint64_t seed, float *out)
+{
+	uint32_t d = w->d, qh = w->q_heads;
+	size_t plane = (size_t)qh * d, total;
+	double a = KVD_SYNTH_RHO, b = sqrt(1.0 - KVD_SYNTH_RHO * KVD_SYNTH_RHO);
+	double sd = sqrt((double)d);
+
+	/* The normal counter 2*((t-1)*d + j) must not wrap either. */
+	if (steps == 0 || __builtin_mul_overflow(plane, (size_t)steps, &total) ||
+	    __builtin_mul_overflow(total, sizeof(float), &total) ||
+	    (uint64_t)steps * d > UINT64_MAX / 4)
+		return -EINVAL;
+	/* Step 0 is copied, not recomputed: q0 + sigma*0 would turn -0 into +0. */
+	memcpy(out, w->q, plane * sizeof(float));
+	for (uint32_t g = 0; g < qh; g++) {
+		const float *q0 = w->q + (size_t)g * d;
+		uint64_t sz = stream(seed, ST_QSTEP, g);
+		double nn = 0.0, sigma;
+
+		for (uint32_t j = 0; j < d; j++)
+			nn += (double)q0[j] * q0[j];
+		sigma = KVD_SYNTH_DRIFT * sqrt(nn) / sd;
+		for (uint32_t j = 0; j < d; j++) {
+			double delta = 0.0;
+
+			for (uint32_t t = 1; t < steps; t++) {
+				double z = kvd_rng_normal_at(sz, (uint64_t)(t - 1) * d + j);
+
+				delta = a * delta + b * z;
+				out[(size_t)t * plane + (size_t)g * d + j] = (float)(q0[j] + sigma * delta);
+			}
+		}
+	}
+	return 0;
 }
 
 static const char *const wl_names[KVD_WL_COUNT] = {

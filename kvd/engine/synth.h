@@ -16,6 +16,11 @@ enum kvd_wl { KVD_WL_NEEDLE, KVD_WL_DENSE, KVD_WL_MIXED, KVD_WL_COUNT };
 
 #define KVD_SYNTH_SINKS   4     /* sink tokens at positions 0..3 */
 #define KVD_SYNTH_NEEDLES 4     /* planted keys per q head (needle) */
+/* Decode steps (kvd_synth_steps): the query of a step drifts from the base
+ * query by about DRIFT * |q0| in norm, and consecutive steps stay correlated
+ * by RHO, so estimators that keep state across steps have something to keep. */
+#define KVD_SYNTH_DRIFT   0.5
+#define KVD_SYNTH_RHO     0.8
 
 struct kvd_synth {
 	enum kvd_wl kind;
@@ -32,6 +37,13 @@ struct kvd_synth {
 int kvd_synth_make(struct kvd_synth *w, enum kvd_wl kind, uint32_t n, uint32_t q_heads,
 		   uint32_t kv_heads, uint32_t d, uint64_t seed);
 void kvd_synth_free(struct kvd_synth *w);
+
+/* Queries of `steps` decode steps, out[steps][q_heads][d]: step 0 is w->q
+ * itself; later steps drift (docs/WORKLOADS.md, "Decode steps").  `seed` is
+ * the seed w was made with: the drift comes from its own stream, so w stores
+ * nothing for it.  0, or -EINVAL for steps == 0 (or an out array too large
+ * to address). */
+int kvd_synth_steps(const struct kvd_synth *w, uint32_t steps, uint64_t seed, float *out);
 
 const char *kvd_wl_name(enum kvd_wl kind);
 /* -1 when the name is none of "needle", "dense", "mixed". */

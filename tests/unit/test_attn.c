@@ -720,6 +720,421 @@ static void test_batched_layers_equal_alone(void **state)
 	kvd_pool_destroy(pool);
 }
 
+/* ---- the hybrid estimators ---------------------------------------------- */
+
+static size_t heavy_at(uint32_t qh)
+{
+	return (size_t)qh * (1 + KVD_HEAVY_MAX);
+}
+
+static int layer_est(struct kvd_pool *pool, const struct kvd_kern *k, const struct layer_fix *f,
+		     const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv, uint32_t est,
+		     uint32_t *heavy, float *o, float *lse)
+{
+	unsigned nw = kvd_pool_size(pool);
+	struct kvd_attn_scratch scr[nw];
+	struct kvd_attn_req r = { .g = &f->g, .tab = tab, .lv = lv, .q = f->w.q, .qc = f->qc,
+				  .o = o, .lse = lse, .est = est, .heavy = heavy };
+	int rc;
+
+	for (unsigned w = 0; w < nw; w++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[w], KVD_SEG_MAX), 0);
+	rc = kvd_attn_layers(pool, scr, k, &r, 1, NULL);
+	for (unsigned w = 0; w < nw; w++)
+		kvd_attn_scratch_free(&scr[w]);
+	return rc ? rc : r.rc;
+}
+
+/* The hybrid estimator in double: per segment, the rows q head qh sampled or
+ * holds as heavy; heavy rows weigh exp(score), the others exp(score) / P. */
+static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, double *o, double *lse)
+{
+	const struct kvd_geom *g = &f->g;
+	uint32_t G = kvd_geom_group(g), d = g->d;
+	struct kvd_lsh_scratch ls;
+	uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
+	uint32_t *idx = xmalloc(KVD_SEG_MAX * sizeof *idx);
+	uint8_t *hv = xmalloc(KVD_SEG_MAX);
+	double *w = xmalloc(KVD_SEG_MAX * sizeof *w), po[KVD_DMAX], pl;
+
+	assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
+	for (uint32_t qh = 0; qh < g->q_heads; qh++) {
+		const float *q = f->w.q + (size_t)qh * d;
+		const uint32_t *e = heavy + heavy_at(qh);
+		double *oq = o + (size_t)qh * d, qn = 0;
+
+		for (uint32_t j = 0; j < d; j++)
+			qn += (double)q[j] * q[j];
+		memset(oq, 0, d * sizeof *oq);
+		lse[qh] = -INFINITY;
+		for (uint32_t s = 0; s < f->p.nseg; s++) {
+			const struct kvd_seg *seg = f->p.seg[s];
+			uint32_t m = kvd_lsh_candidates(&seg->h[qh / G].tab, f->qc + (size_t)qh * g->L,
+							(int)g->c, &ls, cand), nr = 0;
+			float *kf = xmalloc((size_t)seg->n * d * 4), *vf = xmalloc((size_t)seg->n * d * 4);
+
+			memset(hv, 0, seg->n);
+			for (uint32_t i = 0; i < m; i++)
+				hv[cand[i]] = 1;
+			for (uint32_t i = 0; i < e[0]; i++)
+				if (e[1 + i] >> 16 == s)
+					hv[e[1 + i] & 0xffff] = 2;
+			seg_rows_f32(seg, qh / G, kf, vf);
+			for (uint32_t i = 0; i < seg->n; i++) {
+				double dot = 0, kn = 0;
+
+				if (!hv[i])
+					continue;
+				for (uint32_t j = 0; j < d; j++) {
+					dot += (double)q[j] * kf[(size_t)i * d + j];
+					kn += (double)kf[(size_t)i * d + j] * kf[(size_t)i * d + j];
+				}
+				idx[nr] = i;
+				w[nr] = dot / sqrt(d);
+				if (hv[i] == 1)
+					w[nr] -= kvd_lsh_logp(dot / sqrt(kn * qn), (int)g->K, (int)g->L,
+							      (int)g->c);
+				nr++;
+			}
+			kvd_ref_softmax_v(vf, (int)d, idx, nr, w, po, &pl);
+			kvd_ref_merge(oq, &lse[qh], po, pl, (int)d);
+			free(kf);
+			free(vf);
+		}
+	}
+	kvd_lsh_scratch_free(&ls);
+	free(cand);
+	free(idx);
+	free(hv);
+	free(w);
+}
+
+/* Exact score in double of row `row` of segment s for q head qh. */
+static double score_d(const struct layer_fix *f, uint32_t qh, uint32_t s, uint32_t row)
+{
+	const struct kvd_seg *seg = f->p.seg[s];
+	uint32_t d = f->g.d, G = kvd_geom_group(&f->g);
+	float *kf = xmalloc((size_t)seg->n * d * 4), *vf = xmalloc((size_t)seg->n * d * 4);
+	double dot = 0;
+
+	seg_rows_f32(seg, qh / G, kf, vf);
+	for (uint32_t j = 0; j < d; j++)
+		dot += (double)f->w.q[(size_t)qh * d + j] * kf[(size_t)row * d + j];
+	free(kf);
+	free(vf);
+	return dot / sqrt(d);
+}
+
+/* With no state, hybrid answers exactly what magicpig answers and leaves,
+ * per q head, the best rows of its group's union (ascending, valid, no more
+ * than KVD_HEAVY_MAX); with that state, every kernel answers what the
+ * double reference does with it; a batch holding the layer twice gives both
+ * the answer of the state before the batch. */
+static void test_hybrid_matches_double(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	float o[8 * 128], lse[8], om[8 * 128], lm[8];
+	double ro[8 * 128], rl[8];
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
+	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
+		fix_make_dt(&f, (enum kvd_wl)wl, 6000, 2048, 10, 150, 2, 300 + wl, dt);
+		kvd_logp_tab_init(tab, 10, 150, 2);
+
+		struct kvd_layer_view lv = kvd_prep_view(&f.p);
+		size_t hw = kvd_heavy_words(&f.g);
+		uint32_t *heavy = xmalloc(hw * sizeof *heavy), *h0 = xmalloc(hw * sizeof *h0);
+
+		memset(heavy, 0, hw * sizeof *heavy);
+
+		assert_int_equal(hw, 8 * (1 + KVD_HEAVY_MAX));
+		assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_MAGICPIG,
+					   NULL, om, lm), 0);
+		assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID,
+					   heavy, o, lse), 0);
+		assert_memory_equal(o, om, sizeof o);
+		assert_memory_equal(lse, lm, sizeof lse);
+		for (uint32_t qh = 0; qh < 8; qh++) {
+			const uint32_t *e = heavy + heavy_at(qh);
+			double worst = INFINITY;
+
+			assert_true(e[0] > 0 && e[0] <= KVD_HEAVY_MAX);
+			for (uint32_t i = 0; i < e[0]; i++) {
+				assert_true(e[1 + i] >> 16 < f.p.nseg);
+				assert_true((e[1 + i] & 0xffff) < f.p.seg[e[1 + i] >> 16]->n);
+				if (i)
+					assert_true(e[1 + i] > e[i]);
+				double sc = score_d(&f, qh, e[1 + i] >> 16, e[1 + i] & 0xffff);
+
+				worst = sc < worst ? sc : worst;
+			}
+			/* Nothing the group sampled and the list left out beats
+			 * its worst entry (beyond float rounding). */
+			struct kvd_lsh_scratch ls;
+			uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
+			uint32_t G = 4;
+
+			assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
+			for (uint32_t s = 0; s < f.p.nseg && e[0] == KVD_HEAVY_MAX; s++) {
+				/* rows below 2^-10 of the segment's best weight are
+				 * never heavy */
+				double best = -INFINITY;
+
+				for (int pass = 0; pass < 2; pass++)
+				for (uint32_t gi = 0; gi < G; gi++) {
+					uint32_t oq = qh / G * G + gi;
+					uint32_t m = kvd_lsh_candidates(&f.p.seg[s]->h[qh / G].tab,
+									f.qc + (size_t)oq * 150, 2,
+									&ls, cand);
+
+					for (uint32_t i = 0; i < m; i++) {
+						double x = score_d(&f, qh, s, cand[i]);
+						int listed = 0;
+
+						if (pass == 0) {
+							best = x > best ? x : best;
+							continue;
+						}
+						for (uint32_t j = 0; j < e[0]; j++)
+							listed |= e[1 + j] == (s << 16 | cand[i]);
+						if (!listed && x > worst + 1e-3 * (1 + fabs(worst)) &&
+						    x > best - KVD_HEAVY_SHARE_LOG2 * M_LN2 + 1e-3)
+							fail_msg("%s head %u: row %u of segment %u (score %f) "
+								 "left out, the list's worst is %f",
+								 kvd_wl_name((enum kvd_wl)wl), qh, cand[i],
+								 s, x, worst);
+					}
+				}
+			}
+			kvd_lsh_scratch_free(&ls);
+			free(cand);
+		}
+		memcpy(h0, heavy, hw * sizeof *h0);
+		hybrid_ref(&f, h0, ro, rl);
+		for (int i = 0; i < nkv; i++) {
+			memcpy(heavy, h0, hw * sizeof *h0);
+			assert_int_equal(layer_est(pool, kv[i], &f, tab, &lv, KVD_EST_HYBRID, heavy,
+						   o, lse), 0);
+			for (int qh = 0; qh < 8; qh++) {
+				double e = rel_err_fd(o + qh * 128, ro + qh * 128, 128);
+
+				if (e > 1e-3 || fabs(lse[qh] - rl[qh]) > 1e-3)
+					fail_msg("%s %s %s head %d: rel %.2e, lse %.6f vs %.6f",
+						 kv[i]->name, kvd_kv_dtype_name(dt),
+						 kvd_wl_name((enum kvd_wl)wl), qh, e, lse[qh], rl[qh]);
+			}
+		}
+		/* The same layer twice in one batch: both read the state as it
+		 * was before the batch. */
+		{
+			unsigned nw = kvd_pool_size(pool);
+			struct kvd_attn_scratch scr[nw];
+			float o2[2][8 * 128], l2[2][8];
+			struct kvd_attn_req r[2];
+
+			memcpy(heavy, h0, hw * sizeof *h0);
+			assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID,
+						   heavy, o, lse), 0);
+			memcpy(heavy, h0, hw * sizeof *h0);
+			for (unsigned w = 0; w < nw; w++)
+				assert_int_equal(kvd_attn_scratch_init(&scr[w], KVD_SEG_MAX), 0);
+			for (int i = 0; i < 2; i++)
+				r[i] = (struct kvd_attn_req){ .g = &f.g, .tab = tab, .lv = &lv,
+							      .q = f.w.q, .qc = f.qc, .o = o2[i],
+							      .lse = l2[i], .est = KVD_EST_HYBRID,
+							      .heavy = heavy };
+			assert_int_equal(kvd_attn_layers(pool, scr, kvd_kern_get(), r, 2, NULL), 0);
+			for (int i = 0; i < 2; i++) {
+				assert_memory_equal(o2[i], o, sizeof o);
+				assert_memory_equal(l2[i], lse, sizeof lse);
+			}
+			for (unsigned w = 0; w < nw; w++)
+				kvd_attn_scratch_free(&scr[w]);
+		}
+		free(heavy);
+		free(h0);
+		fix_free(&f);
+	}
+	free(tab);
+	kvd_pool_destroy(pool);
+}
+
+/* The state is the daemon's, but it may name rows a layer no longer has:
+ * such entries (and a count past KVD_HEAVY_MAX) are ignored, so a state of
+ * stale or arbitrary words answers what magicpig answers.  adaptive keeps
+ * only rows with at least 2^-KVD_HEAVY_SHARE_LOG2 of their head's mass:
+ * on needle the planted keys, on dense (6000 keys) a few at most. */
+static void test_heavy_state_bounds_and_adaptive(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	float o[8 * 128], lse[8], om[8 * 128], lm[8];
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	fix_make(&f, KVD_WL_NEEDLE, 6000, 2048, 10, 150, 2, 41);
+	kvd_logp_tab_init(tab, 10, 150, 2);
+
+	struct kvd_layer_view lv = kvd_prep_view(&f.p);
+	size_t hw = kvd_heavy_words(&f.g);
+	uint32_t *heavy = xmalloc(hw * sizeof *heavy);
+
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_MAGICPIG, NULL,
+				   om, lm), 0);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		uint32_t *e = heavy + heavy_at(qh);
+
+		e[0] = qh & 1 ? UINT32_MAX : KVD_HEAVY_MAX;
+		for (uint32_t i = 0; i < KVD_HEAVY_MAX; i++)
+			e[1 + i] = i & 1 ? (f.p.nseg + i) << 16 : 0xffffu;   /* no such row */
+	}
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID, heavy, o,
+				   lse), 0);
+	assert_memory_equal(o, om, sizeof o);
+	assert_memory_equal(lse, lm, sizeof lse);
+
+	/* adaptive on needle: after one step the list holds the planted keys
+	 * the group sampled, and nothing below the mass floor */
+	memset(heavy, 0, hw * sizeof *heavy);
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_ADAPTIVE, heavy, o,
+				   lse), 0);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		const uint32_t *e = heavy + heavy_at(qh);
+
+		assert_true(e[0] >= 1 && e[0] < KVD_HEAVY_MAX);
+		for (uint32_t i = 0; i < e[0]; i++) {
+			uint32_t s = e[1 + i] >> 16, row = e[1 + i] & 0xffff;
+
+			assert_true(score_d(&f, qh, s, row) >=
+				    lse[qh] - KVD_HEAVY_SHARE_LOG2 * M_LN2 - 1e-3);
+		}
+	}
+	fix_free(&f);
+	fix_make(&f, KVD_WL_DENSE, 6000, 2048, 10, 150, 2, 42);
+	lv = kvd_prep_view(&f.p);
+	memset(heavy, 0, hw * sizeof *heavy);
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_ADAPTIVE, heavy, o,
+				   lse), 0);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		const uint32_t *e = heavy + heavy_at(qh);
+
+		assert_true(e[0] < KVD_HEAVY_MAX / 4);
+		for (uint32_t i = 0; i < e[0]; i++)
+			assert_true(score_d(&f, qh, e[1 + i] >> 16, e[1 + i] & 0xffff) >=
+				    lse[qh] - KVD_HEAVY_SHARE_LOG2 * M_LN2 - 1e-3);
+	}
+	free(heavy);
+	free(tab);
+	fix_free(&f);
+	kvd_pool_destroy(pool);
+}
+
+/* Given a heavy set chosen without looking at the hash functions (here: the
+ * 16 keys of largest exact score), E[exp(lse)] over projections is the exact
+ * sum, as for magicpig, and the spread of one draw is smaller: the heavy
+ * keys no longer carry a 1/P weight. */
+static void test_hybrid_unbiased_given_heavy(void **state)
+{
+	const struct kvd_geom g = { .q_heads = 1, .kv_heads = 1, .d = 64, .K = 5, .L = 12, .c = 2 };
+	const uint32_t n = 2048, draws = 600, nh = 16;
+	const int d = 64;
+	struct kvd_rng r = kvd_rng_make(77);
+	uint16_t *k = xmalloc((size_t)n * d * 2), *v = xmalloc((size_t)n * d * 2);
+	uint16_t *codes = xmalloc((size_t)n * g.L * 2), qc[12];
+	float *kf = xmalloc((size_t)n * d * 4), *W = xmalloc((size_t)d * g.K * g.L * 4);
+	double *sc = xmalloc(n * sizeof *sc);
+	float q[64], o[64], lse;
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	struct kvd_pool *pool;
+	double exact = 0, sum[2] = { 0 }, sum2[2] = { 0 };
+	uint32_t heavy[1 + KVD_HEAVY_MAX], h0[1 + KVD_HEAVY_MAX] = { nh };
+
+	assert_int_equal(kvd_pool_create(1, 0, &pool), 0);
+	struct kvd_attn_scratch scr[kvd_pool_size(pool)];
+
+	for (unsigned w = 0; w < kvd_pool_size(pool); w++)
+		assert_int_equal(kvd_attn_scratch_init(&scr[w], n), 0);
+	fill_normal(q, d, &r, 0.0, 1.0);
+	for (uint32_t i = 0; i < n; i++) {
+		double a = kvd_rng_normal(&r) * 0.6, s = 0;
+
+		for (int e = 0; e < d; e++) {
+			kf[(size_t)i * d + e] = kvd_bf16_to_f32(kvd_f32_to_bf16(
+				(float)(a * q[e] + kvd_rng_normal(&r))));
+			s += (double)q[e] * kf[(size_t)i * d + e];
+		}
+		kvd_bf16_from_f32_n(k + (size_t)i * d, kf + (size_t)i * d, d);
+		sc[i] = s / sqrt(d);
+		exact += exp(sc[i]);
+	}
+	fill_bf16(v, (size_t)n * d, &r, 0.5, 1.0);
+	/* the nh best keys, ascending: picked from exact scores, not from W */
+	for (uint32_t j = 0; j < nh; j++) {
+		uint32_t best = 0;
+
+		for (uint32_t i = 1; i < n; i++)
+			if (sc[i] > sc[best])
+				best = i;
+		h0[1 + j] = best;
+		sc[best] = -INFINITY;
+	}
+	qsort(h0 + 1, nh, sizeof *h0, cmp_u32);
+	kvd_logp_tab_init(tab, (int)g.K, (int)g.L, (int)g.c);
+	for (uint32_t t = 0; t < draws; t++) {
+		struct kvd_seg *seg;
+
+		kvd_lsh_make_w(2000 + t, d, (int)g.K, (int)g.L, W);
+		kvd_lsh_hash(W, d, (int)g.K, (int)g.L, kf, d, n, codes, n);
+		kvd_lsh_hash(W, d, (int)g.K, (int)g.L, q, d, 1, qc, 1);
+		assert_int_equal(kvd_seg_build(&g, n, k, v, codes, NULL, &seg), 0);
+
+		const struct kvd_seg *segs[1] = { seg };
+		struct kvd_layer_view lv = { .seg = segs, .nseg = 1 };
+
+		for (int e = 0; e < 2; e++) {
+			struct kvd_attn_req rq = { .g = &g, .tab = tab, .lv = &lv, .q = q, .qc = qc,
+						   .o = o, .lse = &lse,
+						   .est = e ? KVD_EST_HYBRID : KVD_EST_MAGICPIG,
+						   .heavy = e ? heavy : NULL };
+
+			memcpy(heavy, h0, sizeof heavy);
+			assert_int_equal(kvd_attn_layers(pool, scr, kvd_kern_get(), &rq, 1, NULL), 0);
+			assert_int_equal(rq.rc, 0);
+
+			double x = exp((double)lse) / exact;
+
+			sum[e] += x;
+			sum2[e] += x * x;
+		}
+		kvd_seg_free(seg);
+	}
+	double sd[2];
+
+	for (int e = 0; e < 2; e++) {
+		double mean = sum[e] / draws;
+
+		sd[e] = sqrt(sum2[e] / draws - mean * mean);
+		print_message("  %s: E[exp(lse)]/exact = %.4f +- %.4f (sd of one draw %.3f)\n",
+			      e ? "hybrid" : "magicpig", mean, sd[e] / sqrt(draws), sd[e]);
+		assert_true(sd[e] > 0.002);         /* the test must actually sample */
+		assert_true(fabs(mean - 1.0) < 4 * sd[e] / sqrt(draws));
+	}
+	assert_true(sd[1] < sd[0]);
+	for (unsigned w = 0; w < kvd_pool_size(pool); w++)
+		kvd_attn_scratch_free(&scr[w]);
+	kvd_pool_destroy(pool);
+	free(k);
+	free(v);
+	free(codes);
+	free(kf);
+	free(W);
+	free(sc);
+	free(tab);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -733,6 +1148,9 @@ int main(void)
 		cmocka_unit_test(test_bad_geometry),
 		cmocka_unit_test(test_int8_segments),
 		cmocka_unit_test(test_batched_layers_equal_alone),
+		cmocka_unit_test(test_hybrid_matches_double),
+		cmocka_unit_test(test_heavy_state_bounds_and_adaptive),
+		cmocka_unit_test(test_hybrid_unbiased_given_heavy),
 	};
 
 	return cmocka_run_group_tests(tests, setup, NULL);

@@ -1,7 +1,8 @@
 /* kvd_synth: determinism, the invariants docs/WORKLOADS.md promises (base
  * keys shared by every kind, streams independent of the shape), the
- * document's stream layout re-derived here from rng.h alone, and the
- * attention statistics that make each kind what it claims to be. */
+ * document's stream layout re-derived here from rng.h alone, the
+ * attention statistics that make each kind what it claims to be, and the
+ * decode-step drift of kvd_synth_steps. */
 #include <errno.h>
 #include <math.h>
 #include <setjmp.h>
@@ -20,7 +21,7 @@
 #define NN KVD_SYNTH_NEEDLES
 
 /* The stream labels of docs/WORKLOADS.md. */
-enum { L_MU = 1, L_SDIM, L_Z, L_R, L_SINK, L_VAL, L_QDIR, L_NF, L_NPOS, L_MPOS, L_MG };
+enum { L_MU = 1, L_SDIM, L_Z, L_R, L_SINK, L_VAL, L_QDIR, L_NF, L_NPOS, L_MPOS, L_MG, L_QSTEP };
 
 static uint64_t doc_stream(uint64_t seed, uint64_t label, uint64_t head)
 {
@@ -425,6 +426,76 @@ static void test_attention_mass(void **state)
 	assert_true(top[KVD_WL_MIXED] < 0.9 && top[KVD_WL_MIXED] < top[KVD_WL_NEEDLE]);
 }
 
+#define STEPS 8u
+
+/* Decode steps of every kind of the fixture: step 0 is w->q bit for bit,
+ * the rest re-derived from the document's "Decode steps" model, prefixes
+ * stable, and the drift about DRIFT * sqrt(1 - rho^(2t)) of |q0|. */
+static void test_steps(void **state)
+{
+	struct stats *st = *state;
+	size_t plane = (size_t)SQ * SD, bytes = STEPS * plane * sizeof(float);
+	float *a = malloc(bytes), *b = malloc(bytes), *c = malloc(bytes);
+	double rho = KVD_SYNTH_RHO, s = sqrt(1.0 - KVD_SYNTH_RHO * KVD_SYNTH_RHO);
+
+	assert_non_null(a);
+	assert_non_null(b);
+	assert_non_null(c);
+	for (int kind = 0; kind < KVD_WL_COUNT; kind++) {
+		const struct kvd_synth *w = &st->w[kind];
+		double drift = 0, expect = 0;
+
+		assert_int_equal(kvd_synth_steps(w, 0, 2024, a), -EINVAL);
+		assert_int_equal(kvd_synth_steps(w, STEPS, 2024, a), 0);
+		assert_int_equal(kvd_synth_steps(w, STEPS, 2024, b), 0);
+		assert_memory_equal(a, b, bytes);
+		assert_memory_equal(a, w->q, plane * sizeof(float));
+		/* A shorter run is a prefix: steps(4) starts with steps(2). */
+		assert_int_equal(kvd_synth_steps(w, 4, 2024, b), 0);
+		assert_int_equal(kvd_synth_steps(w, 2, 2024, c), 0);
+		assert_memory_equal(b, c, 2 * plane * sizeof(float));
+		assert_memory_equal(a, b, 4 * plane * sizeof(float));
+		/* Another seed: same step 0, different drift. */
+		assert_int_equal(kvd_synth_steps(w, 2, 2025, c), 0);
+		assert_memory_equal(a, c, plane * sizeof(float));
+		assert_memory_not_equal(a + plane, c + plane, plane * sizeof(float));
+
+		for (uint32_t g = 0; g < SQ; g++) {
+			const float *q0 = w->q + (size_t)g * SD;
+			uint64_t sz = doc_stream(2024, L_QSTEP, g);
+			double delta[SD] = { 0 }, n0 = 0, sigma;
+
+			for (uint32_t j = 0; j < SD; j++)
+				n0 += (double)q0[j] * q0[j];
+			n0 = sqrt(n0);
+			sigma = KVD_SYNTH_DRIFT * n0 / sqrt(SD);
+			for (uint32_t t = 1; t < STEPS; t++) {
+				const float *q = a + t * plane + (size_t)g * SD;
+				double dd = 0;
+
+				for (uint32_t j = 0; j < SD; j++) {
+					double z = kvd_rng_normal_at(sz, (uint64_t)(t - 1) * SD + j);
+
+					delta[j] = rho * delta[j] + s * z;
+					assert_true(q[j] == (float)(q0[j] + sigma * delta[j]));
+					dd += ((double)q[j] - q0[j]) * ((double)q[j] - q0[j]);
+				}
+				assert_memory_not_equal(q, q0, SD * sizeof(float));
+				drift += sqrt(dd) / n0;
+				expect += KVD_SYNTH_DRIFT * sqrt(1 - pow(rho, 2.0 * t));
+			}
+		}
+		drift /= SQ * (STEPS - 1);
+		expect /= SQ * (STEPS - 1);
+		print_message("%s: mean drift |q_t - q0| / |q0| over steps 1..%u: %.4f (model %.4f)\n",
+			      kvd_wl_name(kind), STEPS - 1, drift, expect);
+		assert_true(drift >= 0.3 && drift <= 0.7);
+	}
+	free(a);
+	free(b);
+	free(c);
+}
+
 static void test_bad_shapes(void **state)
 {
 	static const struct {
@@ -486,6 +557,7 @@ int main(void)
 		cmocka_unit_test(test_values_and_sinks),
 		cmocka_unit_test(test_needle_geometry),
 		cmocka_unit_test(test_attention_mass),
+		cmocka_unit_test(test_steps),
 	};
 
 	/* One group, so tests/run.sh sees one summary; the workloads of the
