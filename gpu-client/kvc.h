@@ -54,11 +54,22 @@ enum kvc_backend { KVC_BACKEND_CPU = 0, KVC_BACKEND_CUDA = 1, KVC_BACKEND_AUTO =
  * way: int8 is made by kvd when it seals a segment. */
 enum kvc_kv_dtype { KVC_KV_BF16 = 0, KVC_KV_INT8 = 1 };
 
+/* How kvd estimates attention over sealed segments (Profile.estimator,
+ * docs/PROTOCOL.md).  Nothing changes on the client's side.  hybrid and
+ * adaptive make kvd keep q_heads * (1 + 32) * 4 bytes per (sequence,
+ * sparse layer), charged to the sequence's uid. */
+enum kvc_estimator { KVC_EST_MAGICPIG = 0, KVC_EST_HYBRID = 1, KVC_EST_ADAPTIVE = 2 };
+
 struct kvc_model {
 	const char *name;
 	uint32_t layers, q_heads, kv_heads, head_dim;
 	uint32_t K, L, c;               /* bits per table, tables, collisions needed */
 	uint32_t sink, window;          /* tokens kept by the client */
+	/* enum kvc_estimator; 0: magicpig.  It took what was padding in
+	 * libkvclient.so.2 (the size and every other offset are unchanged),
+	 * whose callers may have left garbage there: hence soname
+	 * libkvclient.so.3. */
+	uint32_t estimator;
 	const uint32_t *dense_layers;   /* layers kvd holds nothing of */
 	uint32_t n_dense;
 	/* enum kvc_kv_dtype; 0: bf16.  It took what was padding in
@@ -80,8 +91,8 @@ int kvc_backend(const struct kvc *c);
 
 /* Creates the profile, or opens it when kvd has it with the same fields.
  * Once per connection, before any sequence.  -EOPNOTSUPP when kvd answers
- * with another kv_dtype than asked for (a kvd that predates the field
- * ignores it and stores bf16). */
+ * with another kv_dtype or estimator than asked for (a kvd that predates
+ * the field ignores it: bf16, magicpig). */
 int kvc_profile(struct kvc *c, const struct kvc_model *m);
 /* The profile as kvd filled it in (defaults), and W ([head_dim][K*L]). */
 const struct kvc_model *kvc_model_of(const struct kvc *c);

@@ -11,6 +11,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "attn.h"
 #include "ctl.h"
 #include "err.h"
 #include "kvd_ring.h"
@@ -211,9 +212,20 @@ void *kvt_map(const struct kvt *t, size_t *size)
 static_assert((int)KVC_KV_BF16 == (int)KVD_KV_BF16 && (int)KVC_KV_INT8 == (int)KVD_KV_INT8,
 	      "kvc_kv_dtype");
 
+static_assert((int)KVC_EST_MAGICPIG == (int)KVD_EST_MAGICPIG &&
+	      (int)KVC_EST_HYBRID == (int)KVD_EST_HYBRID &&
+	      (int)KVC_EST_ADAPTIVE == (int)KVD_EST_ADAPTIVE, "kvc_estimator");
+
 static const char *dtype_name(uint32_t dt)
 {
 	const char *s = kvd_kv_dtype_name(dt);
+
+	return s ? s : "unknown";
+}
+
+static const char *est_name(uint32_t est)
+{
+	const char *s = kvd_estimator_name(est);
 
 	return s ? s : "unknown";
 }
@@ -237,6 +249,7 @@ int kvt_profile(struct kvt *t, const struct kvc_model *m)
 	p.tables = m->L;
 	p.min_collisions = m->c;
 	p.kv_dtype = m->kv_dtype;
+	p.estimator = m->estimator;
 	p.sink_tokens = m->sink;
 	p.window_tokens = m->window;
 	p.n_dense_layers = m->n_dense;
@@ -266,13 +279,21 @@ int kvt_profile(struct kvt *t, const struct kvc_model *m)
 		kvd_ctl_free_response(r);
 		return rc;
 	}
+	if (got->estimator != m->estimator) {
+		rc = kvt_fail(t, -EOPNOTSUPP, "kvd made profile '%s' estimator %s, not %s as asked "
+			      "(a kvd without estimator?)", got->name, est_name(got->estimator),
+			      est_name(m->estimator));
+		kvd_ctl_free_response(r);
+		return rc;
+	}
 	t->profile_id = r->profile->profile_id;
 	snprintf(t->mname, sizeof t->mname, "%s", got->name);
 	t->m = (struct kvc_model){
 		.name = t->mname, .layers = got->layers, .q_heads = got->q_heads,
 		.kv_heads = got->kv_heads, .head_dim = got->head_dim, .K = got->k_bits,
 		.L = got->tables, .c = got->min_collisions, .sink = got->sink_tokens,
-		.window = got->window_tokens, .n_dense = (uint32_t)got->n_dense_layers,
+		.window = got->window_tokens, .estimator = got->estimator,
+		.n_dense = (uint32_t)got->n_dense_layers,
 		.kv_dtype = got->kv_dtype,
 		.seed = got->seed, .segment_tokens = got->segment_tokens,
 		.seal_tokens = got->seal_tokens,

@@ -164,6 +164,7 @@ static void profile_to_msg(const struct kvd_profile *p, Kvd__Profile *m, uint32_
 	m->tables = p->g.L;
 	m->min_collisions = p->g.c;
 	m->kv_dtype = p->g.kv_dtype;
+	m->estimator = p->estimator;
 	m->sink_tokens = p->sink;
 	m->window_tokens = p->window;
 	for (uint32_t l = 0; l < p->layers; l++)
@@ -263,6 +264,7 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 	want.sink = m->sink_tokens;
 	want.window = m->window_tokens;
 	want.seed = m->seed;
+	want.estimator = m->estimator;
 	want.seg_tokens = m->segment_tokens ? m->segment_tokens : KVD_CTL_SEG_DEFAULT;
 	want.seal_tokens = m->seal_tokens ? m->seal_tokens :
 			   (KVD_CTL_SEAL_DEFAULT < want.seg_tokens ? KVD_CTL_SEAL_DEFAULT : want.seg_tokens);

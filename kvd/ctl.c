@@ -23,6 +23,12 @@ static_assert(KVD_CTL_LAYERS_MAX % 64 == 0, "dense layer bitmap");
 static_assert((int)KVD__KV_DTYPE__KV_DTYPE_BF16 == (int)KVD_KV_BF16 &&
 	      (int)KVD__KV_DTYPE__KV_DTYPE_INT8 == (int)KVD_KV_INT8 &&
 	      KVD_KV_DTYPE_MAX == KVD_KV_INT8, "Profile.kv_dtype numbers");
+/* Profile.estimator goes into kvd_profile.estimator and kvd_attn_req.est as
+ * it is. */
+static_assert((int)KVD__ESTIMATOR__ESTIMATOR_MAGICPIG == (int)KVD_EST_MAGICPIG &&
+	      (int)KVD__ESTIMATOR__ESTIMATOR_HYBRID == (int)KVD_EST_HYBRID &&
+	      (int)KVD__ESTIMATOR__ESTIMATOR_ADAPTIVE == (int)KVD_EST_ADAPTIVE &&
+	      KVD_EST_MAX == KVD_EST_ADAPTIVE, "Profile.estimator numbers");
 
 __attribute__((format(printf, 3, 4)))
 static int fail(struct kvd_ctl_err *err, int code, const char *fmt, ...)
@@ -157,6 +163,10 @@ int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err 
 	if (p->kv_dtype > KVD_KV_DTYPE_MAX)
 		return fail(err, -EINVAL, "profile kv_dtype %u is not 0 (bf16) or 1 (int8)",
 			    p->kv_dtype);
+	if (p->estimator > KVD_EST_MAX)
+		return fail(err, -EINVAL,
+			    "profile estimator %u is not 0 (magicpig), 1 (hybrid) or 2 (adaptive)",
+			    p->estimator);
 	rc = kvd_ctl_profile_to_geom(p, &g);
 	if (rc)
 		return fail(err, rc, "profile geometry refused by kvd_geom_check");
@@ -224,7 +234,7 @@ int kvd_ctl_profile_equal(const Kvd__Profile *a, const Kvd__Profile *b)
 	    a->k_bits != b->k_bits || a->tables != b->tables ||
 	    a->min_collisions != b->min_collisions || a->sink_tokens != b->sink_tokens ||
 	    a->window_tokens != b->window_tokens || a->seed != b->seed ||
-	    a->kv_dtype != b->kv_dtype ||
+	    a->kv_dtype != b->kv_dtype || a->estimator != b->estimator ||
 	    seg_tokens(a) != seg_tokens(b) || seal_tokens(a) != seal_tokens(b))
 		return 0;
 	dense_set(a, da);

@@ -122,8 +122,9 @@ int kvd_ctl_send_ok(int fd, uint64_t id);
  * unknown request type), -EPROTONOSUPPORT (Hello.version is not
  * KVD_CTL_VERSION: "protocol version N not supported, kvd speaks 1"),
  * -KVD_EGEOM (a Profile's heads, head_dim, K, L or c), -EINVAL (any other
- * field, kv_dtype included).  err->id is the request's id whenever it
- * unpacked, so the reply can carry it.  What is checked, per body:
+ * field, kv_dtype and estimator included).  err->id is the request's id
+ * whenever it unpacked, so the reply can carry it.  What is checked, per
+ * body:
  *   Hello          version; tenant, client_name; slots <= KVD_CTL_SLOTS_MAX;
  *                  slot_size 0 or a multiple of 4096 in [SLOT_MIN, SLOT_MAX];
  *                  both set: slots * slot_size <= KVD_CTL_ARENA_MAX (kvd
@@ -175,7 +176,8 @@ void kvd_ctl_free_response(Kvd__Response *r);
 /* 0, or -KVD_EGEOM / -EINVAL with *err filled (err may be NULL).  name:
  * 1..KVD_CTL_NAME_MAX printable bytes; layers 1..KVD_CTL_LAYERS_MAX; the
  * geometry as kvd_geom_check() (q_heads <= KVD_QHEADS_MAX); kv_dtype
- * KVD_KV_BF16 or KVD_KV_INT8 (0, the default, is bf16); sink_tokens,
+ * KVD_KV_BF16 or KVD_KV_INT8 (0, the default, is bf16); estimator at most
+ * KVD_EST_MAX (0, the default, is magicpig; kvd/engine/attn.h); sink_tokens,
  * window_tokens <= KVD_CTL_TOKENS_MAX; dense_layers: each < layers, no
  * duplicates; segment_tokens a power of two in [KVD_CTL_SEG_MIN,
  * KVD_SEG_MAX]; seal_tokens in [KVD_CTL_SEAL_MIN, segment_tokens].  Unless

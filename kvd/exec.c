@@ -416,7 +416,18 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		.qc = (const uint16_t *)((char *)xb->qc + k * xb->cb),
 		.o = (float *)((char *)xb->o + k * xb->ob),
 		.lse = (float *)((char *)xb->lse + k * xb->lb),
+		.est = p->estimator,
+		/* Here, on the loop, not in the pool job: the store is the
+		 * loop's.  NULL (magicpig, dense, no room for it) attends the
+		 * layer without state. */
+		.heavy = kvd_store_layer_heavy(s->store, q, e->layer),
 	};
+	/* The engine rewrites the state after the step: two records of one
+	 * pass on the same (sequence, layer) -- two connections of a tenant --
+	 * must not share it.  The later one goes without. */
+	for (unsigned o = 0; r->heavy && o < k; o++)
+		if (xb->req[o].heavy == r->heavy)
+			r->heavy = NULL;
 	*pool = kvd_store_pool(s->store, q);
 	*node = kvd_store_seq_node(q);
 	return 0;

@@ -45,7 +45,7 @@ fail() {
 $MAKE --no-print-directory install B="$B" DESTDIR="$dest" PREFIX=$prefix >"$tmp/install.log" 2>&1 ||
 	{ cat "$tmp/install.log"; fail "make install DESTDIR=$dest"; }
 
-for f in bin/kvd bin/kvctl lib/libkvclient.so.2.0.0 include/kvd/kvc.h \
+for f in bin/kvd bin/kvctl lib/libkvclient.so.3.0.0 include/kvd/kvc.h \
 	lib/pkgconfig/libkvclient.pc share/man/man1/kvctl.1 share/man/man8/kvd.8 \
 	share/doc/kvd/PROTOCOL.md share/doc/kvd/OPERATIONS.md \
 	lib/systemd/system/kvd.service lib/sysusers.d/kvd.conf lib/tmpfiles.d/kvd.conf; do
@@ -53,12 +53,12 @@ for f in bin/kvd bin/kvctl lib/libkvclient.so.2.0.0 include/kvd/kvc.h \
 done
 [ -f "$dest/etc/kvd/kvd.conf" ] || fail "/etc/kvd/kvd.conf not installed"
 [ -x "$dest$prefix/bin/kvd" ] && [ -x "$dest$prefix/bin/kvctl" ] || fail "binaries not executable"
-[ "$(readlink "$dest$prefix/lib/libkvclient.so.2")" = libkvclient.so.2.0.0 ] ||
-	fail "lib/libkvclient.so.2 is not a link to libkvclient.so.2.0.0"
-[ "$(readlink "$dest$prefix/lib/libkvclient.so")" = libkvclient.so.2 ] ||
-	fail "lib/libkvclient.so is not a link to libkvclient.so.2"
-soname=$(readelf -d "$dest$prefix/lib/libkvclient.so.2.0.0" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
-[ "$soname" = libkvclient.so.2 ] || fail "soname '$soname', want libkvclient.so.2"
+[ "$(readlink "$dest$prefix/lib/libkvclient.so.3")" = libkvclient.so.3.0.0 ] ||
+	fail "lib/libkvclient.so.3 is not a link to libkvclient.so.3.0.0"
+[ "$(readlink "$dest$prefix/lib/libkvclient.so")" = libkvclient.so.3 ] ||
+	fail "lib/libkvclient.so is not a link to libkvclient.so.3"
+soname=$(readelf -d "$dest$prefix/lib/libkvclient.so.3.0.0" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+[ "$soname" = libkvclient.so.3 ] || fail "soname '$soname', want libkvclient.so.3"
 grep -q "^ExecStart=$prefix/bin/kvd --config /etc/kvd/kvd.conf\$" "$dest$prefix/lib/systemd/system/kvd.service" ||
 	fail "the installed unit's ExecStart is not $prefix/bin/kvd"
 # A second install must keep an edited config.
@@ -127,8 +127,8 @@ int main(int argc, char **argv)
 EOF
 $CC -std=c11 -Wall -Wextra -Werror "$tmp/prog.c" -o "$tmp/prog" $flags ||
 	fail "building a program with pkg-config's flags"
-readelf -d "$tmp/prog" | grep -q 'NEEDED.*\[libkvclient.so.2\]' ||
-	fail "the program does not need libkvclient.so.2"
+readelf -d "$tmp/prog" | grep -q 'NEEDED.*\[libkvclient.so.3\]' ||
+	fail "the program does not need libkvclient.so.3"
 
 export LD_LIBRARY_PATH="$dest$prefix/lib"
 sock=$tmp/kvd.sock

@@ -46,6 +46,8 @@ void dec_usage(FILE *f)
 	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 150, 2)\n"
 	      "  --sink N --window N   tokens kept on the GPU in kvd mode (default 4, 64)\n"
 	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default bf16)\n"
+	      "  --estimator magicpig|hybrid|adaptive   how kvd estimates attention over\n"
+	      "                        sealed segments in kvd mode (default magicpig)\n"
 	      "  --slots N --slot-size BYTES   the shared arena (default 16 x 4M)\n"
 	      "  --socket PATH         use a running kvd (default: start build/kvd in a\n"
 	      "                        temporary directory, next to this binary)\n"
@@ -144,6 +146,14 @@ int dec_args_parse(struct dec_args *a, int argc, char **argv, char *msg, size_t 
 		if (!strcmp(name, "--kv-dtype")) {
 			if (!val || kvd_kv_dtype_parse(val, &a->kv_dtype)) {
 				snprintf(msg, len, "--kv-dtype: bf16 or int8, not %s",
+					 val ? val : "nothing");
+				return -EINVAL;
+			}
+			continue;
+		}
+		if (!strcmp(name, "--estimator")) {
+			if (!val || kvd_estimator_parse(val, &a->estimator)) {
+				snprintf(msg, len, "--estimator: magicpig, hybrid or adaptive, not %s",
 					 val ? val : "nothing");
 				return -EINVAL;
 			}

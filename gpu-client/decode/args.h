@@ -15,6 +15,7 @@ struct dec_args {
 	uint32_t layers;                /* the first `layers` of Llama-3.1-8B's 32 */
 	uint32_t K, L, c, sink, window; /* kvd mode */
 	uint32_t kv_dtype;              /* kvd mode: enum kvd_kv_dtype of the profile */
+	uint32_t estimator;             /* kvd mode: enum kvd_estimator of the profile */
 	uint32_t slots;
 	uint64_t slot_size;
 	uint32_t kvd_threads;           /* 0: kvd's default */

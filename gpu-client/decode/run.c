@@ -309,8 +309,9 @@ int dec_run(const struct dec_args *a, struct dec_result *r)
 		struct kvc_model m = {
 			.name = "kvd-decode-llama-3.1-8b", .layers = NL, .q_heads = QH,
 			.kv_heads = KVH, .head_dim = HD, .K = a->K, .L = a->L, .c = a->c,
-			.sink = a->sink, .window = a->window, .dense_layers = dense2,
-			.n_dense = NL > 16 ? 2 : 1, .kv_dtype = a->kv_dtype, .seed = a->seed,
+			.sink = a->sink, .window = a->window, .estimator = a->estimator,
+			.dense_layers = dense2, .n_dense = NL > 16 ? 2 : 1, .kv_dtype = a->kv_dtype,
+			.seed = a->seed,
 		};
 		const size_t pn = (size_t)KVH * a->ctx * HD;
 
@@ -493,14 +494,15 @@ void dec_print(FILE *f, const struct dec_args *a, const struct dec_result *r, in
 		fprintf(f,
 			"{\"bench\":\"decode\",\"attn\":\"%s\",\"device\":\"%s\",\"ctx\":%u,\"batch\":%u,"
 			"\"steps\":%u,\"layers\":%u,\"K\":%u,\"L\":%u,\"c\":%u,\"sink\":%u,\"window\":%u,"
-			"\"kv_dtype\":\"%s\","
+			"\"kv_dtype\":\"%s\",\"estimator\":\"%s\","
 			"\"prefill_synthetic\":true,\"prefill_s\":%.3f,\"tok_s\":%.2f,\"step_ms\":%.3f,"
 			"\"step_p50_ms\":%.3f,\"step_p99_ms\":%.3f,\"layers_ms\":%.3f,\"attn_ms\":%.3f,"
 			"\"head_ms\":%.3f,\"kvd_wait_ms\":%.3f,\"gpu_wait_ms\":%.3f,\"copies_ms\":%.3f,"
 			"\"window_ms\":%.3f,\"merge_ms\":%.3f,\"evict_ms\":%.3f,\"gpu_kv_gb\":%.3f,"
 			"\"host_kv_gb\":%.3f}\n",
 			r->mode, r->device, r->ctx, r->batch, r->steps, r->layers, a->K, a->L, a->c,
-			a->sink, a->window, kvd_kv_dtype_name(a->kv_dtype), r->prefill_s, r->tok_s, r->step_ms, r->step_p50_ms,
+			a->sink, a->window, kvd_kv_dtype_name(a->kv_dtype),
+			kvd_estimator_name(a->estimator), r->prefill_s, r->tok_s, r->step_ms, r->step_p50_ms,
 			r->step_p99_ms, r->layers_ms, r->attn_ms, r->head_ms, r->kvd_wait_ms,
 			r->gpu_wait_ms, r->copies_ms, r->window_ms, r->merge_ms, r->evict_ms,
 			r->gpu_kv_gb, r->host_kv_gb);
@@ -513,9 +515,9 @@ void dec_print(FILE *f, const struct dec_args *a, const struct dec_result *r, in
 	fprintf(f, "  per step: GPU layers %.2f ms, attention %.2f ms (GPU stream, incl. waits), head %.2f ms\n",
 		r->layers_ms, r->attn_ms, r->head_ms);
 	if (a->attn == DEC_KVD)
-		fprintf(f, "  kvd (%s K/V): wait %.2f ms, query to arena %.2f ms, copies+hash %.2f ms "
-			   "(GPU), window %.2f ms, merge %.2f ms, evictions %.2f ms\n",
-			kvd_kv_dtype_name(a->kv_dtype), r->kvd_wait_ms, r->gpu_wait_ms, r->copies_ms,
-			r->window_ms, r->merge_ms, r->evict_ms);
+		fprintf(f, "  kvd (%s K/V, %s): wait %.2f ms, query to arena %.2f ms, copies+hash "
+			   "%.2f ms (GPU), window %.2f ms, merge %.2f ms, evictions %.2f ms\n",
+			kvd_kv_dtype_name(a->kv_dtype), kvd_estimator_name(a->estimator), r->kvd_wait_ms,
+			r->gpu_wait_ms, r->copies_ms, r->window_ms, r->merge_ms, r->evict_ms);
 	fprintf(f, "  KV: %.2f GB on the GPU, %.2f GB in kvd\n", r->gpu_kv_gb, r->host_kv_gb);
 }

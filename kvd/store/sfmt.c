@@ -46,7 +46,8 @@ static_assert(offsetof(struct kvd_sfmt_profile_rec, q_heads) == 72, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, layers) == 96, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, kv_dtype) == 116, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, seed) == 120, "layout");
-static_assert(offsetof(struct kvd_sfmt_profile_rec, reserved) == 128, "layout");
+static_assert(offsetof(struct kvd_sfmt_profile_rec, estimator) == 128, "layout");
+static_assert(offsetof(struct kvd_sfmt_profile_rec, reserved) == 132, "layout");
 static_assert(sizeof(struct kvd_sfmt_profile_rec) == KVD_SFMT_PROFILE_REC, "record size");
 static_assert(sizeof(((struct kvd_sfmt_profile_rec *)0)->name) > KVD_CTL_NAME_MAX, "name + NUL");
 static_assert(KVD_CTL_NAME_MAX == KVD_NAME_MAX, "one name limit");
@@ -143,6 +144,7 @@ static void rec_make(const struct kvd_profile *p, struct kvd_sfmt_profile_rec *r
 	r->seal_tokens = p->seal_tokens;
 	r->seed = p->seed;
 	r->kv_dtype = p->g.kv_dtype;
+	r->estimator = p->estimator;
 }
 
 uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p)
@@ -238,6 +240,8 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 	if (!all_zero((const uint8_t *)r->name + len, sizeof r->name - len) ||
 	    !all_zero(r->reserved, sizeof r->reserved))
 		return fail(msg, msglen, "PROFILE record: name padding or reserved bytes not zero");
+	if (r->estimator > KVD_EST_MAX)
+		return fail(msg, msglen, "PROFILE estimator %u is not 0, 1 or 2", r->estimator);
 
 	struct kvd_geom g = { r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c, r->kv_dtype };
 
@@ -310,6 +314,7 @@ int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile
 	out->seg_tokens = r.seg_tokens;
 	out->seal_tokens = r.seal_tokens;
 	out->seed = r.seed;
+	out->estimator = r.estimator;
 	out->dense = malloc(r.layers);
 	out->W = malloc(w_bytes(r.d, r.K, r.L));
 	if (!out->dense || !out->W) {

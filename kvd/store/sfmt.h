@@ -40,7 +40,12 @@
  *
  * Versions: 2 added int8 segments (KVD_SFMT_SF_INT8, the PROFILE record's
  * kv_dtype).  Version 1 files, all bf16, read unchanged: their SEG flags and
- * the field that is now kv_dtype were 0.  kvd writes version 2.
+ * the field that is now kv_dtype were 0.  kvd writes version 2.  The
+ * PROFILE record's estimator took the first 4 of its reserved bytes without
+ * a new version: files written before it have 0 there (magicpig), which is
+ * what their profiles were.  A profile's estimator state (the heavy lists of
+ * hybrid and adaptive) is scratch and is never written: a sequence comes
+ * back from a file with empty lists.
  *   END      payload_bytes 0; n == index.
  * Fields a kind does not mention are not checked (seq, gen, profile_fp:
  * the reader compares them with what it expects).
@@ -125,7 +130,9 @@ struct kvd_sfmt_profile_rec {
 	uint32_t layers, sink, window, seg_tokens, seal_tokens;
 	uint32_t kv_dtype;              /* enum kvd_kv_dtype (0 before version 2) */
 	uint64_t seed;
-	uint8_t reserved[128];          /* 0 */
+	uint32_t estimator;             /* enum kvd_estimator (0, magicpig, in files
+					 * written before it: it was reserved) */
+	uint8_t reserved[124];          /* 0 */
 };
 
 uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p);

@@ -181,6 +181,7 @@ static void layer_free(const struct kvd_profile *p, struct kvd_layer_state *l)
 		kvd_seg_free(l->seg[i]);
 	free(l->seg);
 	free(l->mean);
+	free(l->heavy);
 	rows_free(p, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap);
 	if (l->tail_k)
 		rows_free(p, l->tail_k, l->tail_v, l->tail_codes, p->seal_tokens);
@@ -190,6 +191,11 @@ static void layer_free(const struct kvd_profile *p, struct kvd_layer_state *l)
 static size_t mean_bytes(const struct kvd_profile *p)
 {
 	return (size_t)p->g.kv_heads * p->g.d * sizeof(float);
+}
+
+static size_t heavy_bytes(const struct kvd_profile *p)
+{
+	return kvd_heavy_words(&p->g) * sizeof(uint32_t);
 }
 
 static void prof_unlink(struct kvd_store *s, struct prof *x);
@@ -263,7 +269,7 @@ static int same_profile(const struct kvd_profile *a, const struct kvd_profile *b
 	return !memcmp(&a->g, &b->g, sizeof a->g) && a->layers == b->layers &&
 	       a->sink == b->sink && a->window == b->window && a->seg_tokens == b->seg_tokens &&
 	       a->seal_tokens == b->seal_tokens && a->seed == b->seed &&
-	       !memcmp(a->dense, b->dense, a->layers);
+	       a->estimator == b->estimator && !memcmp(a->dense, b->dense, a->layers);
 }
 
 static uint32_t pid_bucket(uint32_t id)
@@ -1220,6 +1226,28 @@ uint64_t kvd_store_layer_tokens(const struct kvd_seqn *q, uint32_t layer)
 const uint16_t *kvd_store_layer_tail_codes(const struct kvd_seqn *q, uint32_t layer)
 {
 	return q->ly[layer].tail_codes;
+}
+
+uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer)
+{
+	const struct kvd_profile *p = q->p;
+	struct kvd_layer_state *l;
+	size_t n = heavy_bytes(p);
+
+	if (p->estimator == KVD_EST_MAGICPIG || layer >= p->layers || p->dense[layer] ||
+	    layer >= kvd_store_seq_ready_layers(q))
+		return NULL;
+	l = &q->ly[layer];
+	if (l->heavy)
+		return l->heavy;
+	/* A refused charge is no error: the layer is attended without state. */
+	if (take(s, q, n, 0))
+		return NULL;
+	if (!(l->heavy = calloc(1, n))) {
+		give(s, q, n);
+		return NULL;
+	}
+	return l->heavy;
 }
 
 void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st)

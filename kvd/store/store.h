@@ -15,12 +15,13 @@
  *
  * Limits (kvd/uidlimits.h), once kvd_store_set_limits() gave the store a
  * kvd_limits: every allocation a client can cause -- a sequence's struct
- * and layer array, prefill staging, tails, means, segments and their
- * tables, a profile with its dense array, W and logp table -- is charged to
- * the sequence's (or the profile creator's) uid as KVD_RES_MEMORY before it
- * is made, and refused when the charge is: -ENOMEM at the memory limit,
- * -EDQUOT at memory_per_uid, with a message naming the limit.  Sequences
- * count against KVD_RES_SEQUENCES, profiles against KVD_RES_PROFILES.
+ * and layer array, prefill staging, tails, means, estimator state,
+ * segments and their tables, a profile with its dense array, W and logp
+ * table -- is charged to the sequence's (or the profile creator's) uid as
+ * KVD_RES_MEMORY before it is made, and refused when the charge is:
+ * -ENOMEM at the memory limit, -EDQUOT at memory_per_uid, with a message
+ * naming the limit.  Sequences count against KVD_RES_SEQUENCES, profiles
+ * against KVD_RES_PROFILES.
  * Everything is uncharged when freed or dropped.  Without limits nothing
  * is refused for the budget (the tier's pre-checks still apply), as before.
  *
@@ -54,6 +55,7 @@ struct kvd_profile {
 	struct kvd_geom g;
 	uint32_t layers, sink, window, seg_tokens, seal_tokens;
 	uint64_t seed;
+	uint32_t estimator;             /* enum kvd_estimator (attn.h); part of equality */
 	uint8_t *dense;                 /* [layers]: 1 = stays on the GPU */
 	float *W;                       /* [d][K*L] */
 	struct kvd_logp_tab *tab;
@@ -226,6 +228,19 @@ int kvd_store_seq_claim(struct kvd_seqn *q, uint64_t owner);
 const float *kvd_store_layer_mean(const struct kvd_seqn *q, uint32_t layer);
 uint64_t kvd_store_layer_tokens(const struct kvd_seqn *q, uint32_t layer);
 const uint16_t *kvd_store_layer_tail_codes(const struct kvd_seqn *q, uint32_t layer);
+
+/* The estimator state of a sparse layer (kvd_heavy_words of the profile's
+ * geometry), allocated zero-filled and charged to the sequence's uid
+ * (KVD_RES_MEMORY, counted in q->bytes like a mean) on first use; NULL for
+ * magicpig profiles, dense layers, layers not resident (on disk, not yet
+ * restored), or when the charge or the allocation fails (the layer is then
+ * attended by magicpig: an answer is never refused for it).  Freed with the
+ * layer's other resident data (kvd_store_seq_drop, seq free).  Scratch
+ * state: the tier never writes it to a spill file, so a sequence that was
+ * spilled (or dropped) starts again from empty lists.  Changing it does not
+ * change the sequence's gen.  Event loop only: the pool job that attends
+ * the layer gets the pointer from here. */
+uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer);
 
 struct kvd_store_stats {
 	uint32_t sequences, profiles;

@@ -27,6 +27,10 @@ struct kvd_layer_state {
 	uint16_t *tail_k, *tail_v, *tail_codes;
 	uint32_t tail_n;
 	uint64_t tokens;                /* tokens kvd holds for this layer */
+	/* The estimator's state (kvd_store_layer_heavy): kvd_heavy_words(g)
+	 * words, counted in q->bytes; NULL until first used (and always for
+	 * magicpig).  Never written to spill files. */
+	uint32_t *heavy;
 };
 
 struct kvd_seqn {

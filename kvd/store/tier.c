@@ -285,7 +285,9 @@ static unsigned count_extents(const struct kvd_seqn *q)
 /* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
  * END.  Segments are written from their own buffers (their header page);
  * profile, layer and end extents are copies, so later appends do not race
- * the write. */
+ * the write.  A layer's estimator state (l->heavy, hybrid and adaptive
+ * profiles) is not written: it is scratch, dropped with the sequence's
+ * RAM, and a restored sequence starts again from empty lists. */
 static int build_write(struct kvd_tier *t, struct rec *r)
 {
 	struct kvd_seqn *q = r->q;

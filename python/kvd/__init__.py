@@ -13,8 +13,8 @@ kvd.torch has the same with torch tensors, and attend_split (exact sinks +
 window on your side merged with kvd's part).  Where libkvclient.so is
 looked for: kvd._lib (KVD_LIBKVCLIENT first).
 """
-from .client import (APPEND_BATCH, KV_DTYPES, Client, Model, Sequence, SeqStats, ServerStats,
-                     Timing, connect)
+from .client import (APPEND_BATCH, ESTIMATORS, KV_DTYPES, Client, Model, Sequence, SeqStats,
+                     ServerStats, Timing, connect)
 from .daemon import Daemon, find_kvd
 from .errors import KvdError
 from .merge import attend_exact, merge
@@ -22,6 +22,6 @@ from ._lib import loaded_path as library_path
 
 __version__ = "0.1.0"
 
-__all__ = ["APPEND_BATCH", "KV_DTYPES", "Client", "Daemon", "KvdError", "Model", "Sequence",
-           "SeqStats", "ServerStats", "Timing", "attend_exact", "connect", "find_kvd", "library_path",
-           "merge"]
+__all__ = ["APPEND_BATCH", "ESTIMATORS", "KV_DTYPES", "Client", "Daemon", "KvdError", "Model",
+           "Sequence", "SeqStats", "ServerStats", "Timing", "attend_exact", "connect", "find_kvd",
+           "library_path", "merge"]

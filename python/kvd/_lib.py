@@ -54,6 +54,7 @@ class KvcModel(ctypes.Structure):
         ("c", ctypes.c_uint32),
         ("sink", ctypes.c_uint32),
         ("window", ctypes.c_uint32),
+        ("estimator", ctypes.c_uint32),    # enum kvc_estimator; in what was padding
         ("dense_layers", c_u32_p),
         ("n_dense", ctypes.c_uint32),
         ("kv_dtype", ctypes.c_uint32),     # enum kvc_kv_dtype; in what was padding

@@ -20,6 +20,9 @@ APPEND_BATCH = 32
 BACKENDS = {"cpu": 0, "cuda": 1, "auto": 2}
 # Model.kv_dtype: how kvd stores sealed K/V (enum kvc_kv_dtype).
 KV_DTYPES = {"bf16": 0, "int8": 1}
+# Model.estimator: how kvd estimates attention over sealed segments
+# (enum kvc_estimator).
+ESTIMATORS = {"magicpig": 0, "hybrid": 1, "adaptive": 2}
 SEQ_STATES = ("ram", "spilling", "disk", "restoring", "lost")
 
 
@@ -29,7 +32,9 @@ class Model:
     kvd's defaults (read them back from ``Client.model``).  kv_dtype: how
     kvd stores the K/V rows of sealed segments, "bf16" or "int8" (what is
     sent is the same either way; int8 takes about half the memory and is
-    approximate)."""
+    approximate).  estimator: how kvd estimates attention over sealed
+    segments, "magicpig", "hybrid" or "adaptive" (the last two keep a small
+    state per sequence and layer in kvd)."""
     name: str
     layers: int
     q_heads: int
@@ -45,6 +50,7 @@ class Model:
     segment_tokens: int = 0
     seal_tokens: int = 0
     kv_dtype: str = "bf16"
+    estimator: str = "magicpig"
 
     @property
     def group(self):
@@ -113,6 +119,22 @@ def _dtype_name(v):
     for k, n in KV_DTYPES.items():
         if n == v:
             return k
+    return v
+
+
+def _est_name(v):
+    for k, n in ESTIMATORS.items():
+        if n == v:
+            return k
+    return v
+
+
+def _enum(field, v, names):
+    """A name of `names` as its number; an int goes as it is (kvd judges it)."""
+    if isinstance(v, str):
+        if v not in names:
+            raise ValueError("%s: %r is not one of %s" % (field, v, ", ".join(names)))
+        return names[v]
     return v
 
 
@@ -240,12 +262,8 @@ class Client:
             model = Model(**kw)
         elif kw:
             raise TypeError("profile(): a Model or keywords, not both")
-        dt = model.kv_dtype
-        if isinstance(dt, str):
-            if dt not in KV_DTYPES:
-                raise ValueError("kv_dtype: %r is not one of %s" % (dt, ", ".join(KV_DTYPES)))
-            dt = KV_DTYPES[dt]
-        # an int goes as it is: kvd judges it
+        dt = _enum("kv_dtype", model.kv_dtype, KV_DTYPES)
+        est = _enum("estimator", model.estimator, ESTIMATORS)
         dense = (ctypes.c_uint32 * max(1, len(model.dense_layers)))(*model.dense_layers)
         name = model.name.encode()
         m = _lib.KvcModel(name=name, layers=model.layers, q_heads=model.q_heads,
@@ -254,7 +272,7 @@ class Client:
                           dense_layers=ctypes.cast(dense, _lib.c_u32_p),
                           n_dense=len(model.dense_layers), seed=model.seed,
                           segment_tokens=model.segment_tokens, seal_tokens=model.seal_tokens,
-                          kv_dtype=dt)
+                          kv_dtype=dt, estimator=est)
         with self._lock:
             self._call("kvc_profile", ctypes.byref(m))
             return self.model
@@ -273,7 +291,7 @@ class Client:
                     kv_heads=m.kv_heads, head_dim=m.head_dim, K=m.K, L=m.L, c=m.c, sink=m.sink,
                     window=m.window, dense_layers=tuple(m.dense_layers[i] for i in range(m.n_dense)),
                     seed=m.seed, segment_tokens=m.segment_tokens, seal_tokens=m.seal_tokens,
-                    kv_dtype=_dtype_name(m.kv_dtype))
+                    kv_dtype=_dtype_name(m.kv_dtype), estimator=_est_name(m.estimator))
             return self._model
 
     def _need_model(self):

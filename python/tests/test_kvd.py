@@ -240,6 +240,54 @@ def test_int8_profile(sock):
         assert c.profile(m8).kv_dtype == "int8"    # the connection is still good
 
 
+def test_estimator_profile(sock):
+    """estimator="hybrid": kvd makes the profile with it (read back), keeps
+    a small state per sparse layer of a sequence once attended (its bytes
+    show in the sequence's, q_heads * (1 + 32) * 4 per layer; magicpig keeps
+    none) and answers finite.  The numbers are the engine's business: this
+    is the plumbing.  Bad values are refused."""
+    rng = np.random.default_rng(13)
+    n0, steps = 1500, 200
+    k, v = kv(rng, n0 + steps)
+    q = rng.standard_normal((Q, D)).astype(np.float32)
+    mh = dataclasses.replace(NEAR_EXACT, name="py-exact-hybrid", estimator="hybrid")
+    hb = Q * (1 + 32) * 4
+    for m in (NEAR_EXACT, mh):
+        with kvd.connect(sock, "py", "est-" + m.estimator) as c:
+            got = c.profile(m)
+            assert got.estimator == m.estimator and got == m
+            with c.sequence() as s:
+                for layer in range(3):
+                    s.prefill(layer, k[:, :n0], v[:, :n0])
+                b0 = s.stats().bytes
+                for _ in range(2):                  # made once, then used
+                    for layer in (1, 2):
+                        o, lse = s.attend_kvd(layer, q, centered=False)
+                        assert np.isfinite(o).all() and np.isfinite(lse).all()
+                    assert s.stats().bytes - b0 == (2 * hb if m is mh else 0)
+                for t in range(n0, n0 + steps):
+                    for layer in range(3):
+                        s.append(layer, k[:, t], v[:, t])
+                    if t % 50 == 0:
+                        for layer in (1, 2):
+                            o, lse = s.attend_kvd(layer, q, centered=False)
+                            assert np.isfinite(o).all() and np.isfinite(lse).all()
+    with kvd.connect(sock, "py", "est-hold") as h, kvd.connect(sock, "py", "est-bad") as c:
+        h.profile(mh)                               # a profile lives while someone holds it
+        # the hybrid profile's name with another estimator is another profile
+        with pytest.raises(kvd.KvdError, match="exists with other fields") as e:
+            c.profile(dataclasses.replace(mh, estimator="magicpig"))
+        assert e.value.name == "EEXIST"
+        with pytest.raises(kvd.KvdError, match="estimator 7") as e:
+            c.profile(dataclasses.replace(mh, name="py-bad-est", estimator=7))
+        assert e.value.name == "EINVAL"
+        with pytest.raises(ValueError,
+                           match="estimator: 'exact' is not one of magicpig, hybrid, adaptive"):
+            c.profile(dataclasses.replace(mh, estimator="exact"))
+        assert c.profile(mh).estimator == "hybrid"  # the connection is still good
+        assert kvd.ESTIMATORS == {"magicpig": 0, "hybrid": 1, "adaptive": 2}
+
+
 # ---- the merge -----------------------------------------------------------
 
 def test_merge_math():

@@ -6,9 +6,9 @@
  * want_id = byte 0 >> 1 (0..127, a one-byte varint the fuzzer finds easily).
  * What the decoders promise is then checked, so a validation hole shows as
  * an abort rather than passing quietly: a refusal carries a negative code
- * and a message; an accepted profile has a valid geometry and kv_dtype,
- * dense layers below `layers` and W of the size it claims; an error message
- * is short and printable.
+ * and a message; an accepted profile has a valid geometry, kv_dtype and
+ * estimator, dense layers below `layers` and W of the size it claims; an
+ * error message is short and printable.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -27,6 +27,7 @@ static void check_profile(const Kvd__Profile *p, int filled)
 
 	if (kvd_ctl_check_profile(p, filled, NULL) || kvd_ctl_profile_to_geom(p, &g) ||
 	    g.kv_dtype != p->kv_dtype || !kvd_kv_dtype_name(g.kv_dtype) ||
+	    !kvd_estimator_name(p->estimator) ||
 	    !kvd_ctl_profile_equal(p, p) || strlen(p->name) > KVD_CTL_NAME_MAX ||
 	    p->n_dense_layers > p->layers)
 		abort();

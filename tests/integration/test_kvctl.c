@@ -12,8 +12,8 @@
  *   test_seqs_and_show          seqs, seq show, a missing seq (exit 1)
  *   test_seq_evict_free         seq evict reaches disk, seq free frees
  *   test_paging                 a listing longer than one reply pages
- *   test_profiles_limits        profiles (with their kv_dtype) and limits, text
- *                               and --json
+ *   test_profiles_limits        profiles (with their kv_dtype and estimator) and
+ *                               limits, text and --json
  *   test_visibility             uid B cannot see or touch uid A's things:
  *                               the same error as a missing seq; an admin
  *                               group sees everything; only admins drain
@@ -694,8 +694,8 @@ static void test_paging(void **state)
 
 static void test_profiles_limits(void **state)
 {
-	struct kvc *c = data_client("profiles", &model), *c8;
-	struct kvc_model m8 = model;
+	struct kvc *c = data_client("profiles", &model), *c8, *ch;
+	struct kvc_model m8 = model, mh = model;
 
 	kvctl("profiles");
 	expect(0, "profiles");
@@ -736,6 +736,26 @@ static void test_profiles_limits(void **state)
 	expect_out("\"name\":\"kvctl-int8\",\"layers\":2,\"q_heads\":4,\"kv_heads\":2,"
 		   "\"head_dim\":16,\"k_bits\":4,\"tables\":8,\"min_collisions\":1,"
 		   "\"kv_dtype\":\"int8\"", "profiles --json");
+
+	/* how each profile estimates attention: its own column and key */
+	mh.name = "kvctl-hybrid";
+	mh.estimator = KVC_EST_HYBRID;
+	ch = data_client("profiles-hybrid", &mh);
+	kvctl("profiles");
+	expect(0, "profiles");
+	expect_out(" KV   EST ", "profiles");
+	expect_out(" magicpig ", "profiles");
+	expect_out(" hybrid ", "profiles");
+	kvctl("--json", "profiles");
+	expect(0, "profiles --json");
+	assert_json(R.out, '[');
+	expect_out("\"name\":\"kvctl-test\",\"layers\":2,\"q_heads\":4,\"kv_heads\":2,"
+		   "\"head_dim\":16,\"k_bits\":4,\"tables\":8,\"min_collisions\":1,"
+		   "\"kv_dtype\":\"bf16\",\"estimator\":\"magicpig\"", "profiles --json");
+	expect_out("\"name\":\"kvctl-hybrid\",\"layers\":2,\"q_heads\":4,\"kv_heads\":2,"
+		   "\"head_dim\":16,\"k_bits\":4,\"tables\":8,\"min_collisions\":1,"
+		   "\"kv_dtype\":\"bf16\",\"estimator\":\"hybrid\"", "profiles --json");
+	kvc_close(ch);
 	kvc_close(c8);
 	kvc_close(c);
 }

@@ -1,6 +1,8 @@
 /* The real daemon and real client processes: ATTEND through kvd equals the
  * in-process engine bit for bit (1 and 8 concurrent clients; an int8
- * profile through prefill and decode steps, unlike bf16's); bad input of
+ * profile through prefill and decode steps, unlike bf16's); a hybrid
+ * estimator profile answers with finite outputs and keeps its per-layer
+ * state in the sequence's bytes, and is listed as such; bad input of
  * every kind gets an error or a disconnect while another client keeps
  * getting correct answers; a client that dies releases what it owned;
  * SIGTERM drains and exits 0. */
@@ -885,6 +887,168 @@ static void test_kv_dtype_refusals(void **state)
 	kvc_close(c8);
 }
 
+/* ---- estimator ----------------------------------------------------------- */
+
+/* `model` with the hybrid estimator: same fields otherwise. */
+static const struct kvc_model model_hybrid = {
+	.name = "itest-hybrid", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .estimator = KVC_EST_HYBRID,
+	.dense_layers = dense_layers, .n_dense = 1, .seed = 7, .segment_tokens = 4096,
+	.seal_tokens = 256,
+};
+
+static int all_finite(const float *x, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!isfinite(x[i]))
+			return 0;
+	return 1;
+}
+
+/* A hybrid profile through a real kvd: kvd makes it as asked, keeps a state
+ * for each sparse layer of a sequence once the layer is attended (its
+ * q_heads * (1 + 32) * 4 bytes show in the sequence's bytes, once; a
+ * magicpig profile keeps none), and answers ATTEND with finite outputs
+ * through prefill and decode steps that seal the tail.  How good the
+ * answers are is the engine's business (test_attn): this is the plumbing. */
+static void test_estimator_hybrid(void **state)
+{
+	const uint32_t n0 = 3000, steps = 300, n = n0 + steps;
+	const uint64_t hb = 8 * (1 + KVD_HEAVY_MAX) * sizeof(uint32_t);
+	struct kvc *cs[2] = { connect_model("hybrid", &model_hybrid),
+			      connect_model("magicpig", &model) };
+	float *k0 = xmalloc((size_t)2 * n0 * 128 * 4), *v0 = xmalloc((size_t)2 * n0 * 128 * 4);
+	float kt[2 * 128], vt[2 * 128], q[8 * 128], o[8 * 128], lse[8];
+	struct kvd_synth w;
+
+	assert_int_equal(kvc_model_of(cs[0])->estimator, KVC_EST_HYBRID);
+	assert_int_equal(kvc_model_of(cs[1])->estimator, KVC_EST_MAGICPIG);
+	assert_int_equal(kvd_synth_make(&w, KVD_WL_MIXED, n, 8, 2, 128, 41), 0);
+	for (int h = 0; h < 2; h++) {
+		memcpy(k0 + (size_t)h * n0 * 128, w.k + (size_t)h * n * 128, (size_t)n0 * 128 * 4);
+		memcpy(v0 + (size_t)h * n0 * 128, w.v + (size_t)h * n * 128, (size_t)n0 * 128 * 4);
+	}
+	for (int i = 0; i < 2; i++) {
+		struct kvc *c = cs[i];
+		struct kvc_seq *s;
+		struct kvc_seq_stats st0, st1;
+		unsigned answers = 0;
+
+		assert_int_equal(kvc_seq_create(c, &s), 0);
+		for (uint32_t l = 0; l < LAYERS; l++)
+			if (kvc_prefill(c, s, l, k0, v0, n0))
+				fail_msg("prefill: %s", kvc_last_error(c));
+		/* the first ATTEND makes the state of each sparse layer, the
+		 * next ones use it */
+		assert_int_equal(kvc_seq_stats(c, s, &st0), 0);
+		for (int rep = 0; rep < 2; rep++) {
+			for (uint32_t l = 1; l < LAYERS; l++) {
+				if (kvc_attend_kvd(c, l, &s, 1, w.q, o, lse))
+					fail_msg("attend: %s", kvc_last_error(c));
+				assert_true(all_finite(o, 8 * 128) && all_finite(lse, 8));
+			}
+			assert_int_equal(kvc_seq_stats(c, s, &st1), 0);
+			assert_int_equal(st1.bytes - st0.bytes, i == 0 ? (LAYERS - 1) * hb : 0);
+		}
+		for (uint32_t t = n0; t < n; t++) {
+			for (int h = 0; h < 2; h++) {
+				memcpy(kt + h * 128, w.k + ((size_t)h * n + t) * 128, 128 * 4);
+				memcpy(vt + h * 128, w.v + ((size_t)h * n + t) * 128, 128 * 4);
+			}
+			for (uint32_t l = 0; l < LAYERS; l++)
+				if (kvc_append(c, s, l, kt, vt))
+					fail_msg("append: %s", kvc_last_error(c));
+			if ((t - n0) % 25)
+				continue;
+			/* a decode step's query: the synthetic one, moved a little */
+			for (int e = 0; e < 8 * 128; e++)
+				q[e] = w.q[e] + 0.01f * (float)((t + (uint32_t)e) % 7);
+			for (uint32_t l = 1; l < LAYERS; l++) {
+				if (kvc_attend_kvd(c, l, &s, 1, q, o, lse))
+					fail_msg("attend at %u: %s", t, kvc_last_error(c));
+				assert_true(all_finite(o, 8 * 128) && all_finite(lse, 8));
+				answers++;
+			}
+		}
+		assert_int_equal(kvc_seq_stats(c, s, &st1), 0);
+		assert_true(st1.segments > st0.segments);      /* the tail sealed on the way */
+		print_message("  %s: %u finite answers over %u decode steps, %llu bytes in kvd\n",
+			      kvc_model_of(c)->name, answers, steps, (unsigned long long)st1.bytes);
+		assert_int_equal(kvc_seq_free(c, s), 0);
+		kvc_close(c);
+	}
+	free(k0);
+	free(v0);
+	kvd_synth_free(&w);
+}
+
+/* A bad estimator is refused like any bad field, naming it, and the
+ * connection stays usable; an existing name with another estimator is
+ * another profile (-EEXIST); ProfileOpen and the profile listing answer
+ * each profile's estimator. */
+static void test_estimator_refusals(void **state)
+{
+	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = "est",
+			      .slots = 4, .slot_size = 1 << 20 };
+	struct kvc_model bad = model_hybrid;
+	struct kvc *c, *ch = connect_model("hybrid", &model_hybrid);
+	struct kvc *cm = connect_model("magicpig", &model);
+	struct raw x;
+	int rc, seen = 0;
+
+	assert_int_equal(kvc_connect(&o, &c), 0);
+	bad.estimator = 7;
+	rc = kvc_profile(c, &bad);
+	assert_int_equal(rc, -EINVAL);
+	print_message("  estimator 7: %s\n", kvc_last_error(c));
+	assert_non_null(strstr(kvc_last_error(c), "estimator 7"));
+	bad.estimator = KVC_EST_MAGICPIG;              /* the hybrid profile's name, as magicpig */
+	rc = kvc_profile(c, &bad);
+	assert_int_equal(rc, -EEXIST);
+	assert_non_null(strstr(kvc_last_error(c), "exists with other fields"));
+	assert_int_equal(kvc_profile(c, &model_hybrid), 0);    /* equal fields: opens it */
+	assert_int_equal(kvc_model_of(c)->estimator, KVC_EST_HYBRID);
+	assert_int_equal(kvc_nop(c), 0);
+	kvc_close(c);
+
+	assert_int_equal(raw_connect(&x), 0);
+	raw_hello(&x);
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ProfileOpen po = KVD__PROFILE_OPEN__INIT;
+	Kvd__ProfilesReq pr = KVD__PROFILES_REQ__INIT;
+
+	po.name = "itest-hybrid";
+	rq.body_case = KVD__REQUEST__BODY_PROFILE_OPEN;
+	rq.profile_open = &po;
+	Kvd__Response *r = raw_call(&x, &rq, NULL, NULL);
+
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_PROFILE);
+	assert_int_equal(r->profile->profile->estimator, KVD__ESTIMATOR__ESTIMATOR_HYBRID);
+	kvd_ctl_free_response(r);
+
+	rq = (Kvd__Request)KVD__REQUEST__INIT;
+	rq.body_case = KVD__REQUEST__BODY_PROFILES;
+	rq.profiles = &pr;
+	r = raw_call(&x, &rq, NULL, NULL);
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_PROFILE_LIST);
+	for (size_t i = 0; i < r->profile_list->n_profiles; i++) {
+		const Kvd__Profile *p = r->profile_list->profiles[i]->profile;
+
+		if (!strcmp(p->name, "itest-hybrid")) {
+			assert_int_equal(p->estimator, KVD__ESTIMATOR__ESTIMATOR_HYBRID);
+			seen |= 1;
+		} else if (!strcmp(p->name, "itest")) {
+			assert_int_equal(p->estimator, KVD__ESTIMATOR__ESTIMATOR_MAGICPIG);
+			seen |= 2;
+		}
+	}
+	assert_int_equal(seen, 3);
+	kvd_ctl_free_response(r);
+	raw_close(&x);
+	kvc_close(cm);
+	kvc_close(ch);
+}
+
 /* --log-file: kvd appends there; after a rotation, SIGHUP makes it write to
  * a fresh file of the same name. */
 static void test_sighup_reopens_log(void **state)
@@ -965,6 +1129,8 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_decode_appends, start, stop),
 		cmocka_unit_test_setup_teardown(test_int8_equals_engine, start, stop),
 		cmocka_unit_test_setup_teardown(test_kv_dtype_refusals, start, stop),
+		cmocka_unit_test_setup_teardown(test_estimator_hybrid, start, stop),
+		cmocka_unit_test_setup_teardown(test_estimator_refusals, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_control_messages, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_ring_entries, start, stop),
 		cmocka_unit_test_setup_teardown(test_killed_client_releases, start, stop),

@@ -4,7 +4,9 @@
  * smaller than the sessions evicts the coldest and brings them back; every
  * injected disk fault (fake I/O backend) keeps kvd serving and never gives
  * a wrong answer — data stays in RAM, or the request fails "sequence lost";
- * --persist finds sequences again after a clean stop and after kill -9. */
+ * --persist finds sequences again after a clean stop and after kill -9 (a
+ * hybrid profile with its estimator; its per-layer state is never written,
+ * and is made again after a restore). */
 #include <dirent.h>
 #include <fcntl.h>
 #include <setjmp.h>
@@ -574,6 +576,127 @@ static void test_persist_int8_restart(void **state)
 	kvc_close(c2);
 }
 
+/* ---- estimator state ---------------------------------------------------- */
+
+/* `model` with the hybrid estimator: same rows, same files but for the
+ * PROFILE record's estimator. */
+static const struct kvc_model model_hybrid = {
+	.name = "tier-hybrid", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .estimator = KVC_EST_HYBRID,
+	.dense_layers = dense_layers, .n_dense = 1, .seed = 11, .segment_tokens = 4096,
+	.seal_tokens = 256,
+};
+
+/* ATTEND of every sparse layer of x answers, finite. */
+static int finite_answers(struct kvc *c, struct session *x)
+{
+	float o[8 * 128], lse[8];
+	int rc;
+
+	for (uint32_t l = 1; l < LAYERS; l++) {
+		if ((rc = kvc_attend_kvd(c, l, &x->s, 1, x->w[l].q, o, lse)))
+			return rc;
+		for (int i = 0; i < 8 * 128; i++)
+			if (!isfinite(o[i]) || (i < 8 && !isfinite(lse[i])))
+				return 1;
+	}
+	return 0;
+}
+
+/* A hybrid profile's estimator state is scratch: it is in the sequence's
+ * resident bytes, not in its file (the same rows under magicpig make a file
+ * of the same size), gone when the sequence is on disk, and made again,
+ * empty, when ATTEND brings the sequence back. */
+static void test_spill_drops_estimator_state(void **state)
+{
+	const uint64_t hb = 8 * (1 + 32) * sizeof(uint32_t);
+	struct kvc *ch, *cm;
+	struct session x, y;
+	struct kvc_seq_stats st, stm;
+
+	assert_int_equal(up(NULL, NULL), 0);
+	ch = client_of("spill-hybrid", &model_hybrid);
+	cm = client("spill-magicpig");
+	assert_int_equal(kvc_model_of(ch)->estimator, KVC_EST_HYBRID);
+	assert_int_equal(build(ch, &x, 4), 0);
+	assert_int_equal(build(cm, &y, 4), 0);
+	assert_int_equal(finite_answers(ch, &x), 0);
+	assert_int_equal(finite_answers(cm, &y), 0);
+	st = seq_stats(ch, x.s);
+	stm = seq_stats(cm, y.s);
+	assert_int_equal(st.tokens, stm.tokens);
+	assert_int_equal(st.bytes, stm.bytes + (LAYERS - 1) * hb);
+	uint64_t resident = st.bytes;
+
+	assert_int_equal(kvc_seq_evict(ch, x.s), 0);
+	assert_int_equal(kvc_seq_evict(cm, y.s), 0);
+	st = wait_spilled(ch, x.s);
+	stm = wait_spilled(cm, y.s);
+	assert_int_equal(st.state, KVC_SEQ_DISK);
+	assert_true(st.durable);
+	assert_int_equal(st.bytes, 0);
+	assert_int_equal(stm.state, KVC_SEQ_DISK);
+	print_message("  on disk: hybrid %llu bytes, magicpig %llu\n",
+		      (unsigned long long)st.disk_bytes, (unsigned long long)stm.disk_bytes);
+	assert_int_equal(st.disk_bytes, stm.disk_bytes);
+	assert_int_equal(stats(ch).bytes, 0);
+
+	/* back in RAM by ATTEND: the data as before, the state made again */
+	assert_int_equal(finite_answers(ch, &x), 0);
+	st = wait_restored(ch, x.s);
+	assert_int_equal(st.state, KVC_SEQ_RAM);
+	assert_int_equal(st.bytes, resident);
+	assert_int_equal(finite_answers(ch, &x), 0);
+	assert_int_equal(seq_stats(ch, x.s).bytes, resident);
+	assert_int_equal(stats(ch).lost, 0);
+	drop_session(ch, &x);
+	drop_session(cm, &y);
+	assert_int_equal(stats(ch).bytes, 0);
+	kvc_close(ch);
+	kvc_close(cm);
+}
+
+/* --persist with a hybrid profile: after a restart kvd has recreated the
+ * profile from the file with its estimator (the same name as magicpig is
+ * another profile), and the sequence answers. */
+static void test_persist_hybrid_restart(void **state)
+{
+	struct kvc_opts o = { .tenant = "t", .name = "persist-hybridb", .slots = 8,
+			      .slot_size = 1 << 20 };
+	struct kvc_model as_magicpig = model_hybrid;
+	struct kvc *c, *c2;
+	struct session x;
+	struct kvc_seq *s2;
+	uint64_t tokens;
+
+	assert_int_equal(up("--persist", NULL), 0);
+	c = client_of("persist-hybrid", &model_hybrid);
+	assert_int_equal(build(c, &x, 25), 0);
+	assert_int_equal(finite_answers(c, &x), 0);
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	assert_true(wait_spilled(c, x.s).durable);
+	assert_int_equal(daemon_stop(&D), 0);
+	kvc_seq_free(c, x.s);           /* kvd is gone: this frees our handle only */
+	kvc_close(c);
+	assert_int_equal(count_files(spill, ".kvs"), 1);
+
+	assert_int_equal(up("--persist", NULL), 0);
+	o.socket_path = D.sock;
+	assert_int_equal(kvc_connect(&o, &c2), 0);
+	as_magicpig.estimator = KVC_EST_MAGICPIG;
+	assert_int_equal(kvc_profile(c2, &as_magicpig), -EEXIST);
+	assert_int_equal(kvc_profile(c2, &model_hybrid), 0);
+	assert_int_equal(kvc_model_of(c2)->estimator, KVC_EST_HYBRID);
+	assert_int_equal(kvc_seq_open(c2, x.id, &s2, &tokens), 0);
+	assert_true(tokens > N_TOK - 4 - 64 - 32 && tokens <= N_TOK - 4 - 64);
+	x.s = s2;
+	assert_int_equal(finite_answers(c2, &x), 0);
+	assert_int_equal(wait_restored(c2, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(stats(c2).lost, 0);
+	drop_session(c2, &x);
+	kvc_close(c2);
+}
+
 /* Rewrites every extent header of the one .kvs file in dir as format
  * version 1 wrote it (bf16 files only differ in the version field); the
  * number of extents rewritten. */
@@ -786,6 +909,8 @@ int main(void)
 		cmocka_unit_test_teardown(test_fault_eio_read, down),
 		cmocka_unit_test_teardown(test_persist_clean_restart, down),
 		cmocka_unit_test_teardown(test_persist_int8_restart, down),
+		cmocka_unit_test_teardown(test_spill_drops_estimator_state, down),
+		cmocka_unit_test_teardown(test_persist_hybrid_restart, down),
 		cmocka_unit_test_teardown(test_persist_version1_file, down),
 		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),
 		cmocka_unit_test_teardown(test_persist_bad_file_quarantined, down),

@@ -259,6 +259,7 @@ static void test_responses_round_trip(void **state)
 	prof.k_bits = 8;
 	prof.tables = 16;
 	prof.kv_dtype = KVD_KV_INT8;
+	prof.estimator = KVD_EST_ADAPTIVE;
 	kvd_lsh_make_w(prof.seed, 16, 8, 16, W);
 
 	for (int i = 0; i < 8; i++) {
@@ -344,6 +345,7 @@ static void test_responses_round_trip(void **state)
 			assert_int_equal(d->profile->profile_id, 5);
 			assert_true(kvd_ctl_profile_equal(d->profile->profile, &prof));
 			assert_int_equal(d->profile->profile->kv_dtype, KVD_KV_INT8);
+			assert_int_equal(d->profile->profile->estimator, KVD_EST_ADAPTIVE);
 			assert_int_equal(d->profile->w.len, i == 2 ? sizeof(float) * 16 * 8 * 16 : 0);
 			assert_int_equal(kvd_ctl_profile_w(d->profile, W2), 0);
 			assert_memory_equal(W2, W, sizeof(W2));
@@ -591,6 +593,9 @@ static void test_profile_fields(void **state)
 		F(seal_tokens, 40000, -EINVAL, "seal_tokens 40000"),
 		F(kv_dtype, 2, -EINVAL, "profile kv_dtype 2 is not 0 (bf16) or 1 (int8)"),
 		F(kv_dtype, UINT32_MAX, -EINVAL, "kv_dtype 4294967295"),
+		F(estimator, 3, -EINVAL,
+		  "profile estimator 3 is not 0 (magicpig), 1 (hybrid) or 2 (adaptive)"),
+		F(estimator, UINT32_MAX, -EINVAL, "estimator 4294967295"),
 #undef F
 	};
 	struct reqs q;
@@ -620,6 +625,7 @@ static void test_profile_fields(void **state)
 	q.prof.segment_tokens = 256;
 	q.prof.seal_tokens = 256;
 	q.prof.kv_dtype = KVD__KV_DTYPE__KV_DTYPE_INT8;
+	q.prof.estimator = KVD__ESTIMATOR__ESTIMATOR_ADAPTIVE;
 	d = decode_packed(&q.r[1], &e);
 	if (!d)
 		print_error("%s\n", e.msg);
@@ -633,14 +639,16 @@ static void test_profile_fields(void **state)
 	assert_int_equal(g.c, 1);
 	assert_int_equal(g.kv_dtype, KVD_KV_INT8);
 	assert_int_equal(d->profile_create->profile->kv_dtype, KVD_KV_INT8);
+	assert_int_equal(d->profile_create->profile->estimator, KVD_EST_ADAPTIVE);
 	kvd_ctl_free_request(d);
-	/* left out, it is bf16 (0) */
+	/* left out, it is bf16 (0) and magicpig (0) */
 	make_reqs(&q);
 	d = decode_packed(&q.r[1], &e);
 	assert_non_null(d);
 	memset(&g, 0xff, sizeof g);
 	assert_int_equal(kvd_ctl_profile_to_geom(d->profile_create->profile, &g), 0);
 	assert_int_equal(g.kv_dtype, KVD_KV_BF16);
+	assert_int_equal(d->profile_create->profile->estimator, KVD_EST_MAGICPIG);
 	kvd_ctl_free_request(d);
 
 	/* A reply must carry the defaults filled in. */
@@ -707,6 +715,12 @@ static void test_profile_helpers(void **state)
 	assert_true(kvd_ctl_profile_equal(&a, &b));
 	a.kv_dtype = 0;
 	b.kv_dtype = 0;
+	b.estimator = KVD_EST_HYBRID;           /* same shape and storage, other estimator */
+	assert_false(kvd_ctl_profile_equal(&a, &b));
+	a.estimator = KVD_EST_HYBRID;
+	assert_true(kvd_ctl_profile_equal(&a, &b));
+	a.estimator = 0;
+	b.estimator = 0;
 	b.name = "other";
 	assert_false(kvd_ctl_profile_equal(&a, &b));
 
@@ -1064,6 +1078,17 @@ static void test_response_checks(void **state)
 	assert_int_equal(d->profile->profile->kv_dtype, KVD_KV_INT8);
 	kvd_ctl_free_response(d);
 	prof.kv_dtype = 0;
+	prof.estimator = KVD_EST_MAX + 1;
+	d = DECODE(1);
+	assert_null(d);
+	assert_int_equal(e.code, -KVD_EPROTO);
+	assert_non_null(strstr(e.msg, "estimator 3"));
+	prof.estimator = KVD_EST_HYBRID;
+	d = DECODE(1);
+	assert_non_null(d);
+	assert_int_equal(d->profile->profile->estimator, KVD_EST_HYBRID);
+	kvd_ctl_free_response(d);
+	prof.estimator = 0;
 	pr.profile = NULL;
 	d = DECODE(1);
 	assert_null(d);

@@ -417,6 +417,14 @@ static void test_decode_args(void **state)
 	assert_int_equal(parse(&a, msg, "--kv-dtype=fp8", NULL), -EINVAL);
 	assert_non_null(strstr(msg, "--kv-dtype: bf16 or int8, not fp8"));
 	assert_int_equal(parse(&a, msg, "--kv-dtype", NULL), -EINVAL);
+	assert_int_equal(a.estimator, KVD_EST_MAGICPIG);
+	assert_int_equal(parse(&a, msg, "--estimator", "hybrid", NULL), 0);
+	assert_int_equal(a.estimator, KVD_EST_HYBRID);
+	assert_int_equal(parse(&a, msg, "--estimator=adaptive", NULL), 0);
+	assert_int_equal(a.estimator, KVD_EST_ADAPTIVE);
+	assert_int_equal(parse(&a, msg, "--estimator=exact", NULL), -EINVAL);
+	assert_non_null(strstr(msg, "--estimator: magicpig, hybrid or adaptive, not exact"));
+	assert_int_equal(parse(&a, msg, "--estimator", NULL), -EINVAL);
 	assert_int_equal(parse(&a, msg, "--attn=gpu-dense", "--ctx", "96k", "--batch=8",
 			       "--steps", "10", "--K", "8", "--L=75", "--c", "1", "--json", NULL), 0);
 	assert_int_equal(a.attn, DEC_GPU_DENSE);

@@ -182,6 +182,7 @@ static void test_profile_round_trip(void **state)
 
 	prof_make(&x, 64, 8, 10, 5);
 	x.dense[2] = 7;         /* any nonzero means dense; stored as 1 */
+	x.p.estimator = KVD_EST_ADAPTIVE;
 	uint8_t *pl = profile_payload(&x.p, &h);
 
 	assert_int_equal(h.payload_bytes, 256 + 64 + 64 * 8 * 10 * 4);
@@ -199,6 +200,7 @@ static void test_profile_round_trip(void **state)
 	assert_int_equal(got.seg_tokens, 4096);
 	assert_int_equal(got.seal_tokens, 1024);
 	assert_int_equal(got.seed, 0x5eed);
+	assert_int_equal(got.estimator, KVD_EST_ADAPTIVE);
 	const uint8_t want_dense[5] = { 1, 0, 1, 0, 1 };
 
 	assert_memory_equal(got.dense, want_dense, 5);
@@ -216,8 +218,8 @@ static void test_profile_round_trip(void **state)
  * and so must check_payload with the CRC (and fingerprint) recomputed. */
 static void test_profile_rejects(void **state)
 {
-	enum { NAME_EMPTY, NAME_LONG, NAME_CTRL, NAME_PAD, RESERVED0, RESERVED, GEOM_D, GEOM_G,
-	       LAYERS0, LAYERS_BIG, SINK, SEG_POW2, SEG_SMALL, SEAL_BIG, SEAL_SMALL, DENSE2,
+	enum { NAME_EMPTY, NAME_LONG, NAME_CTRL, NAME_PAD, RESERVED0, RESERVED, ESTIMATOR, GEOM_D,
+	       GEOM_G, LAYERS0, LAYERS_BIG, SINK, SEG_POW2, SEG_SMALL, SEAL_BIG, SEAL_SMALL, DENSE2,
 	       DENSE_PAD, W_NAN, W_INF, SHORT, LONG, NCASES };
 	struct prof x;
 	struct kvd_sfmt_hdr h0;
@@ -242,7 +244,8 @@ static void test_profile_rejects(void **state)
 		case NAME_CTRL: r.name[2] = '\n'; break;
 		case NAME_PAD: r.name[70] = 'x'; break;
 		case RESERVED0: r.kv_dtype = KVD_KV_DTYPE_MAX + 1; break;
-		case RESERVED: r.reserved[127] = 1; break;
+		case RESERVED: r.reserved[sizeof r.reserved - 1] = 1; break;
+		case ESTIMATOR: r.estimator = KVD_EST_MAX + 1; break;
 		case GEOM_D: r.d = 24; break;
 		case GEOM_G: r.kv_heads = 3; break;
 		case LAYERS0: r.layers = 0; break;
@@ -330,6 +333,8 @@ static void test_fingerprint_fields(void **state)
 		case 14: x.dense[3] = 1; break;
 		case 15: x.W[0] = nextafterf(x.W[0], INFINITY); break;
 		case 16: x.W[64 * 8 * 10 - 1] = -x.W[64 * 8 * 10 - 1]; break;
+		case 17: p->estimator = KVD_EST_HYBRID; break;
+		case 18: p->estimator = KVD_EST_ADAPTIVE; break;
 		default: goto done;
 		}
 		uint64_t fp = kvd_sfmt_profile_fp(p);

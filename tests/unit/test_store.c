@@ -5,7 +5,8 @@
  * the old API without limits.  Then the rows themselves: PREFILL staging
  * sealed every seg_tokens and at LAST, the APPEND tail sealed at
  * seal_tokens and starting over, every row in its place, and rows out of
- * order refused without a change. */
+ * order refused without a change.  Last, the estimator state of hybrid
+ * profiles: charged, zero-filled, given back on drop and free. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -745,6 +746,128 @@ static void test_row_order_refused(void **state)
 	kvd_limits_destroy(l);
 }
 
+/* The estimator state of a hybrid or adaptive profile's sparse layer:
+ * allocated zero-filled on first use, counted in the sequence's bytes and
+ * charged to its uid, the same pointer (and contents) until the layer's
+ * resident data goes, given back by drop and by free; none for a magicpig
+ * profile or a dense layer, and none (no error) when the charge is refused.
+ * A profile of the same name with another estimator is another profile. */
+static void test_heavy_state(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	static uint8_t dn[LAYERS] = { 0, 1 };   /* layer 1 stays on the GPU */
+	struct kvd_profile want = profile("hy", 8), mp = profile("mp", 8);
+	const struct kvd_profile *p, *pm, *px;
+	struct kvd_seqn *q, *qm;
+	uint32_t *h, *h2;
+	uint64_t base, seqb;
+	size_t words, hb;
+	char msg[256];
+
+	want.estimator = KVD_EST_HYBRID;
+	want.dense = dn;
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(p->estimator, KVD_EST_HYBRID);
+	words = kvd_heavy_words(&p->g);
+	hb = words * sizeof(uint32_t);
+	assert_int_equal(words, p->g.q_heads * (1 + KVD_HEAVY_MAX));
+	/* equal fields but the estimator: -EEXIST; equal: the same profile */
+	want.estimator = KVD_EST_ADAPTIVE;
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &px, msg, sizeof msg), -EEXIST);
+	assert_non_null(strstr(msg, "exists with other fields"));
+	want.estimator = KVD_EST_HYBRID;
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &px, msg, sizeof msg), 0);
+	assert_ptr_equal(px, p);
+	kvd_store_profile_unref(s, px);
+
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	base = mem_total(l);
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
+
+	/* first use: zero-filled, charged, counted in the sequence's bytes */
+	h = kvd_store_layer_heavy(s, q, 0);
+	assert_non_null(h);
+	for (size_t i = 0; i < words; i++)
+		assert_int_equal(h[i], 0);
+	assert_int_equal(kvd_store_seq_bytes(q), hb);
+	assert_int_equal(mem_total(l), base + hb);
+	assert_int_equal(store_total(s), mem_total(l));
+	/* later uses: the same state, kept as the engine left it, not charged again */
+	for (size_t i = 0; i < words; i++)
+		h[i] = (uint32_t)(i * 2654435761u);
+	h2 = kvd_store_layer_heavy(s, q, 0);
+	assert_ptr_equal(h2, h);
+	assert_int_equal(h2[words - 1], (uint32_t)((words - 1) * 2654435761u));
+	assert_int_equal(mem_total(l), base + hb);
+	/* a dense layer and a layer out of range have none */
+	assert_null(kvd_store_layer_heavy(s, q, 1));
+	assert_null(kvd_store_layer_heavy(s, q, LAYERS));
+	assert_int_equal(mem_total(l), base + hb);
+
+	/* with rows beside it, drop gives all of it back */
+	assert_int_equal(rows(s, q, 0, 0, 1, 1, 0, 300, msg, sizeof msg), 0);
+	seqb = kvd_store_seq_bytes(q);
+	assert_true(seqb > hb);
+	assert_int_equal(mem_total(l), base + seqb);
+	kvd_store_seq_drop(s, q);
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
+	assert_int_equal(mem_total(l), base);
+	assert_int_equal(store_total(s), mem_total(l));
+	/* scratch: whatever comes back starts from empty lists */
+	h = kvd_store_layer_heavy(s, q, 0);
+	assert_non_null(h);
+	for (size_t i = 0; i < words; i++)
+		assert_int_equal(h[i], 0);
+	assert_int_equal(mem_total(l), base + hb);
+
+	/* a magicpig profile: none, nothing charged */
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &mp, &pm, msg, sizeof msg), 0);
+	assert_int_equal(pm->estimator, KVD_EST_MAGICPIG);
+	assert_int_equal(kvd_store_seq_create_uid(s, pm, 9, "9:t", 1, &qm, msg, sizeof msg), 0);
+	seqb = mem_total(l);
+	assert_null(kvd_store_layer_heavy(s, qm, 0));
+	assert_null(kvd_store_layer_heavy(s, qm, 1));
+	assert_int_equal(kvd_store_seq_bytes(qm), 0);
+	assert_int_equal(mem_total(l), seqb);
+	kvd_store_seq_free(s, qm);
+	kvd_store_profile_unref(s, pm);
+
+	/* free gives the state back with the rest */
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	assert_int_equal(kvd_limits_uids(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+
+	/* at the memory limit: no state, no error, nothing charged; the
+	 * layer is attended by magicpig */
+	l = limits(UINT64_MAX, 0, 0, 0);
+	s = store(l);
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	base = mem_total(l);
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+	l = limits(base + hb - 1, 0, 0, 0);
+	s = store(l);
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(mem_total(l), base);
+	assert_null(kvd_store_layer_heavy(s, q, 0));
+	assert_int_equal(kvd_store_seq_bytes(q), 0);
+	assert_int_equal(mem_total(l), base);
+	assert_int_equal(store_total(s), mem_total(l));
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -770,6 +893,7 @@ int main(void)
 		cmocka_unit_test(test_append_tail_seals),
 		cmocka_unit_test(test_attend_ready),
 		cmocka_unit_test(test_row_order_refused),
+		cmocka_unit_test(test_heavy_state),
 	};
 
 	return cmocka_run_group_tests(tests, setup, teardown);

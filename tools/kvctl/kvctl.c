@@ -93,7 +93,8 @@ static void usage(FILE *f)
 		"  seq show ID         one sequence\n"
 		"  seq evict ID        write it to the spill tier and drop it from RAM\n"
 		"  seq free ID         free it (its client's next use of it fails)\n"
-		"  profiles            model profiles: geometry, K/V dtype, references, bytes\n"
+		"  profiles            model profiles: geometry, K/V dtype, estimator,\n"
+		"                      references, bytes\n"
 		"  limits              caps ([limits], memory, spill) and usage per uid\n"
 		"  drain [--no-wait]   stop kvd as SIGTERM does: stop accepting, answer what\n"
 		"                      clients queued, exit; waits until kvd has let go\n"
@@ -705,9 +706,9 @@ static int cmd_profiles(void)
 	if (json)
 		jarr_open(NULL);
 	else
-		printf("%-6s %-10s %-20s %6s %4s %4s %4s %3s %5s %2s %-4s %6s %6s %5s %5s %10s\n",
-		       "ID", "UID", "NAME", "LAYERS", "QH", "KVH", "D", "K", "L", "C", "KV", "SINK",
-		       "WINDOW", "DENSE", "REFS", "BYTES");
+		printf("%-6s %-10s %-20s %6s %4s %4s %4s %3s %5s %2s %-4s %-8s %6s %6s %5s %5s %10s\n",
+		       "ID", "UID", "NAME", "LAYERS", "QH", "KVH", "D", "K", "L", "C", "KV", "EST",
+		       "SINK", "WINDOW", "DENSE", "REFS", "BYTES");
 	do {
 		Kvd__Request rq = KVD__REQUEST__INIT;
 		Kvd__ProfilesReq pr = KVD__PROFILES_REQ__INIT;
@@ -725,6 +726,7 @@ static int cmd_profiles(void)
 			const Kvd__Profile *p = pi->profile;
 			/* the decoder checked it: never NULL */
 			const char *dt = kvd_kv_dtype_name(p->kv_dtype);
+			const char *est = kvd_estimator_name(p->estimator);
 
 			if (json) {
 				jobj_open(NULL);
@@ -739,6 +741,7 @@ static int cmd_profiles(void)
 				ju("tables", p->tables);
 				ju("min_collisions", p->min_collisions);
 				js("kv_dtype", dt);
+				js("estimator", est);
 				ju("sink_tokens", p->sink_tokens);
 				ju("window_tokens", p->window_tokens);
 				ju("dense_layers", pi->n_dense);
@@ -749,9 +752,9 @@ static int cmd_profiles(void)
 				ju("bytes", pi->bytes);
 				jobj_close();
 			} else {
-				printf("%-6u %-10u %-20s %6u %4u %4u %4u %3u %5u %2u %-4s %6u %6u %5u %5u %10s\n",
+				printf("%-6u %-10u %-20s %6u %4u %4u %4u %3u %5u %2u %-4s %-8s %6u %6u %5u %5u %10s\n",
 				       pi->profile_id, pi->uid, p->name, p->layers, p->q_heads, p->kv_heads,
-				       p->head_dim, p->k_bits, p->tables, p->min_collisions, dt,
+				       p->head_dim, p->k_bits, p->tables, p->min_collisions, dt, est,
 				       p->sink_tokens, p->window_tokens, pi->n_dense, pi->refs, H(pi->bytes));
 			}
 		}
