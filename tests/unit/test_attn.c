@@ -149,8 +149,13 @@ static void seg_rows_f32(const struct kvd_seg *seg, uint32_t h, float *kf, float
 		}
 }
 
+/* score_d's cached segment: reset here, as a later fixture may reuse its
+ * address. */
+static const struct kvd_seg *cseg;
+
 static void fix_free(struct layer_fix *f)
 {
+	cseg = NULL;
 	kvd_prep_free(&f->p);
 	kvd_synth_free(&f->w);
 	free(f->W);
@@ -809,19 +814,27 @@ static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, double 
 	free(w);
 }
 
-/* Exact score in double of row `row` of segment s for q head qh. */
+/* Exact score in double of row `row` of segment s for q head qh (the
+ * segment's rows widened once per (segment, kv head) and kept). */
 static double score_d(const struct layer_fix *f, uint32_t qh, uint32_t s, uint32_t row)
 {
+	static uint32_t ch;
+	static float *kf, *vf;
 	const struct kvd_seg *seg = f->p.seg[s];
-	uint32_t d = f->g.d, G = kvd_geom_group(&f->g);
-	float *kf = xmalloc((size_t)seg->n * d * 4), *vf = xmalloc((size_t)seg->n * d * 4);
+	uint32_t d = f->g.d, h = qh / kvd_geom_group(&f->g);
 	double dot = 0;
 
-	seg_rows_f32(seg, qh / G, kf, vf);
+	if (seg != cseg || h != ch) {
+		free(kf);
+		free(vf);
+		kf = xmalloc((size_t)seg->n * d * 4);
+		vf = xmalloc((size_t)seg->n * d * 4);
+		seg_rows_f32(seg, h, kf, vf);
+		cseg = seg;
+		ch = h;
+	}
 	for (uint32_t j = 0; j < d; j++)
 		dot += (double)f->w.q[(size_t)qh * d + j] * kf[(size_t)row * d + j];
-	free(kf);
-	free(vf);
 	return dot / sqrt(d);
 }
 
