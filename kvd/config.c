@@ -81,6 +81,7 @@ void kvd_config_defaults(struct kvd_config *c)
 	 * connections of one uid, or one of the largest arena Hello allows. */
 	c->shm = 64ull << 30;
 	c->shm_per_uid = 16ull << 30;
+	c->control_cpu_pct = 50;
 	strcpy(c->metrics_listen, KVD_CONFIG_METRICS);
 }
 
@@ -492,6 +493,25 @@ static int set_shm_per_uid(struct kvd_config *c, const char *v, char *why, size_
 	return set_shm_bytes(&c->shm_per_uid, v, why, n);
 }
 
+/* N% (1..100): the share of one core a uid's control requests may take. */
+static int set_control_cpu(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	size_t len = strlen(v);
+	uint64_t x;
+	char num[16];
+
+	if (len < 2 || len >= sizeof num || v[len - 1] != '%')
+		return fail(why, n, "want N%% of one core (1%%..100%%)");
+	memcpy(num, v, len - 1);
+	num[len - 1] = 0;
+	if (parse_uint(num, 100, &x, why, n))
+		return -EINVAL;
+	if (!x)
+		return fail(why, n, "at least 1%%");
+	c->control_cpu_pct = (uint32_t)x;
+	return 0;
+}
+
 /* "1000,1001 2000,2001": groups separated by spaces (or tabs), uids in a
  * group by commas; at least two uids a group, none in two groups, none at
  * or above KVD_NS_GROUP (those values name the groups' namespaces). */
@@ -651,6 +671,7 @@ static const struct key {
 	{ "limits", "spill_per_uid", NULL, set_spill_per_uid, NULL, 0, 0 },
 	{ "limits", "shm", NULL, set_shm, NULL, 0, 0 },
 	{ "limits", "shm_per_uid", NULL, set_shm_per_uid, NULL, 0, 0 },
+	{ "limits", "control_cpu_per_uid", NULL, set_control_cpu, NULL, 0, 0 },
 	{ "sharing", "groups", NULL, set_groups, NULL, 0, 0 },
 	{ "metrics", "listen", "metrics-listen", set_metrics_listen, NULL, 0, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0, 0 },
@@ -690,6 +711,9 @@ static int check_limits(const struct kvd_config *c, char *err, size_t errlen)
 				    "[limits] %s_per_uid %u is above %s %u (lower it, or raise %s)",
 				    cnt[i].name, cnt[i].per_uid, cnt[i].name, cnt[i].global, cnt[i].name);
 	}
+	if (c->control_cpu_pct < 1 || c->control_cpu_pct > 100)
+		return fail(err, errlen, "[limits] control_cpu_per_uid %u%% out of range 1%%..100%%",
+			    c->control_cpu_pct);
 	if (c->shm_per_uid > c->shm)
 		return fail(err, errlen, "[limits] shm_per_uid %llu bytes is above shm %llu "
 			    "(lower it, or raise shm)", (unsigned long long)c->shm_per_uid,

@@ -36,6 +36,8 @@
  *                spill_per_uid = SIZE | N%               (N% of [spill] limit; 100%)
  *                shm = SIZE                              (all clients' shared memory; 64G)
  *                shm_per_uid = SIZE                      (of one uid's connections; 16G)
+ *                control_cpu_per_uid = N%                (of one core: a uid's control
+ *                                                          requests on kvd's loop; 50%)
  *   [sharing]    groups = UID,UID[,...] [UID,UID ...]    (uids sharing profiles; none)
  *   [metrics]    listen = HOST:PORT    --metrics-listen ADDR (Prometheus text at
  *                                                          http://ADDR/metrics; "" = off;
@@ -99,6 +101,7 @@ struct kvd_config {
 	uint64_t spill_per_uid;         /* bytes, when spill_per_uid_pct is 0 */
 	uint32_t spill_per_uid_pct;     /* % of spill_limit; default 100 */
 	uint64_t shm, shm_per_uid;      /* bytes of clients' shared-memory regions */
+	uint32_t control_cpu_pct;       /* % of one core per uid on the loop; default 50 */
 	/* [sharing] groups: share_uid[i] is in group share_group[i] */
 	uint32_t share_uid[KVD_LIMITS_SHARE_MAX];
 	uint32_t share_group[KVD_LIMITS_SHARE_MAX];

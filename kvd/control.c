@@ -436,7 +436,8 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	m->shm_bytes = u->n[KVD_RES_SHM];
 	for (const struct share *sh = ur->shares; sh; sh = sh->next)
 		if (sh->uid == uid)
-			m->exec_ns = sh->busy_ns;
+			m->exec_ns = sh->busy_ns, m->control_ns = sh->ctl_ns,
+			m->control_paused = sh->ctl_paused;
 	ur->ptr[ur->n++] = m;
 }
 
@@ -1063,7 +1064,12 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 
 void kvd_control_event(struct kvd_server *s, struct client *c)
 {
-	for (int burst = 0; burst < CTL_BURST; burst++) {
+	uint64_t t0 = kvd_now_ns(), t1;
+
+	/* Every message is charged to the uid's control budget, from its
+	 * receipt to its reply; past the budget the socket waits. */
+	for (int burst = 0; burst < CTL_BURST && kvd_control_admit(s, c);
+	     burst++, kvd_control_spent(s, c, (t1 = kvd_now_ns()) - t0), t0 = t1) {
 		int fds[4], nfds = 4;
 		int n = kvd_ctl_recv(c->fd, s->rxbuf, KVD_CTL_REQ_MAX, fds, &nfds);
 		struct kvd_ctl_err err;

@@ -96,6 +96,9 @@ static void listen_resume(struct kvd_server *s)
 		s->listen_paused = 0;
 }
 
+/* A uid's control budget holds at most one second of its share. */
+#define CTL_BURST_NS(s) ((int64_t)(s)->cfg->control_cpu_pct * 10000000)
+
 static struct share *share_get(struct kvd_server *s, uint32_t uid)
 {
 	struct share *sh;
@@ -106,6 +109,8 @@ static struct share *share_get(struct kvd_server *s, uint32_t uid)
 	if (!sh && (sh = calloc(1, sizeof *sh))) {
 		sh->uid = uid;
 		sh->vtime = s->uvclock;         /* a newcomer starts level, not ahead */
+		sh->ctl_budget_ns = CTL_BURST_NS(s);
+		sh->ctl_at_ns = kvd_now_ns();
 		sh->next = s->shares;
 		s->shares = sh;
 	}
@@ -146,11 +151,78 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	kvd_control_unmap(s, c);
 	epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
+	if (c->ctl_paused)
+		s->ctl_paused--;
 	share_put(s, c->share);
 	free(c->job.ids);
 	free(c);
 	/* A descriptor is free again: accept() may work now. */
 	listen_resume(s);
+}
+
+/* ---- control-plane CPU per uid ------------------------------------------ */
+
+static int ctl_refill(struct kvd_server *s, struct share *sh, uint64_t now)
+{
+	if (now > sh->ctl_at_ns) {
+		int64_t add = (int64_t)((now - sh->ctl_at_ns) * s->cfg->control_cpu_pct / 100);
+
+		sh->ctl_budget_ns += add;
+		if (sh->ctl_budget_ns > CTL_BURST_NS(s))
+			sh->ctl_budget_ns = CTL_BURST_NS(s);
+		sh->ctl_at_ns = now;
+	}
+	return sh->ctl_budget_ns > 0;
+}
+
+static void ctl_poll(struct kvd_server *s, struct client *c, uint32_t events)
+{
+	struct epoll_event ev = { .events = events, .data.ptr = &c->ev_ctl };
+
+	/* Fails only for a descriptor already gone, which reap_dead handles. */
+	epoll_ctl(s->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+int kvd_control_admit(struct kvd_server *s, struct client *c)
+{
+	struct share *sh = c->share;
+
+	if (!sh || ctl_refill(s, sh, kvd_now_ns()))
+		return 1;
+	if (!c->ctl_paused) {
+		ctl_poll(s, c, 0);
+		c->ctl_paused = 1;
+		s->ctl_paused++;
+		sh->ctl_paused++;
+		kvd_log_refusal("uid %u: control requests past limits.control_cpu_per_uid "
+				"(%u%% of a core): its connections wait", sh->uid,
+				s->cfg->control_cpu_pct);
+	}
+	return 0;
+}
+
+void kvd_control_spent(struct kvd_server *s, struct client *c, uint64_t ns)
+{
+	(void)s;
+	if (c->share) {
+		c->share->ctl_budget_ns -= (int64_t)ns;
+		c->share->ctl_ns += ns;
+	}
+}
+
+/* Paused connections whose uid's budget refilled are polled again (their
+ * queued requests are still in the socket, level-triggered). */
+static void ctl_resume(struct kvd_server *s)
+{
+	uint64_t now = kvd_now_ns();
+
+	for (struct client *c = s->clients; c && s->ctl_paused; c = c->next) {
+		if (!c->ctl_paused || c->dead || !ctl_refill(s, c->share, now))
+			continue;
+		ctl_poll(s, c, EPOLLIN);
+		c->ctl_paused = 0;
+		s->ctl_paused--;
+	}
 }
 
 /* A protocol violation: this client only.  Either thread, under the lock;
@@ -427,6 +499,12 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 			accept_clients(s);
 			break;
 		case EV_CTL:
+			/* A paused socket reports only hang-ups and errors: the
+			 * peer left, nobody waits for its queued requests, and
+			 * left in the set the level-triggered hang-up would spin
+			 * the loop until the budget refilled. */
+			if (c->ctl_paused && (ev[i].events & (EPOLLHUP | EPOLLERR)))
+				c->dead = 1;
 			if (!c->dead)
 				kvd_control_event(s, c);
 			break;
@@ -443,6 +521,8 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 		locked = 1;
 	}
 	reap_dead(s);
+	if (s->ctl_paused)
+		ctl_resume(s);
 	/* Paused for EMFILE: try again now and then even if no client left
 	 * (descriptors also free when spill files close). */
 	if (s->listen_paused && kvd_now_ns() - s->emfile_logged_ns > 1000000000u) {
@@ -480,7 +560,7 @@ int kvd_server_run(struct kvd_server *s)
 		/* The executor polls the rings; the loop only waits for events.
 		 * A bounded wait: a second's wake-up costs nothing and re-checks
 		 * the signal flags and a paused listener. */
-		int n = epoll_wait(s->epfd, ev, 64, 1000);
+		int n = epoll_wait(s->epfd, ev, 64, s->ctl_paused ? 5 : 1000);
 
 		handle_events(s, ev, n > 0 ? n : 0);
 	}

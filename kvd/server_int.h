@@ -68,6 +68,13 @@ struct share {
 	uint32_t uid, refs;
 	uint64_t vtime;                 /* executor ns charged to the uid (plus rejoins) */
 	uint64_t busy_ns;               /* executor ns spent for the uid, nothing else */
+	/* The loop's time for the uid's control requests: a budget refilled at
+	 * [limits] control_cpu_per_uid of real time, up to one second's worth;
+	 * at or below 0 the uid's sockets are not read until it refills. */
+	int64_t ctl_budget_ns;
+	uint64_t ctl_at_ns;             /* when the budget was last refilled */
+	uint64_t ctl_ns;                /* control time spent for the uid, in all */
+	uint64_t ctl_paused;            /* times one of its connections was paused */
 	struct share *next;
 };
 
@@ -85,6 +92,7 @@ struct client {
 	int control;                    /* Hello.control: no region, no rings (kvctl) */
 	int admin;                      /* root, kvd's uid or [server] admin_group: sees every uid */
 	int parked;                     /* its job waits for a restore or for room */
+	int ctl_paused;                 /* its uid's control budget ran out: fd not polled */
 	int was_ready;
 	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
 	struct share *share;            /* its uid's */
@@ -149,6 +157,7 @@ struct kvd_server {
 	uint64_t vclock;                /* fair-share clock of the last unit started */
 	uint64_t uvclock;               /* the same between uids */
 	struct share *shares;
+	unsigned ctl_paused;            /* connections paused for their uid's control budget */
 	struct kvd_exec_buf *xb;        /* the executor's unit buffers */
 };
 
@@ -156,6 +165,13 @@ uint64_t kvd_now_ns(void);
 
 /* server.c */
 void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why);
+/* Control-plane CPU per uid: whether c's uid may have another control
+ * request handled now (refilling its budget first); when not, c's socket
+ * leaves the poll set until the budget refills (the loop resumes it), so a
+ * flood costs kvd nothing but what the budget allows and loses nothing.
+ * kvd_control_spent charges ns of loop time to c's uid. */
+int kvd_control_admit(struct kvd_server *s, struct client *c);
+void kvd_control_spent(struct kvd_server *s, struct client *c, uint64_t ns);
 int kvd_ep_add(struct kvd_server *s, int fd, void *tag);
 /* A refusal at a limit, logged at most once a second (a client retrying in
  * a loop must not flood the log), with a count of those not logged.  Loop

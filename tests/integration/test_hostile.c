@@ -202,6 +202,11 @@ static int start_shm(void **state)
 	return start_cfg("[limits]\nshm_per_uid = 64M\nshm = 1G\n", NULL);
 }
 
+static int start_ctl_cpu(void **state)
+{
+	return start_cfg("[limits]\ncontrol_cpu_per_uid = 5%\n", NULL);
+}
+
 static int start_conns(void **state)
 {
 	return start_cfg("[limits]\nconnections_per_uid = 8\nconnections = 64\n", NULL);
@@ -1572,6 +1577,141 @@ static void test_uid_fair_share(void **state)
 	munmap(sh, 4096);
 }
 
+/* Control-plane CPU is bounded per uid: uid A floods ServerStats on four
+ * connections (pipelined, never waiting) under control_cpu_per_uid = 5%.
+ * Over a measured window kvd may spend on A's control requests at most 5%
+ * of the window plus its one-second burst (kvd's own count, UidUsage
+ * control_ns; unbounded, a flood takes most of the loop), A's connections
+ * were paused, and every request A sent is still answered in the end:
+ * waiting loses nothing. */
+struct ctl_shared {
+	_Atomic int flooding, stop;
+	_Atomic uint64_t sent, answered;
+};
+
+#define CTL_CONNS 4
+
+static void uid_ctl(struct raw *x, uid_t uid, uint64_t *ns, uint64_t *paused)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	assert_int_equal(raw_expect(x, &rq, KVD__RESPONSE__BODY_SERVER_STATS, &r), 0);
+	*ns = *paused = 0;
+	for (size_t i = 0; i < r->server_stats->n_uids; i++)
+		if (r->server_stats->uids[i]->uid == uid) {
+			*ns = r->server_stats->uids[i]->control_ns;
+			*paused = r->server_stats->uids[i]->control_paused;
+		}
+	kvd_ctl_free_response(r);
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void test_control_cpu_per_uid(void **state)
+{
+	struct ctl_shared *sh = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+				     -1, 0);
+	const uid_t ua = 65534;
+	uint64_t n0, n1, p0, p1, t0, t1;
+	struct raw obs;
+
+	if (!need_root())
+		skip();
+	assert_true(sh != MAP_FAILED);
+	kid_msg[0] = 0;
+
+	pid_t kid = spawn();
+
+	if (kid == 0) {
+		struct raw x[CTL_CONNS];
+		Kvd__Request rq = KVD__REQUEST__INIT;
+		Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+		uint64_t sent[CTL_CONNS] = { 0 }, got[CTL_CONNS] = { 0 };
+
+		become(ua);
+		rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+		rq.server_stats = &sr;
+		for (int i = 0; i < CTL_CONNS; i++)
+			if (raw_open(&x[i], 1) || raw_hello(&x[i], "flood", 1, 1 << 16))
+				kid_fail(2, "connection %d: setup failed", i);
+		atomic_store(&sh->flooding, 1);
+		for (int draining = 0;;) {
+			int busy = 0;
+
+			for (int i = 0; i < CTL_CONNS; i++) {
+				int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS;
+
+				/* keep up to 256 in flight per connection */
+				while (!draining && sent[i] - got[i] < 256) {
+					rq.id = ++x[i].next;
+					if (kvd_ctl_send(x[i].fd, &rq.base, NULL, 0))
+						break;
+					sent[i]++;
+				}
+				while (kvd_ctl_recv(x[i].fd, x[i].rx, RX_CAP, fds, &nfds) > 0) {
+					got[i]++;
+					nfds = KVD_CTL_MAX_FDS;
+				}
+				busy |= got[i] < sent[i];
+			}
+			uint64_t a = 0, b = 0;
+
+			for (int i = 0; i < CTL_CONNS; i++)
+				a += sent[i], b += got[i];
+			atomic_store(&sh->sent, a);
+			atomic_store(&sh->answered, b);
+			if (!draining && atomic_load(&sh->stop))
+				draining = 1;
+			if (draining && !busy)
+				break;
+			daemon_sleep_ms(1);
+		}
+		for (int i = 0; i < CTL_CONNS; i++)
+			raw_close(&x[i]);
+		_exit(0);
+	}
+	for (int t = 0; t < 3000 && !atomic_load(&sh->flooding); t++)
+		daemon_sleep_ms(10);
+	assert_true(atomic_load(&sh->flooding));
+	assert_int_equal(raw_open(&obs, 0), 0);
+	assert_int_equal(raw_hello(&obs, "obs", 1, 1 << 16), 0);
+	/* let the flood spend its burst */
+	daemon_sleep_ms(1500);
+	t0 = mono_ns();
+	uid_ctl(&obs, ua, &n0, &p0);
+	daemon_sleep_ms(2000);
+	uid_ctl(&obs, ua, &n1, &p1);
+	t1 = mono_ns();
+	atomic_store(&sh->stop, 1);
+	expect_kid_ok(kid, 120, "the flooding client");
+	raw_close(&obs);
+
+	double win = (double)(t1 - t0) / 1e9, spent = (double)(n1 - n0) / 1e9;
+
+	print_message("  uid %u: %.3f s of control time in a %.2f s window (5%%: %.3f s), paused %llu "
+		      "times; %llu requests sent, %llu answered\n", (unsigned)ua, spent, win,
+		      0.05 * win, (unsigned long long)p1, (unsigned long long)atomic_load(&sh->sent),
+		      (unsigned long long)atomic_load(&sh->answered));
+	assert_true(p1 > 0);
+	assert_true(n1 > n0);
+	/* 5% of the window, plus a full burst (5% of a second), plus the
+	 * request in hand on each side of the window */
+	if (spent > 0.05 * win + 0.05 + 0.05)
+		fail_msg("uid %u took %.3f s of kvd's loop in %.2f s at 5%%", (unsigned)ua, spent, win);
+	assert_int_equal(atomic_load(&sh->answered), atomic_load(&sh->sent));
+	munmap(sh, 4096);
+}
+
 /* ProfileCreate of the largest W (d 256, K 16, L 1024: 16 MiB of Gaussians,
  * ~130 ms each on one core): eight pipelined on one connection while
  * another client decodes.  W is made without kvd's state lock, so the
@@ -1676,6 +1816,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_shm_per_uid, start_shm, stop),
 		cmocka_unit_test_setup_teardown(test_uid_fair_share, start_open, stop),
 		cmocka_unit_test_setup_teardown(test_big_profiles_no_stall, start_plain, stop),
+		cmocka_unit_test_setup_teardown(test_control_cpu_per_uid, start_ctl_cpu, stop),
 	};
 
 	kid_msg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);

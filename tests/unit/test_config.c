@@ -496,6 +496,7 @@ static void test_limits_keys(void **state)
 	kvd_config_defaults(&c);
 	assert_int_equal(c.connections, 1024);
 	assert_int_equal(c.connections_per_uid, 256);
+	assert_int_equal(c.control_cpu_pct, 50);
 	assert_int_equal(c.sequences, 65536);
 	assert_int_equal(c.sequences_per_uid, 16384);
 	assert_int_equal(c.profiles, 256);
@@ -517,6 +518,7 @@ static void test_limits_keys(void **state)
 		   "[limits]\nconnections = 64\nconnections_per_uid = 8\nsequences = 1000\n"
 		   "sequences_per_uid = 1000\nprofiles = 16777216\nprofiles_per_uid = 1\n"
 		   "memory_per_uid = 25%\nspill_per_uid = 10G\nshm = 8G\nshm_per_uid = 512M\n"
+		   "control_cpu_per_uid = 7%\n"
 		   "[sharing]\ngroups =  1000,1001\t2000,2001,2002   \n");
 	kvd_config_defaults(&c);
 	if (kvd_config_load_file(&c, path, err, sizeof err))
@@ -527,6 +529,7 @@ static void test_limits_keys(void **state)
 	assert_int_equal(c.sequences_per_uid, 1000);
 	assert_int_equal(c.profiles, 16777216);
 	assert_int_equal(c.profiles_per_uid, 1);
+	assert_int_equal(c.control_cpu_pct, 7);
 	assert_int_equal(kvd_config_memory_per_uid(&c), (8ull << 30) / 100 * 25);
 	assert_int_equal(kvd_config_spill_per_uid(&c), 10ull << 30);
 	assert_int_equal(c.nshare, 5);
@@ -597,6 +600,10 @@ static void test_limits_keys(void **state)
 		{ "[limits]\nsequences = 10\nsequences = 10\n", { "kvd.conf:3:", "given twice" } },
 		{ "[limits]\nshm = 100K\n", { "kvd.conf:2:", "shm", "below 1 MiB" } },
 		{ "[limits]\nshm_per_uid = 50%\n", { "shm_per_uid", "'50%'" } },
+		{ "[limits]\ncontrol_cpu_per_uid = 0%\n", { "control_cpu_per_uid", "at least 1%" } },
+		{ "[limits]\ncontrol_cpu_per_uid = 101%\n", { "control_cpu_per_uid", "'101%'" } },
+		{ "[limits]\ncontrol_cpu_per_uid = 50\n", { "control_cpu_per_uid", "N% of one core" } },
+		{ "[limits]\ncontrol_cpu_per_uid = x%\n", { "control_cpu_per_uid", "'x%'" } },
 		{ "[limits]\nshm = 1G\n", { "shm_per_uid 17179869184 bytes is above shm" } },
 		{ "[limits]\nthreads = 4\n", { "threads", "unknown key" } },
 		{ "[sharing]\ngroups = 1000\n", { "kvd.conf:2:", "groups", "one uid" } },

@@ -437,6 +437,8 @@ static void uid_rows_json(const char *key, Kvd__UidUsage **u, size_t n)
 		ju("spill_bytes", u[i]->spill_bytes);
 		ju("shm_bytes", u[i]->shm_bytes);
 		ju("exec_ns", u[i]->exec_ns);
+		ju("control_ns", u[i]->control_ns);
+		ju("control_paused", u[i]->control_paused);
 		jobj_close();
 	}
 	jarr_close();
@@ -444,12 +446,13 @@ static void uid_rows_json(const char *key, Kvd__UidUsage **u, size_t n)
 
 static void uid_rows_text(Kvd__UidUsage **u, size_t n)
 {
-	printf("%-10s %6s %8s %8s %12s %12s %12s %10s\n", "UID", "CONNS", "SEQS", "PROFILES",
-	       "BYTES", "SPILL", "SHM", "EXEC_S");
+	printf("%-10s %6s %8s %8s %12s %12s %12s %10s %10s %8s\n", "UID", "CONNS", "SEQS",
+	       "PROFILES", "BYTES", "SPILL", "SHM", "EXEC_S", "CTL_S", "CTL_WAIT");
 	for (size_t i = 0; i < n; i++)
-		printf("%-10u %6u %8u %8u %12s %12s %12s %10.3f\n", u[i]->uid, u[i]->connections,
-		       u[i]->sequences, u[i]->profiles, H(u[i]->bytes), H(u[i]->spill_bytes),
-		       H(u[i]->shm_bytes), (double)u[i]->exec_ns / 1e9);
+		printf("%-10u %6u %8u %8u %12s %12s %12s %10.3f %10.3f %8llu\n", u[i]->uid,
+		       u[i]->connections, u[i]->sequences, u[i]->profiles, H(u[i]->bytes),
+		       H(u[i]->spill_bytes), H(u[i]->shm_bytes), (double)u[i]->exec_ns / 1e9,
+		       (double)u[i]->control_ns / 1e9, (unsigned long long)u[i]->control_paused);
 }
 
 static int cmd_status(void)
