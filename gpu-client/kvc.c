@@ -126,6 +126,50 @@ int kvc_seq_create(struct kvc *c, struct kvc_seq **out)
 	return 0;
 }
 
+static void free_layers(struct kvc *c, struct kvc_seq *s);
+
+int kvc_seq_fork(struct kvc *c, const struct kvc_seq *parent, struct kvc_seq **out)
+{
+	size_t H, d;
+	uint64_t id;
+	struct kvc_seq *s;
+	int rc;
+
+	if (c->gpu)
+		return kvt_fail(c->t, -EOPNOTSUPP, "fork: not on the CUDA backend yet");
+	if (parent->reopened)
+		return kvt_fail(c->t, -EINVAL, "fork: a reopened sequence has no local part");
+	H = c->g->kv_heads;
+	d = c->g->d;
+	if ((rc = kvt_seq_fork(c->t, parent->id, &id)))
+		return rc;
+	if (!(s = seq_new(c, id))) {
+		kvt_seq_free(c->t, id);
+		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	}
+	for (uint32_t l = 0; l < c->m->layers; l++) {
+		const struct kvc_layer *a = &parent->ly[l];
+		struct kvc_layer *b = &s->ly[l];
+
+		*b = (struct kvc_layer){ .n = a->n, .cap = a->cap, .nsink = a->nsink,
+					 .prefilled = a->prefilled };
+		if (a->mean && (b->mean = malloc(H * d * sizeof *b->mean)))
+			memcpy(b->mean, a->mean, H * d * sizeof *b->mean);
+		if (a->k && (b->k = malloc(H * a->cap * d * sizeof *b->k)))
+			memcpy(b->k, a->k, H * a->cap * d * sizeof *b->k);
+		if (a->v && (b->v = malloc(H * a->cap * d * sizeof *b->v)))
+			memcpy(b->v, a->v, H * a->cap * d * sizeof *b->v);
+		if ((a->mean && !b->mean) || (a->k && !b->k) || (a->v && !b->v)) {
+			kvt_seq_free(c->t, id);
+			free_layers(c, s);
+			free(s);
+			return kvt_fail(c->t, -ENOMEM, "out of memory");
+		}
+	}
+	*out = s;
+	return 0;
+}
+
 uint64_t kvc_seq_id(const struct kvc_seq *s)
 {
 	return s->id;

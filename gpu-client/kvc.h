@@ -99,6 +99,14 @@ const struct kvc_model *kvc_model_of(const struct kvc *c);
 const float *kvc_w(const struct kvc *c);
 
 int kvc_seq_create(struct kvc *c, struct kvc_seq **out);
+/* A child of parent that continues from everything parent holds now
+ * (parallel samples, beams): kvd shares parent's sealed segments and copies
+ * its open tail; the rows kept here (sinks, window) are copied.  The two
+ * then diverge independently; either may be freed first.  -EBUSY while a
+ * layer of parent is being prefilled, -EAGAIN when kvd has parent on disk
+ * (attend it first), -EOPNOTSUPP on the CUDA backend (not yet), -ENOENT for
+ * a sequence kvd does not know. */
+int kvc_seq_fork(struct kvc *c, const struct kvc_seq *parent, struct kvc_seq **out);
 uint64_t kvc_seq_id(const struct kvc_seq *s);
 /* Frees the sequence in kvd and here. */
 int kvc_seq_free(struct kvc *c, struct kvc_seq *s);

@@ -504,6 +504,11 @@ int kvt_prefetch(struct kvt *t, uint64_t id)
 
 int kvt_seq_create(struct kvt *t, uint64_t *id)
 {
+	return kvt_seq_fork(t, 0, id);
+}
+
+int kvt_seq_fork(struct kvt *t, uint64_t parent, uint64_t *id)
+{
 	Kvd__Request rq = KVD__REQUEST__INIT;
 	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
 	Kvd__Response *r;
@@ -512,6 +517,7 @@ int kvt_seq_create(struct kvt *t, uint64_t *id)
 	if (!t->have_profile)
 		return kvt_fail(t, -EINVAL, "no profile yet");
 	sc.profile_id = t->profile_id;
+	sc.parent = parent;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
 	rq.seq_create = &sc;
 	r = call(t, &rq, NULL, NULL, &rc);

@@ -49,6 +49,8 @@ const float *kvt_w(const struct kvt *t);                         /* [d][K*L] */
 int kvt_dense(const struct kvt *t, uint32_t layer);
 
 int kvt_seq_create(struct kvt *t, uint64_t *id);
+/* A copy-on-write child of kvd's sequence parent (SeqCreate.parent). */
+int kvt_seq_fork(struct kvt *t, uint64_t parent, uint64_t *id);
 int kvt_seq_free(struct kvt *t, uint64_t id);
 /* SeqOpen of a sequence of this connection's profile: its tokens in kvd. */
 int kvt_seq_open(struct kvt *t, uint64_t id, uint64_t *tokens);

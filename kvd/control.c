@@ -319,10 +319,28 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 
 	if (!p)
 		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no profile %u", m->profile_id);
-	if (m->content_key.len || m->parent)
+	if (m->content_key.len)
 		return kvd_ctl_send_error(c->fd, id, -EOPNOTSUPP,
-					  "content keys and forks are not supported yet");
-	rc = kvd_store_seq_create_uid(s->store, p, c->uid, c->tenant, c->id, &q, msg, sizeof msg);
+					  "content keys are not supported yet");
+	if (m->parent) {
+		/* A fork: of a sequence of the caller's tenant only; any other
+		 * is "no such sequence", whether it exists or not. */
+		struct kvd_seqn *par = kvd_store_seq_get(s->store, m->parent, c->tenant);
+
+		if (!par)
+			return kvd_ctl_send_error(c->fd, id, -ENOENT, "fork: no sequence %llu",
+						  (unsigned long long)m->parent);
+		if (kvd_store_seq_profile(par) != p)
+			return kvd_ctl_send_error(c->fd, id, -EINVAL,
+						  "fork: sequence %llu has profile %u, not %u",
+						  (unsigned long long)m->parent,
+						  kvd_store_seq_profile(par)->id, m->profile_id);
+		rc = kvd_store_seq_fork(s->store, par, c->uid, c->tenant, c->id, &q, msg,
+					sizeof msg);
+	} else {
+		rc = kvd_store_seq_create_uid(s->store, p, c->uid, c->tenant, c->id, &q, msg,
+					      sizeof msg);
+	}
 	if (rc) {
 		if (rc == -EDQUOT || rc == -ENOSPC || rc == -ENOMEM)
 			kvd_log_refusal("client %llu (uid %u): sequence refused: %s", (unsigned long long)c->id,

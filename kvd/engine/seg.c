@@ -183,6 +183,7 @@ static struct kvd_seg *seg_new(const struct kvd_geom *g, uint32_t n)
 	if (!s)
 		return NULL;
 	s->n = n;
+	s->refs = 1;
 	s->kv_heads = g->kv_heads;
 	s->d = g->d;
 	s->K = g->K;
@@ -470,7 +471,7 @@ int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
 
 void kvd_seg_free(struct kvd_seg *s)
 {
-	if (!s)
+	if (!s || --s->refs)
 		return;
 	kvd_seg_io_free(s->io, s->bytes);
 	free(s);

@@ -70,6 +70,10 @@ struct kvd_seg_head {
 struct kvd_seg {
 	uint32_t n, kv_heads, d, K, L, kv_dtype;
 	size_t bytes;                   /* the io buffer: what this segment keeps resident */
+	uint32_t refs;                  /* holders (sequences sharing it after a fork):
+					 * kvd_seg_ref adds one, kvd_seg_free drops one
+					 * and frees with the last.  The owner's thread
+					 * only (the daemon's loop). */
 	double tables_ms;               /* time kvd_seg_build spent on the tables */
 	void *io;                       /* the io buffer: header page, then mem */
 	void *mem;                      /* io + KVD_SEG_IO_PAGE: kvd_seg_bytes() of payload */
@@ -91,7 +95,13 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
 		       struct kvd_seg **out);
+/* Drops a reference (a built or adopted segment has one); the last frees. */
 void kvd_seg_free(struct kvd_seg *s);
+static inline struct kvd_seg *kvd_seg_ref(struct kvd_seg *s)
+{
+	s->refs++;
+	return s;
+}
 /* A build is split into per-head pool tasks run with kvd_pool_run_sliced():
  * a thread with a yield hook (kvd_pool_set_yield) answers other requests
  * between its slices. */

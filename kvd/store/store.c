@@ -1130,6 +1130,85 @@ int kvd_store_spillable(const struct kvd_seqn *q)
 	return 1;
 }
 
+/* What a fork of parent holds: every layer's mean, tail buffer, segment
+ * table and (shared, but charged to each holder) segments. */
+static size_t fork_bytes(const struct kvd_seqn *parent)
+{
+	const struct kvd_profile *p = parent->p;
+	size_t n = 0;
+
+	for (uint32_t i = 0; i < p->layers; i++) {
+		const struct kvd_layer_state *l = &parent->ly[i];
+
+		n += (l->mean ? mean_bytes(p) : 0) + (l->tail_k ? rows_bytes(p, p->seal_tokens) : 0) +
+		     (size_t)l->segcap * sizeof(struct kvd_seg *);
+		for (uint32_t j = 0; j < l->nseg; j++)
+			n += l->seg[j]->bytes;
+	}
+	return n;
+}
+
+int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t uid,
+		       const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
+		       size_t msglen)
+{
+	const struct kvd_profile *p = parent->p;
+	struct kvd_seqn *q;
+	size_t n;
+	int rc;
+
+	if (parent->state != KVD_SEQ_RAM && parent->state != KVD_SEQ_SPILLING) {
+		say(msg, msglen, "the parent is not resident (on disk or being restored): "
+		    "attend it, then fork");
+		return -EAGAIN;
+	}
+	if (!kvd_store_spillable(parent)) {
+		say(msg, msglen, "the parent is being prefilled: fork after KVD_RF_LAST");
+		return -EBUSY;
+	}
+	if ((rc = kvd_store_seq_create_uid(s, p, uid, tenant, owner, &q, msg, msglen)))
+		return rc;
+	/* Its node: the segments it shares live there. */
+	q->node = parent->node;
+	n = fork_bytes(parent);
+	if ((rc = take(s, q, n, 0))) {
+		say(msg, msglen, "%s", s->why);
+		kvd_store_seq_free(s, q);
+		return rc;
+	}
+	for (uint32_t i = 0; i < p->layers; i++) {
+		const struct kvd_layer_state *a = &parent->ly[i];
+		struct kvd_layer_state *b = &q->ly[i];
+
+		b->sealed = a->sealed;
+		b->tokens = a->tokens;
+		b->tail_n = a->tail_n;
+		if (a->mean && !(b->mean = malloc(mean_bytes(p))))
+			goto oom;
+		if (a->mean)
+			memcpy(b->mean, a->mean, mean_bytes(p));
+		if (a->segcap && !(b->seg = malloc(a->segcap * sizeof *b->seg)))
+			goto oom;
+		b->segcap = a->segcap;
+		for (uint32_t j = 0; j < a->nseg; j++)
+			b->seg[b->nseg++] = kvd_seg_ref(a->seg[j]);
+		if (a->tail_k) {
+			if (rows_alloc(p, &b->tail_k, &b->tail_v, &b->tail_codes, p->seal_tokens,
+				       s->mem[q->node]))
+				goto oom;
+			put_rows(p, b->tail_k, b->tail_v, b->tail_codes, p->seal_tokens, 0, a->tail_k,
+				 a->tail_v, a->tail_codes, p->seal_tokens, 0, a->tail_n);
+		}
+	}
+	*out = q;
+	return 0;
+oom:
+	/* Everything was charged up front; free gives back what is held. */
+	say(msg, msglen, "out of memory");
+	kvd_store_seq_free(s, q);
+	return -ENOMEM;
+}
+
 struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer)
 {
 	const struct kvd_layer_state *l = &q->ly[layer];

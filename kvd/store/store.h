@@ -147,6 +147,18 @@ int kvd_store_seq_create(struct kvd_store *s, const struct kvd_profile *p, const
 int kvd_store_seq_create_uid(struct kvd_store *s, const struct kvd_profile *p, uint32_t uid,
 			     const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
 			     size_t msglen);
+/* A copy-on-write child of parent (SeqFork: parallel samples, beams): the
+ * same profile, charged to uid and owned by `owner` under `tenant`; every
+ * layer's mean, token count and tail rows are copied, its sealed segments
+ * shared (reference counted, immutable, freed with their last holder).
+ * What the child holds is charged to it like a private copy, shared
+ * segments included, before anything is allocated, so a fork never holds
+ * memory its uid was not charged for.  -EAGAIN unless parent is resident,
+ * -EBUSY while a layer of parent is mid-prefill, else as
+ * kvd_store_seq_create_uid; msg says why. */
+int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t uid,
+		       const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
+		       size_t msglen);
 /* The same with a given id (sequences found on disk at start-up): -EEXIST
  * when the id is taken; charged as kvd_store_seq_create (uid from tenant). */
 int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,

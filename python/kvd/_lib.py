@@ -110,6 +110,7 @@ _PROTOS = {
     "kvc_model_of": (ctypes.POINTER(KvcModel), [_vp]),
     "kvc_w": (c_float_p, [_vp]),
     "kvc_seq_create": (_int, [_vp, ctypes.POINTER(_vp)]),
+    "kvc_seq_fork": (_int, [_vp, _vp, ctypes.POINTER(_vp)]),
     "kvc_seq_id": (_u64, [_vp]),
     "kvc_seq_free": (_int, [_vp, _vp]),
     "kvc_prefill": (_int, [_vp, _vp, _u32, _vp, _vp, _u32]),

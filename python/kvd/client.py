@@ -445,6 +445,19 @@ class Sequence:
             if rc < 0:
                 raise KvdError("kvc_seq_free", rc, c.last_error())
 
+    def fork(self):
+        """A copy-on-write child that continues from everything this sequence
+        holds now (parallel samples, beams; kvc_seq_fork): kvd shares the
+        sealed segments, the rest is copied.  The two diverge independently."""
+        import copy
+        c = self._client
+        with c._lock:
+            h = ctypes.c_void_p()
+            c._call("kvc_seq_fork", self._handle(), ctypes.byref(h))
+            child = Sequence(c, h)
+        child._layers = [copy.deepcopy(ly) for ly in self._layers]
+        return child
+
     @property
     def freed(self):
         return self._h is None

@@ -549,3 +549,48 @@ def test_magicpig_equals_numpy_estimator(sock):
                 # the needle dominates head 0: close to exact even when sampled
                 xo, _ = kvd.attend_exact(q, k[:, a:b] - s.mean(1)[:, None], v[:, a:b])
                 assert rel(o[0], xo[0]) < 0.05
+
+
+def test_fork(client):
+    """Sequence.fork(): the child answers exactly what its parent answers,
+    then each continues on its own tokens and answers exactly what a
+    sequence given the same tokens privately answers; freeing the parent
+    first leaves the child whole."""
+    rng = np.random.default_rng(21)
+    n0, steps = 1200, 200
+    k, v = kv(rng, n0 + 2 * steps)
+    ka, va = k[:, :n0 + steps], v[:, :n0 + steps]
+    kb = np.concatenate([k[:, :n0], k[:, n0 + steps:]], axis=1)
+    vb = np.concatenate([v[:, :n0], v[:, n0 + steps:]], axis=1)
+    q = rng.standard_normal((Q, D)).astype(np.float32)
+
+    def build(kk, vv):
+        s = client.sequence()
+        for layer in range(3):
+            s.prefill(layer, kk[:, :n0], vv[:, :n0])
+        for t in range(n0, kk.shape[1]):
+            for layer in range(3):
+                s.append(layer, kk[:, t], vv[:, t])
+        return s
+
+    parent = build(k[:, :n0], v[:, :n0])
+    child = parent.fork()
+    for layer in range(3):
+        po, pl = parent.attend(layer, q, centered=False)
+        co, cl = child.attend(layer, q, centered=False)
+        assert np.array_equal(po, co) and np.array_equal(pl, cl)
+    for t in range(steps):
+        for layer in range(3):
+            parent.append(layer, ka[:, n0 + t], va[:, n0 + t])
+            child.append(layer, kb[:, n0 + t], vb[:, n0 + t])
+    with build(ka, va) as pa, build(kb, vb) as pb:
+        for layer in range(3):
+            want_a, want_b = pa.attend(layer, q, centered=False), pb.attend(layer, q, centered=False)
+            got_a, got_b = parent.attend(layer, q, centered=False), child.attend(layer, q, centered=False)
+            assert all(np.array_equal(x, y) for x, y in zip(got_a, want_a)), layer
+            assert all(np.array_equal(x, y) for x, y in zip(got_b, want_b)), layer
+        assert not np.array_equal(got_a[0], got_b[0])
+    parent.free()
+    o2, l2 = child.attend(2, q, centered=False)
+    assert np.array_equal(o2, got_b[0]) and np.array_equal(l2, got_b[1])
+    child.free()

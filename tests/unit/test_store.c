@@ -879,6 +879,130 @@ static int teardown(void **state)
 	return 0;
 }
 
+/* A fork shares its parent's sealed segments (the same objects, one more
+ * reference each) and copies the tail and the mean; each side then seals
+ * its own segments; freeing either first leaves the other whole; it is
+ * charged as a private copy (so the uid's charge never falls short of what
+ * it holds) and everything returns to zero.  Mid-prefill, over the uid's
+ * memory, or on disk, the fork is refused and nothing is left behind. */
+static void test_fork(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 4);
+	const struct kvd_profile *p;
+	struct kvd_layer_view a, b;
+	struct kvd_seqn *q, *f, *g;
+	char msg[256];
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	/* mid-prefill: refused */
+	assert_int_equal(rows(s, q, 0, 0, 0, 1, 0, 300, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_fork(s, q, 9, "9:t", 2, &f, msg, sizeof msg), -EBUSY);
+	assert_non_null(strstr(msg, "prefilled"));
+	assert_int_equal(rows(s, q, 0, 0, 1, 0, 300, 300, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 1, 0, 1, 1, 0, 256, msg, sizeof msg), 0);
+	/* 40 decoded tokens in layer 0's tail */
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 600, 40, msg, sizeof msg), 0);
+
+	uint64_t before = mem_total(l);
+	size_t qb = kvd_store_seq_bytes(q);
+
+	assert_int_equal(kvd_store_seq_fork(s, q, 9, "9:t", 2, &f, msg, sizeof msg), 0);
+	assert_true(kvd_store_seq_id(f) != kvd_store_seq_id(q));
+	assert_int_equal(kvd_store_seq_owner(f), 2);
+	assert_ptr_equal(kvd_store_seq_profile(f), p);
+	assert_int_equal(tokens_of(f), tokens_of(q));
+	assert_int_equal(kvd_store_seq_bytes(f), qb);
+	/* charged its bytes and its own struct */
+	assert_true(mem_total(l) - before > qb && mem_total(l) - before < qb + 4096);
+	a = kvd_store_view(q, 0);
+	b = kvd_store_view(f, 0);
+	assert_int_equal(a.nseg, 3);
+	assert_int_equal(b.nseg, 3);
+	for (uint32_t j = 0; j < a.nseg; j++) {
+		assert_ptr_equal(a.seg[j], b.seg[j]);
+		assert_int_equal(a.seg[j]->refs, 2);
+	}
+	assert_true(a.tail_k != b.tail_k);
+	tail_holds(&b, 600, 40);
+	assert_memory_equal(kvd_store_layer_mean(q, 0), kvd_store_layer_mean(f, 0),
+			    KV * D * sizeof(float));
+	assert_true(kvd_store_layer_mean(q, 0) != kvd_store_layer_mean(f, 0));
+
+	/* they diverge: the parent's next 24 tokens seal its tail (64), the
+	 * child's 10 others stay in its own */
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 640, 24, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, f, 0, 1, 0, 0, 5000, 10, msg, sizeof msg), 0);
+	a = kvd_store_view(q, 0);
+	b = kvd_store_view(f, 0);
+	assert_int_equal(a.nseg, 4);
+	assert_int_equal(b.nseg, 3);
+	seg_holds(&a, 3, 600, 64);
+	assert_int_equal(b.tail_n, 50);
+	assert_int_equal(store_total(s), mem_total(l));
+
+	/* a fork of the fork; then the original goes first */
+	assert_int_equal(kvd_store_seq_fork(s, f, 9, "9:t", 3, &g, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_view(g, 1).seg[0]->refs, 3);
+	kvd_store_seq_free(s, q);
+	b = kvd_store_view(f, 0);
+	assert_int_equal(b.seg[0]->refs, 2);
+	seg_holds(&b, 0, 0, 256);
+	seg_holds(&b, 2, 512, 88);
+	kvd_store_seq_free(s, f);
+	b = kvd_store_view(g, 0);
+	assert_int_equal(b.seg[0]->refs, 1);
+	seg_holds(&b, 1, 256, 256);
+	kvd_store_seq_free(s, g);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	assert_int_equal(store_total(s), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+/* A fork over the uid's memory is refused before anything is allocated. */
+static void test_fork_over_budget(void **state)
+{
+	struct kvd_profile want = profile("p", 4);
+	const struct kvd_profile *p;
+	struct kvd_limits *l;
+	struct kvd_store *s;
+	struct kvd_seqn *q, *f = NULL;
+	char msg[256];
+	uint64_t used;
+
+	/* size the budget from one sequence's use: room for it and a bit */
+	l = limits(0, 0, 0, 0);
+	s = store(l);
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 0, 0, 1, 1, 0, 600, msg, sizeof msg), 0);
+	used = mem_total(l);
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+
+	l = limits(0, used + used / 2, 0, 0);
+	s = store(l);
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 0, 0, 1, 1, 0, 600, msg, sizeof msg), 0);
+	used = mem_total(l);
+	assert_int_equal(kvd_store_seq_fork(s, q, 9, "9:t", 2, &f, msg, sizeof msg), -EDQUOT);
+	assert_non_null(strstr(msg, "memory_per_uid"));
+	assert_int_equal(mem_total(l), used);
+	assert_int_equal(kvd_store_view(q, 0).seg[0]->refs, 1);
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -894,6 +1018,8 @@ int main(void)
 		cmocka_unit_test(test_attend_ready),
 		cmocka_unit_test(test_row_order_refused),
 		cmocka_unit_test(test_heavy_state),
+		cmocka_unit_test(test_fork),
+		cmocka_unit_test(test_fork_over_budget),
 	};
 
 	return cmocka_run_group_tests(tests, setup, teardown);
