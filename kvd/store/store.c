@@ -984,7 +984,7 @@ static int rows_budget(struct kvd_store *s, struct kvd_seqn *q, const struct kvd
 	p2 = rows_peak(s, q, l, is_append, last, mean, n);
 	s->exact = 1;
 	p1 = rows_peak(s, q, l, is_append, last, mean, n);
-	if (s->room && (rc = s->room(s->room_arg, p1, msg, msglen)))
+	if (s->room && (rc = s->room(s->room_arg, q->uid, p1, msg, msglen)))
 		return rc;
 	if (!kvd_limits_charge(s->lim, q->uid, KVD_RES_MEMORY, p2, NULL, 0)) {
 		kvd_limits_uncharge(s->lim, q->uid, KVD_RES_MEMORY, p2);

@@ -87,11 +87,13 @@ int kvd_store_create(struct kvd_pool *pool, struct kvd_store **out);
  * profile exists (-EBUSY otherwise); destroy the store before l. */
 int kvd_store_set_limits(struct kvd_store *s, struct kvd_limits *l);
 struct kvd_limits *kvd_store_limits(const struct kvd_store *s);
-/* The tier's budget policy (kvd_tier_room), asked by kvd_store_rows, with
- * limits set, for the least it will charge before it changes anything: 0,
+/* The tier's budget policy (kvd_tier_room_uid), asked by kvd_store_rows,
+ * with limits set, for the least it will charge to the sequence's uid
+ * before it changes anything: 0,
  * -EINPROGRESS (room is being made: run the request again later, nothing
  * was changed) or -ENOMEM with msg.  kvd_tier_create sets it. */
-typedef int (*kvd_store_room_fn)(void *arg, uint64_t bytes, char *msg, size_t msglen);
+typedef int (*kvd_store_room_fn)(void *arg, uint32_t uid, uint64_t bytes, char *msg,
+				 size_t msglen);
 void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg);
 /* NUMA: sequences are spread over n nodes (the one with the fewest resident
  * bytes takes the next sequence); node i seals on pools[i] and allocates

@@ -542,7 +542,7 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 			nseg++;
 		need += kvd_store_install_bytes(q, !!(e->flags & KVD_SFMT_LF_MEAN), e->n, nseg);
 	}
-	if ((rc = kvd_tier_room(t, need, msg, msglen)))
+	if ((rc = kvd_tier_room_uid(t, r->uid, need, msg, msglen)))
 		return rc;
 	/* kvd_tier_room is the policy (evict, wait); the charge is the wall. */
 	if (lim(t) && (rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_MEMORY, need, msg, msglen)))
@@ -731,9 +731,9 @@ static void read_done(struct kvd_tier *t, struct rec *r)
 /* ---- the API ------------------------------------------------------------ */
 
 /* The store asks before rows that need room (see kvd_store_set_room). */
-static int room_cb(void *arg, uint64_t bytes, char *msg, size_t msglen)
+static int room_cb(void *arg, uint32_t uid, uint64_t bytes, char *msg, size_t msglen)
 {
-	return kvd_tier_room(arg, bytes, msg, msglen);
+	return kvd_tier_room_uid(arg, uid, bytes, msg, msglen);
 }
 
 int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct kvd_tier **out)
@@ -847,6 +847,51 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 		 (unsigned long long)(u >> 20), (unsigned long long)((bytes + (1 << 20) - 1) >> 20),
 		 (unsigned long long)(t->cfg.limit >> 20));
 	return -ENOMEM;
+}
+
+static uint64_t uid_mem(const struct kvd_tier *t, uint32_t uid)
+{
+	struct kvd_limits_usage u;
+
+	kvd_limits_uid_usage(lim(t), uid, &u);
+	return u.n[KVD_RES_MEMORY];
+}
+
+int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *msg,
+		      size_t msglen)
+{
+	uint64_t cap = lim(t) ? kvd_limits_cfg(lim(t))->per_uid[KVD_RES_MEMORY] : 0;
+	uint64_t pend = 0, now = now_ns();
+	int later = 0;
+
+	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap)
+		return kvd_tier_room(t, bytes, msg, msglen);
+	for (struct rec *r = t->head, *nx; r; r = nx) {
+		int rc;
+
+		nx = r->next;
+		if (r->uid != uid)
+			continue;
+		if (r->evict_after) {           /* being written out already */
+			pend += r->pend;
+			continue;
+		}
+		if (uid_mem(t, uid) + bytes <= cap + pend)
+			break;
+		if (r->epoch == t->epoch || r->busy || r->backoff_until > now)
+			continue;
+		rc = evict(t, r);
+		later |= rc == -EAGAIN;
+		if (rc == 0 && r->evict_after)
+			pend += r->pend;
+	}
+	if (uid_mem(t, uid) + bytes > cap && (later || uid_mem(t, uid) + bytes <= cap + pend)) {
+		kvd_log(LOG_DEBUG, "uid %u: room for %llu bytes under memory_per_uid: waiting for "
+			"%llu being written out", uid, (unsigned long long)bytes,
+			(unsigned long long)pend);
+		return -EINPROGRESS;
+	}
+	return kvd_tier_room(t, bytes, msg, msglen);
 }
 
 int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *msg,

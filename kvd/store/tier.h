@@ -67,6 +67,14 @@ int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *
 /* Room for `bytes` more resident: 0, -EINPROGRESS (writes in flight will
  * make room: retry after progress), or -ENOMEM with a message. */
 int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen);
+/* The same for bytes charged to uid: under [limits] memory_per_uid, with a
+ * spill tier, the uid's own least recently used sequences are written out
+ * first (as the budget does with anyone's), so a uid at its share keeps
+ * working on its hot sequences instead of being refused; -EINPROGRESS while
+ * its write-backs will make the room.  What still does not fit is left to
+ * the charge that follows, which refuses it (-EDQUOT, naming the limit). */
+int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *msg,
+		      size_t msglen);
 /* After q's data changed: its file, if any, is stale and goes. */
 void kvd_tier_changed(struct kvd_tier *t, struct kvd_seqn *q);
 

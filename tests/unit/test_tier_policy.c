@@ -72,6 +72,8 @@ static uint64_t now_ms(void)
 	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
+static uint64_t env_mem_per_uid;        /* [limits] memory_per_uid of the next env_open */
+
 static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low, int spill,
 		     const char *fault)
 {
@@ -83,6 +85,7 @@ static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low,
 	memset(e, 0, sizeof *e);
 	memset(&lc, 0, sizeof lc);
 	lc.cap[KVD_RES_MEMORY] = limit;         /* the wall is the budget, as in kvd */
+	lc.per_uid[KVD_RES_MEMORY] = env_mem_per_uid;
 	lc.cap[KVD_RES_SEQUENCES] = 1024;
 	lc.cap[KVD_RES_PROFILES] = 16;
 	assert_int_equal(kvd_limits_create(&lc, &e->l), 0);
@@ -252,14 +255,15 @@ static int rows(struct env *e, struct kvd_seqn *q, uint32_t ly, int is_append, i
 
 /* A new sequence with TOK prefilled and TAIL appended tokens in every
  * sparse layer, as one request. */
-static struct kvd_seqn *seq_full(struct env *e, uint64_t seed, unsigned *waits)
+static struct kvd_seqn *seq_full_uid(struct env *e, uint32_t uid, uint64_t seed, unsigned *waits)
 {
 	struct kvd_seqn *q;
-	char msg[200];
+	char msg[200], tenant[32];
 	int rc;
 
+	snprintf(tenant, sizeof tenant, "%u:t", uid);
 	kvd_tier_begin(e->t);
-	assert_int_equal(kvd_store_seq_create_uid(e->s, e->p, UID, "1000:t", 1, &q, msg, sizeof msg),
+	assert_int_equal(kvd_store_seq_create_uid(e->s, e->p, uid, tenant, 1, &q, msg, sizeof msg),
 			 0);
 	for (uint32_t ly = 1; ly < LAYERS; ly++) {
 		if ((rc = rows(e, q, ly, 0, 1, TOK, seed * 100 + ly, waits, msg, sizeof msg)) ||
@@ -267,6 +271,11 @@ static struct kvd_seqn *seq_full(struct env *e, uint64_t seed, unsigned *waits)
 			fail_msg("sequence %llu layer %u: %d %s", (unsigned long long)seed, ly, rc, msg);
 	}
 	return q;
+}
+
+static struct kvd_seqn *seq_full(struct env *e, uint64_t seed, unsigned *waits)
+{
+	return seq_full_uid(e, UID, seed, waits);
 }
 
 /* One request using q (marks it most recently used). */
@@ -733,6 +742,60 @@ static void test_lost(void **state)
 	env_close(&e);
 }
 
+/* Under memory_per_uid a uid's own coldest sequence makes room for it (as
+ * the global budget does with anyone's), not another uid's, and not by a
+ * refusal: with room for two, a third sequence of the uid writes the first
+ * out, and bringing the first back writes the second out.  Without a
+ * spill tier the same request is refused with the limit's message. */
+static void test_uid_share_evicts_own(void **state)
+{
+	uint64_t base, per;
+	struct kvd_seqn *a, *b, *c, *d;
+	unsigned waits = 0;
+	struct kvd_limits_usage u;
+	char msg[200];
+	struct env e;
+
+	measure(&base, &per);
+	env_mem_per_uid = 2 * per + per / 2;
+	env_open(&e, 0, 0, 0, 1, "");
+	a = seq_full(&e, 60, NULL);
+	b = seq_full(&e, 61, NULL);
+	c = seq_full_uid(&e, 2000, 62, NULL);
+	d = seq_full(&e, 63, &waits);
+	print_message("  the third sequence of uid %u waited %u times for its first to be written out\n",
+		      UID, waits);
+	assert_true(waits > 0);
+	assert_int_equal(kvd_store_seq_state(a), KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(b), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(c), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(d), KVD_SEQ_RAM);
+	kvd_limits_uid_usage(e.l, UID, &u);
+	assert_true(u.n[KVD_RES_MEMORY] <= env_mem_per_uid);
+	/* a comes back; b, now the uid's coldest, goes */
+	kvd_tier_begin(e.t);
+	restore(&e, a);
+	assert_int_equal(kvd_store_seq_state(b), KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_seq_state(c), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(d), KVD_SEQ_RAM);
+	env_close(&e);
+
+	/* no spill tier: refused, naming the limit */
+	env_open(&e, 0, 0, 0, 0, NULL);
+	seq_full(&e, 64, NULL);
+	seq_full(&e, 65, NULL);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_store_seq_create_uid(e.s, e.p, UID, "1000:t", 1, &d, msg, sizeof msg), 0);
+	int rc = 0;
+
+	for (uint32_t ly = 1; ly < LAYERS && !rc; ly++)
+		rc = rows(&e, d, ly, 0, 1, TOK, 66 + ly, NULL, msg, sizeof msg);
+	assert_int_equal(rc, -EDQUOT);
+	assert_non_null(strstr(msg, "memory_per_uid"));
+	env_close(&e);
+	env_mem_per_uid = 0;
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -752,6 +815,7 @@ int main(void)
 		cmocka_unit_test(test_restore_in_order),
 		cmocka_unit_test(test_refused_when_nothing_can_go),
 		cmocka_unit_test(test_lost),
+		cmocka_unit_test(test_uid_share_evicts_own),
 	};
 	int rc;
 
