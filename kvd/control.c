@@ -337,6 +337,9 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 						  kvd_store_seq_profile(par)->id, m->profile_id);
 		rc = kvd_store_seq_fork(s->store, par, c->uid, c->tenant, c->id, &q, msg,
 					sizeof msg);
+		if (rc)
+			return kvd_ctl_send_error(c->fd, id, rc, "fork: %s",
+						  msg[0] ? msg : kvd_strerror(rc));
 	} else {
 		rc = kvd_store_seq_create_uid(s->store, p, c->uid, c->tenant, c->id, &q, msg,
 					      sizeof msg);

@@ -1130,8 +1130,8 @@ int kvd_store_spillable(const struct kvd_seqn *q)
 	return 1;
 }
 
-/* What a fork of parent holds: every layer's mean, tail buffer, segment
- * table and (shared, but charged to each holder) segments. */
+/* What a fork of parent holds: every layer's mean, tail buffer, estimator
+ * state, segment table and (shared, but charged to each holder) segments. */
 static size_t fork_bytes(const struct kvd_seqn *parent)
 {
 	const struct kvd_profile *p = parent->p;
@@ -1141,7 +1141,7 @@ static size_t fork_bytes(const struct kvd_seqn *parent)
 		const struct kvd_layer_state *l = &parent->ly[i];
 
 		n += (l->mean ? mean_bytes(p) : 0) + (l->tail_k ? rows_bytes(p, p->seal_tokens) : 0) +
-		     (size_t)l->segcap * sizeof(struct kvd_seg *);
+		     (l->heavy ? heavy_bytes(p) : 0) + (size_t)l->segcap * sizeof(struct kvd_seg *);
 		for (uint32_t j = 0; j < l->nseg; j++)
 			n += l->seg[j]->bytes;
 	}
@@ -1187,6 +1187,12 @@ int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t ui
 			goto oom;
 		if (a->mean)
 			memcpy(b->mean, a->mean, mean_bytes(p));
+		/* The estimator's state too: the child answers its next step as
+		 * the parent would. */
+		if (a->heavy && !(b->heavy = malloc(heavy_bytes(p))))
+			goto oom;
+		if (a->heavy)
+			memcpy(b->heavy, a->heavy, heavy_bytes(p));
 		if (a->segcap && !(b->seg = malloc(a->segcap * sizeof *b->seg)))
 			goto oom;
 		b->segcap = a->segcap;

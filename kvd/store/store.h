@@ -151,7 +151,7 @@ int kvd_store_seq_create_uid(struct kvd_store *s, const struct kvd_profile *p, u
 			     size_t msglen);
 /* A copy-on-write child of parent (SeqFork: parallel samples, beams): the
  * same profile, charged to uid and owned by `owner` under `tenant`; every
- * layer's mean, token count and tail rows are copied, its sealed segments
+ * layer's mean, token count, tail rows and estimator state are copied, its sealed segments
  * shared (reference counted, immutable, freed with their last holder).
  * What the child holds is charged to it like a private copy, shared
  * segments included, before anything is allocated, so a fork never holds
