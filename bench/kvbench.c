@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "attn.h"
 #include "bench.h"
@@ -55,6 +56,7 @@ struct opts {
 	uint32_t dt[KVD_KV_DTYPE_MAX + 1], ndt;
 	uint32_t est[KVD_EST_MAX + 1], nest;
 	uint32_t steps;                 /* decode steps of a synthetic workload */
+	uint32_t measure;               /* accuracy over the last `measure` steps */
 };
 
 /* One layer's raw input: what a model's attention would see. */
@@ -198,7 +200,7 @@ static double rel_err(const double *a, const double *b, size_t n)
 /* ---- one measured configuration --------------------------------------- */
 
 struct result {
-	uint32_t ctx, K, L, c, nseg, kv_dtype, est;
+	uint32_t ctx, K, L, c, nseg, kv_dtype, est, measured;
 	const char *workload, *isa;
 	double cand_frac, rows_frac, build_ms, seg_build_ms, hash_ms, sampled_ms, dense_ms;
 	double sampled_warm_ms, dense_warm_ms;
@@ -308,7 +310,14 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	struct kvd_layer_view lv = kvd_prep_view(&p);
 	struct layer_call dc = { pool, scr, kk, &g, tab, &lv, in->q, qc, od, lsed, 1,
 				 KVD_EST_MAGICPIG, NULL, NULL, 0, NULL };
+	/* Accuracy is measured over the last nm steps (one query's error is
+	 * a noisy figure): their answers, per estimator, kept here. */
+	uint32_t nm = op->measure < in->steps ? op->measure : in->steps, t0 = in->steps - nm;
+	float *mo = malloc((size_t)ne * nm * nq * d * sizeof *mo);
+	float *ml = malloc((size_t)ne * nm * nq * sizeof *ml);
 
+	if (!mo || !ml)
+		die("buffers", -ENOMEM);
 	for (uint32_t e = 0; e < ne; e++) {
 		uint32_t est = op->est[e];
 		size_t hw = est != KVD_EST_MAGICPIG ? kvd_heavy_words(&g) : 0;
@@ -328,13 +337,20 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 			layer_once(&c1);
 			if (hw)
 				memcpy(heavy0, heavy, hw * sizeof *heavy);
+			if (t >= t0) {
+				memcpy(mo + ((size_t)e * nm + t - t0) * nq * d, c1.o,
+				       (size_t)nq * d * sizeof *mo);
+				memcpy(ml + ((size_t)e * nm + t - t0) * nq, c1.lse, nq * sizeof *ml);
+			}
 		}
 		kvd_prep_query_codes(&g, W, in->q, qc);
-		/* the answer measured, and the stats of its sample (the same
-		 * every repetition) */
+		/* the last step: timed below, and the stats of its sample (the
+		 * same every repetition) */
 		sc[e].st = &st[e];
 		layer_once(&sc[e]);
 		sc[e].st = NULL;
+		memcpy(mo + ((size_t)e * nm + nm - 1) * nq * d, sc[e].o, (size_t)nq * d * sizeof *mo);
+		memcpy(ml + ((size_t)e * nm + nm - 1) * nq, sc[e].lse, nq * sizeof *ml);
 	}
 	/* Timed reps write the same answers again into o. */
 	time_reps(sc, (int)ne, op->reps, NULL, ms);
@@ -351,18 +367,12 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	else
 		res[0].dense_ms = res[0].dense_warm_ms;
 
-	/* per q head sample sizes (magicpig's sample of the last step), for
-	 * TopK's budget */
+	/* Per measured step: exact attention, TopK at magicpig's per-head
+	 * sample size of that step, and each estimator's error; the figures
+	 * are root-mean-square over the steps. */
 	uint64_t *cand = calloc(nq, sizeof *cand);
 	uint16_t *ids = malloc(KVD_SEG_MAX * sizeof *ids);
 	uint32_t G = nq / in->kv_heads;
-
-	for (uint32_t qh = 0; qh < nq; qh++)
-		for (uint32_t s = 0; s < p.nseg; s++)
-			cand[qh] += kvd_lsh_candidates(&p.seg[s]->h[qh / G].tab, qc + (size_t)qh * L,
-						       (int)op->c, &scr[0].lsh, ids);
-	free(ids);
-
 	struct ref_out ref = {
 		.exact = malloc((size_t)nq * d * sizeof(double)),
 		.gpu_o = malloc((size_t)nq * d * sizeof(double)),
@@ -370,9 +380,43 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		.topk = malloc((size_t)nq * d * sizeof(double)),
 	};
 	double *full = malloc((size_t)nq * d * sizeof(double));
+	double err2[KVD_EST_MAX + 1] = { 0 }, topk2 = 0;
 	size_t bytes_seg = 0;
 
-	reference(in, p.mean, lo, hi, cand, &ref);
+	for (uint32_t mi = 0; mi < nm; mi++) {
+		struct layer_in step = *in;
+
+		step.q = in->qs + (size_t)(t0 + mi) * nq * d;
+		kvd_prep_query_codes(&g, W, step.q, qc);
+		memset(cand, 0, nq * sizeof *cand);
+		for (uint32_t qh = 0; qh < nq; qh++)
+			for (uint32_t s = 0; s < p.nseg; s++)
+				cand[qh] += kvd_lsh_candidates(&p.seg[s]->h[qh / G].tab,
+							       qc + (size_t)qh * L, (int)op->c,
+							       &scr[0].lsh, ids);
+		reference(&step, p.mean, lo, hi, cand, &ref);
+		double tk = rel_err(ref.topk, ref.exact, (size_t)nq * d);
+
+		topk2 += tk * tk;
+		for (uint32_t e = 0; e < ne; e++) {
+			for (uint32_t qh = 0; qh < nq; qh++) {
+				double lo_ = ref.gpu_l[qh], part[KVD_DMAX];
+
+				memcpy(full + (size_t)qh * d, ref.gpu_o + (size_t)qh * d,
+				       d * sizeof(double));
+				for (uint32_t j = 0; j < d; j++)
+					part[j] = mo[(((size_t)e * nm + mi) * nq + qh) * d + j];
+				kvd_ref_merge(full + (size_t)qh * d, &lo_, part,
+					      ml[((size_t)e * nm + mi) * nq + qh], (int)d);
+			}
+			double x = rel_err(full, ref.exact, (size_t)nq * d);
+
+			err2[e] += x * x;
+		}
+	}
+	free(ids);
+	free(mo);
+	free(ml);
 	for (uint32_t s = 0; s < p.nseg; s++)
 		bytes_seg += p.seg[s]->bytes;
 	/* A gathered row: K and V, 1/|k|, and for int8 its value scale. */
@@ -381,15 +425,6 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	for (uint32_t e = 0; e < ne; e++) {
 		struct result *r = &res[e];
 
-		for (uint32_t qh = 0; qh < nq; qh++) {
-			double lo_ = ref.gpu_l[qh], part[KVD_DMAX];
-
-			memcpy(full + (size_t)qh * d, ref.gpu_o + (size_t)qh * d, d * sizeof(double));
-			for (uint32_t j = 0; j < d; j++)
-				part[j] = o[((size_t)e * nq + qh) * d + j];
-			kvd_ref_merge(full + (size_t)qh * d, &lo_, part, lse[(size_t)e * nq + qh],
-				      (int)d);
-		}
 		r->ctx = in->n;
 		r->K = K;
 		r->L = L;
@@ -408,8 +443,9 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		r->hash_ms = p.hash_ms;
 		r->bytes_touched = (double)st[e].rows * row_bytes + (double)st[e].bucket_ids * 2 +
 				   (double)nq * p.nseg * L * 4;
-		r->rel_err = rel_err(full, ref.exact, (size_t)nq * d);
-		r->topk_rel_err = rel_err(ref.topk, ref.exact, (size_t)nq * d);
+		r->rel_err = sqrt(err2[e] / nm);
+		r->topk_rel_err = sqrt(topk2 / nm);
+		r->measured = nm;
 		r->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
 		free(sc[e].heavy);
 		free((void *)sc[e].heavy0);
@@ -471,7 +507,7 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 		       "\"K\":%u,\"L\":%u,\"c\":%u,\"threads\":%u,\"isa\":\"%s\",\"workload\":\"%s\","
 		       "\"segments\":%u,\"cand_frac\":%.5f,\"rows_frac\":%.5f,\"build_ms\":%.2f,\"seg_build_ms\":%.2f,"
 		       "\"hash_ms\":%.1f,\"timing\":\"%s\",\"llc_bytes\":%zu,\"kv_dtype\":\"%s\",%s"
-		       "\"estimator\":\"%s\",\"steps\":%u,%s"
+		       "\"estimator\":\"%s\",\"steps\":%u,\"measured_steps\":%u,%s"
 		       "\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"sampled_warm_ms\":%.3f,"
 		       "\"dense_warm_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
 		       "\"bytes_touched\":%.0f,\"gather_floor_ms\":%.3f,\"mem_read_gbps\":%.2f,"
@@ -481,7 +517,7 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 		       r->ctx, in->q_heads, in->kv_heads, in->d, r->K, r->L, r->c, threads, r->isa,
 		       r->workload, r->nseg, r->cand_frac, r->rows_frac, r->build_ms, r->seg_build_ms, r->hash_ms,
 		       pr->sw ? "cold" : "warm", pr->llc, kvd_kv_dtype_name(r->kv_dtype), vs,
-		       kvd_estimator_name(r->est), in->steps, vm,
+		       kvd_estimator_name(r->est), in->steps, r->measured, vm,
 		       r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
 		       r->dense_warm_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
 		       floor_ms, pr->mem_read_gbps, i8 ? pr->gather8_gbps : pr->gather_gbps,
@@ -580,7 +616,7 @@ static void usage(void)
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
 		"                    [--seed S] [--seg TOKENS] [--trace DIR] [--warm]\n"
 		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive|all]\n"
-		"                    [--steps N]\n"
+		"                    [--steps N] [--measure N]\n"
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n");
@@ -664,6 +700,8 @@ static void parse(int argc, char **argv, struct opts *op)
 				usage();
 		} else if (!strcmp(a, "--steps")) {
 			op->steps = (uint32_t)atoi(v);
+		} else if (!strcmp(a, "--measure")) {
+			op->measure = (uint32_t)atoi(v);
 		} else if (!strcmp(a, "--kv-dtype")) {
 			char buf[64], *save, *tok;
 
@@ -679,7 +717,7 @@ static void parse(int argc, char **argv, struct opts *op)
 			usage();
 		}
 	}
-	if (op->reps < 1 || op->steps < 1 || op->steps > 4096 || op->seg < 1 || op->seg > KVD_SEG_MAX || (op->c != 1 && op->c != 2))
+	if (op->reps < 1 || op->steps < 1 || op->steps > 4096 || op->measure < 1 || op->seg < 1 || op->seg > KVD_SEG_MAX || (op->c != 1 && op->c != 2))
 		usage();
 }
 
@@ -708,6 +746,7 @@ static void defaults(struct opts *op)
 	/* The drift of kvd_synth_steps forgets over about 1/(1 - RHO) = 5
 	 * steps; 16 is past the warm-up of any state an estimator keeps. */
 	op->steps = 16;
+	op->measure = 4;
 	op->seg = 32768;
 }
 
@@ -814,6 +853,10 @@ static int cmd_trace_dump(int argc, char **argv)
 	if (!dir || argc % 2 == 0)
 		usage();
 	parse(argc - 1, argv, &op);
+	if (mkdir(dir, 0755) && errno != EEXIST) {
+		fprintf(stderr, "kvbench: %s: %s\n", dir, strerror(errno));
+		return 1;
+	}
 	rc = kvd_synth_make(&w, (enum kvd_wl)op.wl[0], op.ctx[0], 32, 8, 128, op.seed);
 	if (rc)
 		die("workload", rc);

@@ -54,7 +54,6 @@
 #include <dirent.h>
 #include <grp.h>
 #include <math.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
@@ -66,6 +65,7 @@
 #include "kvc.h"
 #include "kvd_ring.h"
 #include "prep.h"
+#include "raw.h"
 #include "shm.h"
 #include "synth.h"
 #include "testutil.h"
@@ -80,8 +80,7 @@
 #define X_TOK   320             /* decoded after it: one more seal (256) per side */
 #define NTOT    (P_TOK + H_TOK + X_TOK)
 #define UID_B   65534
-#define CALL_MS 60000           /* control replies: generous for sanitizer builds */
-#define CQE_S   300             /* ring completions, likewise */
+#define CQE_S   300             /* ring completions: generous for sanitizer builds */
 
 static const uint32_t dense_layers[] = { 0 };
 static const struct kvc_model model = {
@@ -338,180 +337,13 @@ static void expect_same_stats(const char *what, struct kvc *ca, const struct kvc
 			 (unsigned long long)y.tokens, y.segments, (unsigned long long)y.bytes);
 }
 
-/* ---- a raw client: the wire protocol by hand, never asserting ------------ */
+/* ---- the raw client (raw.h): what the fork tests add ---------------------- */
 
-#define RX_CAP (KVD_CTL_W_INLINE_MAX + 65536)
-
-struct raw {
-	int fd;
-	struct shm_region r;
-	void *map;
-	size_t size;
-	int efd;
-	uint64_t next, ud;
-	uint8_t *rx;
-	int code;               /* the last Error's code */
-	char msg[256];          /* and its message */
-};
-
-static int raw_open(struct raw *x)
+/* ProfileCreate of `model`'s fields under `name`. */
+static int raw_profile_create_model(struct raw *x, const char *name, uint32_t *id)
 {
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
-
-	memset(x, 0, sizeof *x);
-	x->efd = -1;
-	x->rx = malloc(RX_CAP);
-	memcpy(a.sun_path, D_.sock, strlen(D_.sock) + 1);
-	x->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-	if (x->fd < 0 || !x->rx)
-		return -errno;
-	return connect(x->fd, (struct sockaddr *)&a, sizeof a) ? -errno : 0;
-}
-
-static void raw_close(struct raw *x)
-{
-	if (x->map)
-		munmap(x->map, x->size);
-	if (x->efd >= 0)
-		close(x->efd);
-	if (x->fd >= 0)
-		close(x->fd);
-	free(x->rx);
-	memset(x, 0, sizeof *x);
-	x->fd = x->efd = -1;
-}
-
-/* Sends rq and waits for its Response; NULL with *err on a transport error. */
-static Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq, int *fds, int *nfds, int *err)
-{
-	struct pollfd p = { .fd = x->fd, .events = POLLIN };
-	struct kvd_ctl_err e;
-	int spare[KVD_CTL_MAX_FDS], nspare = KVD_CTL_MAX_FDS, n;
-	Kvd__Response *r;
-
-	if (!fds) {
-		fds = spare;
-		nfds = &nspare;
-	}
-	rq->id = ++x->next;
-	n = kvd_ctl_send(x->fd, &rq->base, NULL, 0);
-	if (n) {
-		*err = n;
-		return NULL;
-	}
-	if (poll(&p, 1, CALL_MS) == 0) {
-		*err = -ETIMEDOUT;
-		return NULL;
-	}
-	n = kvd_ctl_recv(x->fd, x->rx, RX_CAP, fds, nfds);
-	if (fds == spare)
-		for (int i = 0; i < nspare; i++)
-			close(spare[i]);
-	if (n <= 0) {
-		*err = n == 0 ? -EPIPE : n;
-		return NULL;
-	}
-	r = kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
-	if (!r) {
-		snprintf(x->msg, sizeof x->msg, "reply does not decode: %.200s", e.msg);
-		*err = -EBADMSG;
-		return NULL;
-	}
-	x->code = 0;
-	x->msg[0] = 0;
-	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
-		x->code = r->error->code;
-		snprintf(x->msg, sizeof x->msg, "%s", r->error->message);
-	}
-	return r;
-}
-
-/* 0 when the reply's body is `want`, else the Error's code or a transport
- * error (the message in x->msg). */
-static int raw_expect(struct raw *x, Kvd__Request *rq, int want, Kvd__Response **out)
-{
-	int err = 0;
-	Kvd__Response *r = raw_call(x, rq, NULL, NULL, &err);
-
-	if (!r)
-		return err;
-	if ((int)r->body_case == want) {
-		if (out)
-			*out = r;
-		else
-			kvd_ctl_free_response(r);
-		return 0;
-	}
-	err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
-	if (r->body_case != KVD__RESPONSE__BODY_ERROR)
-		snprintf(x->msg, sizeof x->msg, "unexpected reply body %d", (int)r->body_case);
-	kvd_ctl_free_response(r);
-	return err;
-}
-
-static int raw_hello(struct raw *x, const char *tenant)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__Hello h = KVD__HELLO__INIT;
-	int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, err = 0;
-	Kvd__Response *r;
-
-	h.version = KVD_CTL_VERSION;
-	h.tenant = (char *)tenant;
-	h.client_name = "fork-raw";
-	h.slots = 2;
-	h.slot_size = 1 << 20;
-	rq.body_case = KVD__REQUEST__BODY_HELLO;
-	rq.hello = &h;
-	r = raw_call(x, &rq, fds, &nfds, &err);
-	if (!r)
-		return err;
-	if (r->body_case != KVD__RESPONSE__BODY_HELLO || nfds != 2) {
-		err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
-		for (int i = 0; i < nfds; i++)
-			close(fds[i]);
-		kvd_ctl_free_response(r);
-		return err;
-	}
-	x->size = r->hello->region_size;
-	x->efd = fds[1];
-	x->map = mmap(NULL, x->size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
-	close(fds[0]);
-	kvd_ctl_free_response(r);
-	if (x->map == MAP_FAILED) {
-		x->map = NULL;
-		return -errno;
-	}
-	return shm_region_attach(&x->r, x->map, x->size);
-}
-
-static int raw_profile_open(struct raw *x, const char *name, uint32_t *id)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__ProfileOpen po = KVD__PROFILE_OPEN__INIT;
-	Kvd__Response *r;
-	int rc;
-
-	po.name = (char *)name;
-	rq.body_case = KVD__REQUEST__BODY_PROFILE_OPEN;
-	rq.profile_open = &po;
-	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_PROFILE, &r);
-	if (!rc) {
-		*id = r->profile->profile_id;
-		kvd_ctl_free_response(r);
-	}
-	return rc;
-}
-
-/* `model`'s fields as a ProfileCreate would send them. */
-static int raw_profile_create(struct raw *x, const char *name, uint32_t *id)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
 	Kvd__Profile p = KVD__PROFILE__INIT;
 	uint32_t dense[] = { 0 };
-	Kvd__Response *r;
-	int rc;
 
 	p.name = (char *)name;
 	p.layers = LAYERS;
@@ -524,35 +356,7 @@ static int raw_profile_create(struct raw *x, const char *name, uint32_t *id)
 	p.seed = 7;
 	p.n_dense_layers = 1;
 	p.dense_layers = dense;
-	pc.profile = &p;
-	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
-	rq.profile_create = &pc;
-	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_PROFILE, &r);
-	if (!rc) {
-		*id = r->profile->profile_id;
-		kvd_ctl_free_response(r);
-	}
-	return rc;
-}
-
-/* SeqCreate; with parent != 0, a fork of parent. */
-static int raw_seq_create(struct raw *x, uint32_t profile_id, uint64_t parent, uint64_t *seq)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
-	Kvd__Response *r;
-	int rc;
-
-	sc.profile_id = profile_id;
-	sc.parent = parent;
-	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
-	rq.seq_create = &sc;
-	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_SEQ, &r);
-	if (!rc) {
-		*seq = r->seq->seq;
-		kvd_ctl_free_response(r);
-	}
-	return rc;
+	return raw_profile_create(x, &p, id);
 }
 
 static int raw_seq_free(struct raw *x, uint64_t seq)
@@ -645,8 +449,8 @@ static void raw_up(struct raw *x, const char *tenant, uint32_t *pid)
 {
 	int rc;
 
-	assert_int_equal(raw_open(x), 0);
-	if ((rc = raw_hello(x, tenant)))
+	assert_int_equal(raw_open(x, D_.sock, 0), 0);
+	if ((rc = raw_hello(x, "fork-raw", tenant, 2, 1 << 20)))
 		fail_msg("raw hello: %d %s", rc, x->msg);
 	if (pid && (rc = raw_profile_open(x, model.name, pid)))
 		fail_msg("raw profile open: %d %s", rc, x->msg);
@@ -926,12 +730,12 @@ static void other_uid(uint64_t victim, const char *want, char *kid_msg)
 			snprintf(kid_msg, 4096, "cannot become uid %d: %s", UID_B, strerror(errno));
 			_exit(90);
 		}
-		if (raw_open(&x) || raw_hello(&x, "t")) {
+		if (raw_open(&x, D_.sock, 0) || raw_hello(&x, "fork-raw", "t", 2, 1 << 20)) {
 			snprintf(kid_msg, 4096, "uid %d: cannot connect: %s", UID_B, x.msg);
 			_exit(2);
 		}
 		/* its own profile of that name (profiles are per uid) */
-		if ((rc = raw_profile_create(&x, model.name, &pid))) {
+		if ((rc = raw_profile_create_model(&x, model.name, &pid))) {
 			snprintf(kid_msg, 4096, "uid %d: profile: %d %s", UID_B, rc, x.msg);
 			_exit(3);
 		}

@@ -46,12 +46,12 @@
 #include "err.h"
 #include "kvc.h"
 #include "kvd_ring.h"
+#include "raw.h"
 #include "shm.h"
 #include "synth.h"
 #include "testutil.h"
 
-#define CALL_MS   60000         /* control replies: generous for sanitizer builds */
-#define CQE_S     300           /* ring completions, likewise */
+#define CQE_S     300           /* ring completions: generous for sanitizer builds */
 #define UID_B     65534
 #define UID_C     65533
 
@@ -255,161 +255,7 @@ static void become(uid_t uid)
 		kid_fail(90, "cannot become uid %d: %s", (int)uid, strerror(errno));
 }
 
-/* ---- a raw client: the wire protocol by hand, never asserting ---------- */
-
-#define RX_CAP (KVD_CTL_W_INLINE_MAX + 65536)
-
-struct raw {
-	int fd;
-	struct shm_region r;
-	void *map;
-	size_t size;
-	int efd;
-	uint64_t next;
-	uint8_t *rx;
-	int code;               /* the last Error's code */
-	char msg[256];          /* and its message */
-};
-
-static int raw_open(struct raw *x, int nonblock)
-{
-	struct sockaddr_un a = { .sun_family = AF_UNIX };
-
-	memset(x, 0, sizeof *x);
-	x->efd = -1;
-	x->rx = malloc(RX_CAP);
-	memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
-	x->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
-	if (x->fd < 0 || !x->rx)
-		return -errno;
-	return connect(x->fd, (struct sockaddr *)&a, sizeof a) ? -errno : 0;
-}
-
-static void raw_close(struct raw *x)
-{
-	if (x->map)
-		munmap(x->map, x->size);
-	if (x->efd >= 0)
-		close(x->efd);
-	if (x->fd >= 0)
-		close(x->fd);
-	free(x->rx);
-	memset(x, 0, sizeof *x);
-	x->fd = x->efd = -1;
-}
-
-/* Sends rq and waits for its Response.  NULL with *err: -ETIMEDOUT, -EPIPE
- * (kvd closed the connection), -EBADMSG (the reply does not decode), or the
- * send's -errno. */
-static Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq, int *fds, int *nfds, int *err)
-{
-	struct pollfd p = { .fd = x->fd, .events = POLLIN };
-	struct kvd_ctl_err e;
-	int spare[KVD_CTL_MAX_FDS], nspare = KVD_CTL_MAX_FDS, n;
-	Kvd__Response *r;
-
-	if (!fds) {
-		fds = spare;
-		nfds = &nspare;
-	}
-	rq->id = ++x->next;
-	n = kvd_ctl_send(x->fd, &rq->base, NULL, 0);
-	if (n) {
-		*err = n == -ECONNRESET ? -EPIPE : n;
-		return NULL;
-	}
-	n = poll(&p, 1, CALL_MS);
-	if (n == 0) {
-		*err = -ETIMEDOUT;
-		return NULL;
-	}
-	n = kvd_ctl_recv(x->fd, x->rx, RX_CAP, fds, nfds);
-	if (fds == spare)
-		for (int i = 0; i < nspare; i++)
-			close(spare[i]);
-	if (n <= 0) {
-		*err = n == 0 || n == -ECONNRESET ? -EPIPE : n;
-		return NULL;
-	}
-	r = kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
-	if (!r) {
-		snprintf(x->msg, sizeof x->msg, "reply does not decode: %.200s", e.msg);
-		*err = -EBADMSG;
-		return NULL;
-	}
-	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
-		x->code = r->error->code;
-		snprintf(x->msg, sizeof x->msg, "%s", r->error->message);
-	}
-	return r;
-}
-
-/* Error code of a reply that should have been `want`: 0 when it was, the
- * Error's code, or a transport error. */
-static int raw_expect(struct raw *x, Kvd__Request *rq, int want, Kvd__Response **out)
-{
-	int err = 0;
-	Kvd__Response *r = raw_call(x, rq, NULL, NULL, &err);
-
-	if (!r)
-		return err;
-	if ((int)r->body_case == want) {
-		if (out)
-			*out = r;
-		else
-			kvd_ctl_free_response(r);
-		return 0;
-	}
-	err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
-	if (r->body_case != KVD__RESPONSE__BODY_ERROR)
-		snprintf(x->msg, sizeof x->msg, "unexpected reply body %d", (int)r->body_case);
-	kvd_ctl_free_response(r);
-	return err;
-}
-
-/* Hello and map the region: 0, an Error's code, or a transport error. */
-static int raw_hello(struct raw *x, const char *tenant, uint32_t slots, uint64_t slot_size)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__Hello h = KVD__HELLO__INIT;
-	int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, err = 0;
-	Kvd__Response *r;
-
-	h.version = KVD_CTL_VERSION;
-	h.tenant = (char *)tenant;
-	h.client_name = "hostile";
-	h.slots = slots;
-	h.slot_size = slot_size;
-	rq.body_case = KVD__REQUEST__BODY_HELLO;
-	rq.hello = &h;
-	r = raw_call(x, &rq, fds, &nfds, &err);
-	if (!r)
-		return err;
-	if (r->body_case != KVD__RESPONSE__BODY_HELLO) {
-		err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
-		for (int i = 0; i < nfds; i++)
-			close(fds[i]);
-		kvd_ctl_free_response(r);
-		return err;
-	}
-	if (nfds != 2) {
-		for (int i = 0; i < nfds; i++)
-			close(fds[i]);
-		kvd_ctl_free_response(r);
-		snprintf(x->msg, sizeof x->msg, "HelloReply with %d fds", nfds);
-		return -EBADMSG;
-	}
-	x->size = r->hello->region_size;
-	x->efd = fds[1];
-	x->map = mmap(NULL, x->size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
-	close(fds[0]);
-	kvd_ctl_free_response(r);
-	if (x->map == MAP_FAILED) {
-		x->map = NULL;
-		return -errno;
-	}
-	return shm_region_attach(&x->r, x->map, x->size);
-}
+/* ---- the raw client (raw.h): profiles, stats and the ring ---------------- */
 
 static Kvd__Profile mkprof(const char *name, uint32_t layers, uint32_t qh, uint32_t kvh,
 			   uint32_t d, uint32_t K, uint32_t L, uint64_t seed)
@@ -426,60 +272,6 @@ static Kvd__Profile mkprof(const char *name, uint32_t layers, uint32_t qh, uint3
 	p.min_collisions = 1;
 	p.seed = seed;
 	return p;
-}
-
-static int raw_profile_create(struct raw *x, Kvd__Profile *p, uint32_t *id)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
-	Kvd__Response *r;
-	int rc;
-
-	pc.profile = p;
-	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
-	rq.profile_create = &pc;
-	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_PROFILE, &r);
-	if (!rc) {
-		*id = r->profile->profile_id;
-		kvd_ctl_free_response(r);
-	}
-	return rc;
-}
-
-static int raw_profile_open(struct raw *x, const char *name, uint32_t *id)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__ProfileOpen po = KVD__PROFILE_OPEN__INIT;
-	Kvd__Response *r;
-	int rc;
-
-	po.name = (char *)name;
-	rq.body_case = KVD__REQUEST__BODY_PROFILE_OPEN;
-	rq.profile_open = &po;
-	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_PROFILE, &r);
-	if (!rc) {
-		*id = r->profile->profile_id;
-		kvd_ctl_free_response(r);
-	}
-	return rc;
-}
-
-static int raw_seq_create(struct raw *x, uint32_t profile_id, uint64_t *seq)
-{
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
-	Kvd__Response *r;
-	int rc;
-
-	sc.profile_id = profile_id;
-	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
-	rq.seq_create = &sc;
-	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_SEQ, &r);
-	if (!rc) {
-		*seq = r->seq->seq;
-		kvd_ctl_free_response(r);
-	}
-	return rc;
 }
 
 static int raw_stats(struct raw *x, Kvd__ServerStats *st)
@@ -798,8 +590,8 @@ static void test_attend_ids_rewritten(void **state)
 	const uint64_t slot = KVD_ALIGN64((uint64_t)out_off + (uint64_t)outb * H1_NSEQ + 4095) & ~4095ull;
 	struct raw x;
 
-	assert_int_equal(raw_open(&x, 0), 0);
-	assert_int_equal(raw_hello(&x, "hostile", 2, slot), 0);
+	assert_int_equal(raw_open(&x, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&x, "hostile", "hostile", 2, slot), 0);
 	uint8_t *in = shm_slot(&x.r, 0), *out = in + out_off;
 
 	for (uint32_t i = 0; i < H1_NSEQ; i++) {
@@ -907,8 +699,8 @@ static void test_loop_not_stalled(void **state)
 	const uint64_t slot = KVD_ALIGN64((uint64_t)out_off + (uint64_t)outb * ST_NSEQ + 4095) & ~4095ull;
 	struct raw x;
 
-	assert_int_equal(raw_open(&x, 0), 0);
-	assert_int_equal(raw_hello(&x, "a", ST_BATCH, slot), 0);
+	assert_int_equal(raw_open(&x, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&x, "hostile", "a", ST_BATCH, slot), 0);
 	for (uint32_t s = 0; s < ST_BATCH; s++)
 		for (uint32_t i = 0; i < ST_NSEQ; i++) {
 			uint8_t *rec = (uint8_t *)shm_slot(&x.r, s) + (size_t)i * stride;
@@ -1014,11 +806,11 @@ static void test_seq_create_budget(void **state)
 	long rss0, rss1;
 	int rc = 0;
 
-	assert_int_equal(raw_open(&x, 0), 0);
-	assert_int_equal(raw_hello(&x, "t", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&x, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&x, "hostile", "t", 1, 1 << 16), 0);
 	assert_int_equal(raw_profile_create(&x, &p, &pid), 0);
 	rss0 = proc_vmrss_kib(D.pid);
-	while (n < 250000 && !(rc = raw_seq_create(&x, pid, &seq)))
+	while (n < 250000 && !(rc = raw_seq_create(&x, pid, 0, &seq)))
 		n++;
 	rss1 = proc_vmrss_kib(D.pid);
 	print_message("  %llu sequences accepted, then %d (%s); VmRSS %ld -> %ld KiB\n",
@@ -1100,12 +892,12 @@ static void test_profiles_per_uid(void **state)
 	if (!need_root())
 		skip();
 	kid_msg[0] = 0;
-	assert_int_equal(raw_open(&obs, 0), 0);
-	assert_int_equal(raw_hello(&obs, "obs", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&obs, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&obs, "hostile", "obs", 1, 1 << 16), 0);
 	base = stats_of(&obs).profiles;
 
-	assert_int_equal(raw_open(&a, 0), 0);
-	assert_int_equal(raw_hello(&a, "t", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&a, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&a, "hostile", "t", 1, 1 << 16), 0);
 	got = create_profiles(&a, "hostile-pa", 5, &code);
 	print_message("  uid 0 created %d profiles, then %d (%s)\n", got, code, code ? a.msg : "-");
 	if (got == 5)
@@ -1124,7 +916,7 @@ static void test_profiles_per_uid(void **state)
 		int c2;
 
 		become(UID_B);
-		if (raw_open(&b, 0) || raw_hello(&b, "t", 1, 1 << 16))
+		if (raw_open(&b, D.sock, 0) || raw_hello(&b, "hostile", "t", 1, 1 << 16))
 			kid_fail(2, "uid %d: cannot connect: %s", UID_B, b.msg);
 		if (create_profiles(&b, "hostile-pb", 1, &c2) != 1)
 			kid_fail(3, "uid %d: ProfileCreate refused: %d %s", UID_B, c2, b.msg);
@@ -1146,8 +938,8 @@ static void test_profiles_per_uid(void **state)
 	if (now != base)
 		fail_msg("profiles stay at %u after their clients left (was %u)", now, base);
 
-	assert_int_equal(raw_open(&a, 0), 0);
-	assert_int_equal(raw_hello(&a, "t", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&a, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&a, "hostile", "t", 1, 1 << 16), 0);
 	got = create_profiles(&a, "hostile-pa", 5, &code);
 	assert_int_equal(got, 4);
 	assert_int_equal(code, -EDQUOT);
@@ -1167,8 +959,8 @@ static void test_profile_namespace(void **state)
 	if (!need_root())
 		skip();
 	kid_msg[0] = 0;
-	assert_int_equal(raw_open(&a, 0), 0);
-	assert_int_equal(raw_hello(&a, "t", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&a, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&a, "hostile", "t", 1, 1 << 16), 0);
 	assert_int_equal(raw_profile_create(&a, &pa, &id_a), 0);
 
 	/* same tenant name on purpose: only the uid separates them */
@@ -1182,7 +974,7 @@ static void test_profile_namespace(void **state)
 		int rc;
 
 		become(UID_B);
-		if (raw_open(&b, 0) || raw_hello(&b, "t", 1, 1 << 16))
+		if (raw_open(&b, D.sock, 0) || raw_hello(&b, "hostile", "t", 1, 1 << 16))
 			kid_fail(2, "uid %d: cannot connect: %s", UID_B, b.msg);
 		rc = raw_profile_open(&b, "p", &id);
 		if (rc != -ENOENT)
@@ -1194,11 +986,11 @@ static void test_profile_namespace(void **state)
 				 rc, b.msg);
 		if (id == id_a)
 			kid_fail(12, "uid %d: its \"p\" has uid 0's profile id %u", UID_B, id);
-		rc = raw_seq_create(&b, id_a, &s);
+		rc = raw_seq_create(&b, id_a, 0, &s);
 		if (rc != -ENOENT)
 			kid_fail(13, "uid %d: SeqCreate on uid 0's profile id: %d (%s), want -ENOENT",
 				 UID_B, rc, rc ? b.msg : "created");
-		if ((rc = raw_seq_create(&b, id, &s)))
+		if ((rc = raw_seq_create(&b, id, 0, &s)))
 			kid_fail(14, "uid %d: SeqCreate on its own profile: %d (%s)", UID_B, rc, b.msg);
 		raw_close(&b);
 		_exit(0);
@@ -1206,7 +998,7 @@ static void test_profile_namespace(void **state)
 	expect_kid_ok(kid, 60, "client of another uid");
 	assert_int_equal(raw_profile_create(&a, &pa, &id_again), 0);
 	assert_int_equal(id_again, id_a);
-	assert_int_equal(raw_seq_create(&a, id_a, &seq), 0);
+	assert_int_equal(raw_seq_create(&a, id_a, 0, &seq), 0);
 	raw_close(&a);
 }
 
@@ -1216,7 +1008,7 @@ static void test_profile_namespace(void **state)
  * working Hello.  0 when refused, else why not in kid_msg. */
 static int refused_hello(struct raw *x)
 {
-	int rc = raw_hello(x, "t", 1, 1 << 16);
+	int rc = raw_hello(x, "hostile", "t", 1, 1 << 16);
 
 	if (rc == 0) {
 		snprintf(kid_msg, 4096, "connection over connections_per_uid got a working Hello");
@@ -1257,9 +1049,9 @@ static void test_connections_per_uid(void **state)
 
 		become(UID_B);
 		for (int i = 0; i < 8; i++)
-			if (raw_open(&c[i], 0))
+			if (raw_open(&c[i], D.sock, 0))
 				kid_fail(2, "uid %d: connection %d: %s", UID_B, i, strerror(errno));
-		if (raw_open(&c[8], 0) == 0 && refused_hello(&c[8]))
+		if (raw_open(&c[8], D.sock, 0) == 0 && refused_hello(&c[8]))
 			_exit(3);
 		if (write(held[1], "h", 1) != 1 || read(rel[0], &b, 1) != 1)
 			_exit(4);
@@ -1267,7 +1059,8 @@ static void test_connections_per_uid(void **state)
 			raw_close(&c[i]);
 		/* once kvd has seen them go, this uid may connect again */
 		for (int i = 0; i < 300 && !ok; i++) {
-			ok = raw_open(&again, 0) == 0 && raw_hello(&again, "t", 1, 1 << 16) == 0;
+			ok = raw_open(&again, D.sock, 0) == 0 &&
+			     raw_hello(&again, "hostile", "t", 1, 1 << 16) == 0;
 			if (!ok)
 				daemon_sleep_ms(100);
 			raw_close(&again);
@@ -1290,9 +1083,9 @@ static void test_connections_per_uid(void **state)
 		int rc;
 
 		become(UID_C);
-		if (raw_open(&c, 0))
+		if (raw_open(&c, D.sock, 0))
 			kid_fail(2, "uid %d: connect: %s", UID_C, strerror(errno));
-		if ((rc = raw_hello(&c, "t", 1, 1 << 16)))
+		if ((rc = raw_hello(&c, "hostile", "t", 1, 1 << 16)))
 			kid_fail(3, "uid %d: Hello: %d %s", UID_C, rc, c.msg);
 		if ((rc = raw_stats(&c, &st)))
 			kid_fail(4, "uid %d: ServerStats: %d %s", UID_C, rc, c.msg);
@@ -1369,7 +1162,8 @@ static void test_emfile_no_spin(void **state)
 	int ok = 0;
 
 	for (int i = 0; i < 300 && !ok; i++) {
-		if (raw_open(&x, 0) == 0 && (rc = raw_hello(&x, "t", 1, 1 << 16)) == 0)
+		if (raw_open(&x, D.sock, 0) == 0 &&
+		    (rc = raw_hello(&x, "hostile", "t", 1, 1 << 16)) == 0)
 			ok = 1;
 		else
 			daemon_sleep_ms(100);
@@ -1396,10 +1190,10 @@ static void test_prefill_staging_budget(void **state)
 	Kvd__ServerStats st;
 	int ok = 0, nomem = 0;
 
-	assert_int_equal(raw_open(&x, 0), 0);
-	assert_int_equal(raw_hello(&x, "t", 2, 1 << 20), 0);
+	assert_int_equal(raw_open(&x, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&x, "hostile", "t", 2, 1 << 20), 0);
 	assert_int_equal(raw_profile_create(&x, &p, &pid), 0);
-	assert_int_equal(raw_seq_create(&x, pid, &seq), 0);
+	assert_int_equal(raw_seq_create(&x, pid, 0, &seq), 0);
 
 	const uint32_t len = (uint32_t)kvd_rows_bytes(H, d, L, 1, 1);
 	uint8_t *base = shm_slot(&x.r, 0);
@@ -1449,15 +1243,15 @@ static void test_shm_per_uid(void **state)
 	uint64_t shm = 0;
 	int rc;
 
-	assert_int_equal(raw_open(&a, 0), 0);
-	assert_int_equal(raw_hello(&a, "t", 8, 4 << 20), 0);      /* 32 MiB + rings */
-	assert_int_equal(raw_open(&b, 0), 0);
-	rc = raw_hello(&b, "t", 8, 4 << 20);
+	assert_int_equal(raw_open(&a, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&a, "hostile", "t", 8, 4 << 20), 0);      /* 32 MiB + rings */
+	assert_int_equal(raw_open(&b, D.sock, 0), 0);
+	rc = raw_hello(&b, "hostile", "t", 8, 4 << 20);
 	print_message("  a second 32 MiB arena: %d '%s'\n", rc, rc ? b.msg : "");
 	assert_int_equal(rc, -EDQUOT);
 	assert_non_null(strstr(b.msg, "shm_per_uid"));
 	/* The refused Hello left nothing behind: a small arena fits. */
-	assert_int_equal(raw_hello(&b, "t", 1, 64 << 10), 0);
+	assert_int_equal(raw_hello(&b, "hostile", "t", 1, 64 << 10), 0);
 	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
 	rq.server_stats = &sr;
 	assert_int_equal(raw_expect(&a, &rq, KVD__RESPONSE__BODY_SERVER_STATS, &r), 0);
@@ -1470,11 +1264,11 @@ static void test_shm_per_uid(void **state)
 	assert_true(shm > (32ull << 20) + (64 << 10) && shm <= 64ull << 20);
 	/* a's share comes back when it goes */
 	raw_close(&a);
-	assert_int_equal(raw_open(&c, 0), 0);
-	for (int i = 0; i < 500 && (rc = raw_hello(&c, "t", 8, 4 << 20)) == -EDQUOT; i++) {
+	assert_int_equal(raw_open(&c, D.sock, 0), 0);
+	for (int i = 0; i < 500 && (rc = raw_hello(&c, "hostile", "t", 8, 4 << 20)) == -EDQUOT; i++) {
 		raw_close(&c);
 		daemon_sleep_ms(10);
-		assert_int_equal(raw_open(&c, 0), 0);
+		assert_int_equal(raw_open(&c, D.sock, 0), 0);
 	}
 	assert_int_equal(rc, 0);
 	raw_close(&b);
@@ -1552,8 +1346,8 @@ static void test_uid_fair_share(void **state)
 	for (int t = 0; t < 3000 && atomic_load(&sh->ready) < FAIR_A + 1; t++)
 		daemon_sleep_ms(10);
 	assert_int_equal(atomic_load(&sh->ready), FAIR_A + 1);
-	assert_int_equal(raw_open(&obs, 0), 0);
-	assert_int_equal(raw_hello(&obs, "obs", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&obs, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&obs, "hostile", "obs", 1, 1 << 16), 0);
 	daemon_sleep_ms(300);
 	a0 = uid_exec_ns(&obs, ua);
 	b0 = uid_exec_ns(&obs, ub);
@@ -1642,7 +1436,8 @@ static void test_control_cpu_per_uid(void **state)
 		rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
 		rq.server_stats = &sr;
 		for (int i = 0; i < CTL_CONNS; i++)
-			if (raw_open(&x[i], 1) || raw_hello(&x[i], "flood", 1, 1 << 16))
+			if (raw_open(&x[i], D.sock, 1) ||
+			    raw_hello(&x[i], "hostile", "flood", 1, 1 << 16))
 				kid_fail(2, "connection %d: setup failed", i);
 		atomic_store(&sh->flooding, 1);
 		for (int draining = 0;;) {
@@ -1683,8 +1478,8 @@ static void test_control_cpu_per_uid(void **state)
 	for (int t = 0; t < 3000 && !atomic_load(&sh->flooding); t++)
 		daemon_sleep_ms(10);
 	assert_true(atomic_load(&sh->flooding));
-	assert_int_equal(raw_open(&obs, 0), 0);
-	assert_int_equal(raw_hello(&obs, "obs", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&obs, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&obs, "hostile", "obs", 1, 1 << 16), 0);
 	/* let the flood spend its burst */
 	daemon_sleep_ms(1500);
 	t0 = mono_ns();
@@ -1756,8 +1551,8 @@ static void test_big_profiles_no_stall(void **state)
 	for (int t = 0; t < 3000 && atomic_load(&sh->done) < 3; t++)
 		daemon_sleep_ms(10);
 	assert_true(atomic_load(&sh->done) >= 3);
-	assert_int_equal(raw_open(&a, 0), 0);
-	assert_int_equal(raw_hello(&a, "big", 1, 1 << 16), 0);
+	assert_int_equal(raw_open(&a, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&a, "hostile", "big", 1, 1 << 16), 0);
 	d0 = atomic_load(&sh->done);
 	for (int i = 0; i < NP; i++) {
 		Kvd__Request rq = KVD__REQUEST__INIT;

@@ -1,0 +1,261 @@
+/* A raw client for the integration tests: kvd's control protocol spoken by
+ * hand (Hello, ProfileCreate/Open, SeqCreate, any request through
+ * raw_call), so a test can send what libkvclient never would (a SeqCreate
+ * whose parent is made up or being freed, a pipelined flood, Hellos over a
+ * limit) and see kvd's answer as it comes.  Header-only, like daemon.h.
+ *
+ * The functions are static __attribute__((unused)) rather than static
+ * inline: a test that uses part of them gets no -Wunused-function, and GCC
+ * inlines them as it did when each test had its own static copies.  Marked
+ * inline, they (raw_expect with them) get inlined into the tests, and -O2
+ * then reports false -Wmaybe-uninitialized (an error under -Werror) on the
+ * replies and ids that are filled in only when raw_expect() returns 0.
+ *
+ * Nothing here asserts: it runs in forked children and threads, where
+ * cmocka's asserts must not be used.  Errors come back as a return value
+ * (an Error's code, or a negative errno for the transport), with a message
+ * in x->msg.  The ring of the region raw_hello maps is the caller's to
+ * drive: the tests do that each their own way.
+ */
+#ifndef KVD_TEST_RAW_H
+#define KVD_TEST_RAW_H
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "ctl.h"
+#include "shm.h"
+
+#define RX_CAP  (KVD_CTL_W_INLINE_MAX + 65536)
+#define CALL_MS 60000           /* control replies: generous for sanitizer builds */
+
+struct raw {
+	int fd;
+	struct shm_region r;
+	void *map;
+	size_t size;
+	int efd;
+	uint64_t next;          /* the last request id */
+	uint64_t ud;            /* the last ring user_data, for callers that count them */
+	uint8_t *rx;
+	int code;               /* the last reply's Error code (0: another body) */
+	char msg[256];          /* its message, or what went wrong otherwise */
+};
+
+/* Connects to kvd's socket `sock` (a struct daemon's .sock); nonblock makes
+ * the socket non-blocking (for callers that pipeline by hand).  0 or -errno;
+ * raw_close() either way. */
+static __attribute__((unused)) int raw_open(struct raw *x, const char *sock, int nonblock)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+
+	memset(x, 0, sizeof *x);
+	x->efd = -1;
+	x->rx = malloc(RX_CAP);
+	memcpy(a.sun_path, sock, strlen(sock) + 1);
+	x->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
+	if (x->fd < 0 || !x->rx)
+		return -errno;
+	return connect(x->fd, (struct sockaddr *)&a, sizeof a) ? -errno : 0;
+}
+
+static __attribute__((unused)) void raw_close(struct raw *x)
+{
+	if (x->map)
+		munmap(x->map, x->size);
+	if (x->efd >= 0)
+		close(x->efd);
+	if (x->fd >= 0)
+		close(x->fd);
+	free(x->rx);
+	memset(x, 0, sizeof *x);
+	x->fd = x->efd = -1;
+}
+
+/* Sends rq and waits for its Response.  NULL with *err: -ETIMEDOUT, -EPIPE
+ * (kvd closed the connection), -EBADMSG (the reply does not decode), or the
+ * send's -errno.  A reply that decodes sets x->code and x->msg afresh: its
+ * Error's, or 0 and "". */
+static __attribute__((unused)) Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq,
+							 int *fds, int *nfds, int *err)
+{
+	struct pollfd p = { .fd = x->fd, .events = POLLIN };
+	struct kvd_ctl_err e;
+	int spare[KVD_CTL_MAX_FDS], nspare = KVD_CTL_MAX_FDS, n;
+	Kvd__Response *r;
+
+	if (!fds) {
+		fds = spare;
+		nfds = &nspare;
+	}
+	rq->id = ++x->next;
+	n = kvd_ctl_send(x->fd, &rq->base, NULL, 0);
+	if (n) {
+		*err = n == -ECONNRESET ? -EPIPE : n;
+		return NULL;
+	}
+	if (poll(&p, 1, CALL_MS) == 0) {
+		*err = -ETIMEDOUT;
+		return NULL;
+	}
+	n = kvd_ctl_recv(x->fd, x->rx, RX_CAP, fds, nfds);
+	if (fds == spare)
+		for (int i = 0; i < nspare; i++)
+			close(spare[i]);
+	if (n <= 0) {
+		*err = n == 0 || n == -ECONNRESET ? -EPIPE : n;
+		return NULL;
+	}
+	r = kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
+	if (!r) {
+		snprintf(x->msg, sizeof x->msg, "reply does not decode: %.200s", e.msg);
+		*err = -EBADMSG;
+		return NULL;
+	}
+	x->code = 0;
+	x->msg[0] = 0;
+	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
+		x->code = r->error->code;
+		snprintf(x->msg, sizeof x->msg, "%s", r->error->message);
+	}
+	return r;
+}
+
+/* Error code of a reply that should have been `want`: 0 when it was (the
+ * reply in *out, or freed when out is NULL), the Error's code, or a
+ * transport error (the message in x->msg). */
+static __attribute__((unused)) int raw_expect(struct raw *x, Kvd__Request *rq, int want,
+					      Kvd__Response **out)
+{
+	int err = 0;
+	Kvd__Response *r = raw_call(x, rq, NULL, NULL, &err);
+
+	if (!r)
+		return err;
+	if ((int)r->body_case == want) {
+		if (out)
+			*out = r;
+		else
+			kvd_ctl_free_response(r);
+		return 0;
+	}
+	err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
+	if (r->body_case != KVD__RESPONSE__BODY_ERROR)
+		snprintf(x->msg, sizeof x->msg, "unexpected reply body %d", (int)r->body_case);
+	kvd_ctl_free_response(r);
+	return err;
+}
+
+/* Hello as client `client` of `tenant`, and map the region: 0, an Error's
+ * code, or a transport error. */
+static __attribute__((unused)) int raw_hello(struct raw *x, const char *client, const char *tenant,
+					     uint32_t slots, uint64_t slot_size)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__Hello h = KVD__HELLO__INIT;
+	int fds[KVD_CTL_MAX_FDS], nfds = KVD_CTL_MAX_FDS, err = 0;
+	Kvd__Response *r;
+
+	h.version = KVD_CTL_VERSION;
+	h.tenant = (char *)tenant;
+	h.client_name = (char *)client;
+	h.slots = slots;
+	h.slot_size = slot_size;
+	rq.body_case = KVD__REQUEST__BODY_HELLO;
+	rq.hello = &h;
+	r = raw_call(x, &rq, fds, &nfds, &err);
+	if (!r)
+		return err;
+	if (r->body_case != KVD__RESPONSE__BODY_HELLO) {
+		err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		kvd_ctl_free_response(r);
+		return err;
+	}
+	if (nfds != 2) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		kvd_ctl_free_response(r);
+		snprintf(x->msg, sizeof x->msg, "HelloReply with %d fds", nfds);
+		return -EBADMSG;
+	}
+	x->size = r->hello->region_size;
+	x->efd = fds[1];
+	x->map = mmap(NULL, x->size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+	close(fds[0]);
+	kvd_ctl_free_response(r);
+	if (x->map == MAP_FAILED) {
+		x->map = NULL;
+		return -errno;
+	}
+	return shm_region_attach(&x->r, x->map, x->size);
+}
+
+static __attribute__((unused)) int raw_profile_create(struct raw *x, Kvd__Profile *p,
+						      uint32_t *id)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	pc.profile = p;
+	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
+	rq.profile_create = &pc;
+	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_PROFILE, &r);
+	if (!rc) {
+		*id = r->profile->profile_id;
+		kvd_ctl_free_response(r);
+	}
+	return rc;
+}
+
+static __attribute__((unused)) int raw_profile_open(struct raw *x, const char *name, uint32_t *id)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ProfileOpen po = KVD__PROFILE_OPEN__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	po.name = (char *)name;
+	rq.body_case = KVD__REQUEST__BODY_PROFILE_OPEN;
+	rq.profile_open = &po;
+	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_PROFILE, &r);
+	if (!rc) {
+		*id = r->profile->profile_id;
+		kvd_ctl_free_response(r);
+	}
+	return rc;
+}
+
+/* SeqCreate; with parent != 0, a fork of parent. */
+static __attribute__((unused)) int raw_seq_create(struct raw *x, uint32_t profile_id,
+						  uint64_t parent, uint64_t *seq)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	sc.profile_id = profile_id;
+	sc.parent = parent;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
+	rq.seq_create = &sc;
+	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_SEQ, &r);
+	if (!rc) {
+		*seq = r->seq->seq;
+		kvd_ctl_free_response(r);
+	}
+	return rc;
+}
+
+#endif
