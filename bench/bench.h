@@ -77,4 +77,8 @@ int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg);
  * noisy neighbours, against the in-process engine. */
 int bench_load_main(int argc, char **argv);
 
+/* `kvbench share` (bench/share.c): sequence fork against prefill, and kvd's
+ * resident memory for a prompt shared by forks. */
+int bench_share_main(int argc, char **argv);
+
 #endif

@@ -7,6 +7,7 @@
  *   kvbench trace-dump --workload W --ctx N DIR   (writes a synthetic layer as .npy)
  *   kvbench demo                                  (attn at a small size, as a table)
  *   kvbench load [--json] ...                     (many clients, noisy neighbours: bench/load.c)
+ *   kvbench share [--json] ...                    (sequence fork vs prefill, shared memory: bench/share.c)
  *
  * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
  * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and
@@ -619,7 +620,8 @@ static void usage(void)
 		"                    [--steps N] [--measure N]\n"
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench demo\n"
-		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n");
+		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n"
+		"       kvbench share [--json] [--ctx N] [--layers N] [--children N]\n");
 	exit(2);
 }
 
@@ -924,6 +926,8 @@ int main(int argc, char **argv)
 		return bench_ipc_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "spill"))
 		return bench_spill_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "share"))
+		return bench_share_main(argc - 2, argv + 2);
 	usage();
 	return 2;
 }

@@ -135,8 +135,6 @@ int kvc_seq_fork(struct kvc *c, const struct kvc_seq *parent, struct kvc_seq **o
 	struct kvc_seq *s;
 	int rc;
 
-	if (c->gpu)
-		return kvt_fail(c->t, -EOPNOTSUPP, "fork: not on the CUDA backend yet");
 	if (parent->reopened)
 		return kvt_fail(c->t, -EINVAL, "fork: a reopened sequence has no local part");
 	H = c->g->kv_heads;
@@ -146,6 +144,16 @@ int kvc_seq_fork(struct kvc *c, const struct kvc_seq *parent, struct kvc_seq **o
 	if (!(s = seq_new(c, id))) {
 		kvt_seq_free(c->t, id);
 		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	}
+	if (c->gpu) {
+		if ((rc = kvg_seq_fork(c->t, c->gpu, parent, s))) {
+			kvt_seq_free(c->t, id);
+			free_layers(c, s);
+			free(s);
+			return rc;
+		}
+		*out = s;
+		return 0;
 	}
 	for (uint32_t l = 0; l < c->m->layers; l++) {
 		const struct kvc_layer *a = &parent->ly[l];

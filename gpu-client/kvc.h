@@ -104,8 +104,9 @@ int kvc_seq_create(struct kvc *c, struct kvc_seq **out);
  * its open tail; the rows kept here (sinks, window) are copied.  The two
  * then diverge independently; either may be freed first.  -EBUSY while a
  * layer of parent is being prefilled, -EAGAIN when kvd has parent on disk
- * (attend it first), -EOPNOTSUPP on the CUDA backend (not yet), -ENOENT for
- * a sequence kvd does not know. */
+ * (attend it first), -ENOENT for a sequence kvd does not know.  On the
+ * CUDA backend the device rows are copied on the device, after the work
+ * already queued on the caller's stream. */
 int kvc_seq_fork(struct kvc *c, const struct kvc_seq *parent, struct kvc_seq **out);
 uint64_t kvc_seq_id(const struct kvc_seq *s);
 /* Frees the sequence in kvd and here. */

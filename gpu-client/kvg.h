@@ -48,6 +48,11 @@ void kvg_close(struct kvg *g);
 int kvg_profile(struct kvt *t, struct kvg *g);
 
 void kvg_seq_free(struct kvt *t, struct kvg *g, struct kvg_seq *s);
+/* kvc_seq_fork's device part: child gets copies of parent's device rows
+ * (sinks, window, dense layers) and means, after the work already queued
+ * on them; synchronous. */
+int kvg_seq_fork(struct kvt *t, struct kvg *g, const struct kvc_seq *parent,
+		 struct kvc_seq *child);
 
 /* The host-pointer API on the CUDA backend: inputs are copied to the
  * device, the device path runs, outputs come back; synchronous as kvc.h

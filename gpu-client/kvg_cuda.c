@@ -437,6 +437,62 @@ static int dalloc(struct kvt *c, struct kvg *g, void **p, size_t bytes, cudaStre
 	return 0;
 }
 
+/* One device buffer of parent's copied into *dst (NULL stays NULL). */
+static int dcopy(struct kvt *c, struct kvg *g, void **dst, const void *src, size_t bytes)
+{
+	int rc;
+
+	*dst = NULL;
+	if (!src)
+		return 0;
+	if ((rc = dalloc(c, g, dst, bytes, g->cs)))
+		return rc;
+	CK(c, cudaMemcpyAsync(*dst, src, bytes, cudaMemcpyDeviceToDevice, g->cs));
+	return 0;
+}
+
+int kvg_seq_fork(struct kvt *c, struct kvg *g, const struct kvc_seq *parent,
+		 struct kvc_seq *child)
+{
+	const struct kvg_seq *a = parent->gs;
+	struct kvg_seq *b;
+	size_t rowb = (size_t)g->d * 2;
+	int prev, rc;
+
+	if (!a)
+		return 0;               /* nothing of it on the device yet */
+	if ((rc = dev_enter(c, g, &prev)))
+		return rc;
+	if ((rc = seq_init(c, g, &b)))
+		goto out;
+	/* After whatever the caller's stream still does with the rows. */
+	if (cudaStreamWaitEvent(g->cs, g->ev_user, 0) != cudaSuccess)
+		rc = kvt_fail(c, -EIO, "fork: cannot order after the caller's stream");
+	for (uint32_t l = 0; !rc && l < g->layers; l++) {
+		const struct kvg_layer *x = &a->ly[l];
+		struct kvg_layer *y = &b->ly[l];
+
+		*y = *x;
+		y->k = y->v = NULL;
+		y->mean = NULL;
+		if ((rc = dcopy(c, g, (void **)&y->k, x->k, (size_t)g->H * x->cap * rowb)) ||
+		    (rc = dcopy(c, g, (void **)&y->v, x->v, (size_t)g->H * x->cap * rowb)) ||
+		    (rc = dcopy(c, g, (void **)&y->mean, x->mean, (size_t)g->H * g->d * 4)))
+			break;
+	}
+	if (!rc && cudaStreamSynchronize(g->cs) != cudaSuccess)
+		rc = kvt_fail(c, -EIO, "fork: device copies failed");
+	if (rc) {
+		dev_leave(g, prev);
+		kvg_seq_free(c, g, b);
+		return rc;
+	}
+	child->gs = b;
+out:
+	dev_leave(g, prev);
+	return rc;
+}
+
 /* Accumulates the GPU times of an attend (opts.timing) from event set
  * `set`; without `block`, only once they have completed. */
 static void tim_collect(struct kvg *g, int set, int block)

@@ -41,6 +41,12 @@ void kvg_seq_free(struct kvt *t, struct kvg *g, struct kvg_seq *s)
 {
 }
 
+int kvg_seq_fork(struct kvt *t, struct kvg *g, const struct kvc_seq *parent,
+		 struct kvc_seq *child)
+{
+	return -ENOTSUP;
+}
+
 int kvg_prefill_host(struct kvt *t, struct kvg *g, struct kvc_seq *s, uint32_t layer,
 		     const float *k, const float *v, uint32_t n)
 {

@@ -282,6 +282,104 @@ static void test_host_api_sampled(void **state)
 	host_api_case(&sampled, 3e-2, 2);
 }
 
+/* kvc_seq_fork on the CUDA backend: the child gets device copies of the
+ * parent's rows and answers exactly what the parent answers; after each
+ * decodes other tokens, each answers exactly what a sequence given the
+ * same tokens from the start answers. */
+static void build_seq(struct kvc *g, struct kvc_seq **out, struct kvd_synth *w, const uint32_t *tok,
+		      uint32_t ntok, float *k0, float *v0, float *kt, float *vt)
+{
+	const uint32_t H = w[0].kv_heads, d = w[0].d, n = w[0].n;
+
+	if (kvc_seq_create(g, out))
+		fail_msg("seq: %s", kvc_last_error(g));
+	for (uint32_t l = 0; l < LAYERS; l++) {
+		for (uint32_t h = 0; h < H; h++) {
+			memcpy(k0 + (size_t)h * N_TOK * d, w[l].k + (size_t)h * n * d, (size_t)N_TOK * d * 4);
+			memcpy(v0 + (size_t)h * N_TOK * d, w[l].v + (size_t)h * n * d, (size_t)N_TOK * d * 4);
+		}
+		if (kvc_prefill(g, *out, l, k0, v0, N_TOK))
+			fail_msg("prefill: %s", kvc_last_error(g));
+	}
+	for (uint32_t i = 0; i < ntok; i++)
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			token(&w[l], tok[i], kt, vt);
+			if (kvc_append(g, *out, l, kt, vt))
+				fail_msg("append: %s", kvc_last_error(g));
+		}
+}
+
+static void same_answers(struct kvc *g, struct kvc_seq *a, struct kvc_seq *b, struct kvd_synth *w,
+			 int want_same)
+{
+	const uint32_t Hq = w[0].q_heads, d = w[0].d;
+	float *oa = xmalloc((size_t)Hq * d * 4), *ob = xmalloc((size_t)Hq * d * 4);
+	float la[64], lb[64];
+	int same = 1;
+
+	assert_true(Hq <= 64);
+	for (uint32_t l = 0; l < LAYERS; l++) {
+		if (kvc_attend(g, l, &a, 1, w[l].q, oa, la) || kvc_attend(g, l, &b, 1, w[l].q, ob, lb))
+			fail_msg("attend: %s", kvc_last_error(g));
+		same &= !memcmp(oa, ob, (size_t)Hq * d * 4) && !memcmp(la, lb, Hq * 4);
+	}
+	if (want_same && !same)
+		fail_msg("answers differ");
+	if (!want_same && same)
+		fail_msg("answers of different tokens are the same");
+	free(oa);
+	free(ob);
+}
+
+static void test_fork(void **state)
+{
+	const struct kvc_model *m = &sampled;
+	struct kvc *g = open_dev(KVC_BACKEND_CUDA, m, 0);
+	struct kvd_synth w[LAYERS];
+	const uint32_t Hq = m->q_heads, H = m->kv_heads, d = m->head_dim, n = N_TOK + 3 * STEPS;
+	float *kt = xmalloc((size_t)H * d * 4), *vt = xmalloc((size_t)H * d * 4);
+	float *k0 = xmalloc((size_t)H * N_TOK * d * 4), *v0 = xmalloc((size_t)H * N_TOK * d * 4);
+	uint32_t ta[2 * STEPS], tb[2 * STEPS];
+	struct kvc_seq *par, *ch, *pa, *pb;
+
+	for (uint32_t l = 0; l < LAYERS; l++)
+		assert_int_equal(kvd_synth_make(&w[l], (enum kvd_wl)(l % KVD_WL_COUNT), n, Hq, H, d,
+						70 + l), 0);
+	/* parent: the prompt and STEPS/2 decoded tokens; then A or B */
+	for (uint32_t i = 0; i < 2 * STEPS; i++) {
+		ta[i] = N_TOK + i;
+		tb[i] = i < STEPS / 2 ? N_TOK + i : N_TOK + STEPS + i;
+	}
+	build_seq(g, &par, w, ta, STEPS / 2, k0, v0, kt, vt);
+	if (kvc_seq_fork(g, par, &ch))
+		fail_msg("fork: %s", kvc_last_error(g));
+	same_answers(g, par, ch, w, 1);
+	for (uint32_t i = STEPS / 2; i < 2 * STEPS; i++)
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			token(&w[l], ta[i], kt, vt);
+			if (kvc_append(g, par, l, kt, vt))
+				fail_msg("append: %s", kvc_last_error(g));
+			token(&w[l], tb[i], kt, vt);
+			if (kvc_append(g, ch, l, kt, vt))
+				fail_msg("append: %s", kvc_last_error(g));
+		}
+	build_seq(g, &pa, w, ta, 2 * STEPS, k0, v0, kt, vt);
+	build_seq(g, &pb, w, tb, 2 * STEPS, k0, v0, kt, vt);
+	same_answers(g, par, pa, w, 1);
+	same_answers(g, ch, pb, w, 1);
+	same_answers(g, par, ch, w, 0);
+	/* the parent goes first; the child keeps its rows */
+	assert_int_equal(kvc_seq_free(g, par), 0);
+	same_answers(g, ch, pb, w, 1);
+	assert_int_equal(kvc_seq_free(g, ch), 0);
+	assert_int_equal(kvc_seq_free(g, pa), 0);
+	assert_int_equal(kvc_seq_free(g, pb), 0);
+	for (uint32_t l = 0; l < LAYERS; l++)
+		kvd_synth_free(&w[l]);
+	kvc_close(g);
+	free(kt); free(vt); free(k0); free(v0);
+}
+
 /* The device API: NS sequences decoded as a batch, K/V handed over as bf16
  * on a caller's stream, against the CPU backend fed the same (bf16-exact)
  * values one sequence at a time. */
@@ -410,6 +508,7 @@ int main(void)
 		cmocka_unit_test(test_host_api_near_exact),
 		cmocka_unit_test(test_host_api_sampled),
 		cmocka_unit_test(test_device_api_batch),
+		cmocka_unit_test(test_fork),
 		cmocka_unit_test(test_other_device),
 #ifdef KVG_EMU
 		cmocka_unit_test(test_failed_evictions),
