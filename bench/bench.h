@@ -13,7 +13,9 @@
 struct kvd_pool;
 
 double bench_now_ms(void);
-double bench_median(double *x, int n);          /* sorts x */
+double bench_median(double *x, int n);
+/* A count option: 1..2^20, digits only.  0, or -1 for anything else. */
+int bench_parse_u32(const char *s, uint32_t *out);          /* sorts x */
 
 /* Streaming read bandwidth with every pool worker reading its own slice of
  * a `bytes` buffer; best of `reps`.  GB/s (1e9 bytes). */

@@ -242,3 +242,14 @@ const char *bench_cpu_name(void)
 	fclose(f);
 	return name;
 }
+
+int bench_parse_u32(const char *s, uint32_t *out)
+{
+	char *end;
+	unsigned long v = strtoul(s, &end, 10);
+
+	if (!*s || *end || v == 0 || v > 1u << 20)
+		return -1;
+	*out = (uint32_t)v;
+	return 0;
+}

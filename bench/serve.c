@@ -196,17 +196,6 @@ static int cmp_f(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
-static int parse_u32(const char *s, uint32_t *out)
-{
-	char *end;
-	unsigned long v = strtoul(s, &end, 10);
-
-	if (!*s || *end || v == 0 || v > 1u << 20)
-		return -1;
-	*out = (uint32_t)v;
-	return 0;
-}
-
 /* ---- demo --spill: more sessions than RAM ------------------------------- */
 
 struct spill_res {
@@ -513,7 +502,7 @@ int bench_demo_main(int argc, char **argv)
 				spill && !strcmp(argv[i], "--sessions") ? &sessions :
 				spill && !strcmp(argv[i], "--turns") ? &turns : NULL;
 
-		if (!dst || parse_u32(argv[i + 1], dst) || clients > 64 || ctx < 200 || sessions > 64) {
+		if (!dst || bench_parse_u32(argv[i + 1], dst) || clients > 64 || ctx < 200 || sessions > 64) {
 			fprintf(stderr, "usage: kvbench demo [--clients N<=64] [--ctx N>=200] [--steps N]\n"
 					"       kvbench demo --spill [--clients N] [--sessions N<=64] [--ctx N]\n"
 					"                    [--turns N] [--steps N]\n");
@@ -528,7 +517,7 @@ int bench_demo_main(int argc, char **argv)
 				!strcmp(argv[i], "--ctx") ? &ctx :
 				!strcmp(argv[i], "--steps") ? &steps : NULL;
 
-		if (!dst || parse_u32(argv[i + 1], dst) || clients > 64 || ctx < 200) {
+		if (!dst || bench_parse_u32(argv[i + 1], dst) || clients > 64 || ctx < 200) {
 			fprintf(stderr, "usage: kvbench demo [--clients N<=64] [--ctx N>=200] [--steps N]\n");
 			return 2;
 		}
@@ -700,7 +689,7 @@ int bench_serve_main(int argc, char **argv)
 				!strcmp(argv[i], "--layers") ? &layers :
 				!strcmp(argv[i], "--reps") ? &reps : NULL;
 
-		if (!dst || i + 1 >= argc || parse_u32(argv[++i], dst) || clients > 64 || ctx < 200) {
+		if (!dst || i + 1 >= argc || bench_parse_u32(argv[++i], dst) || clients > 64 || ctx < 200) {
 			fprintf(stderr, "usage: kvbench serve [--json] [--clients N<=64] [--ctx N] "
 					"[--layers N] [--reps N]\n");
 			return 2;

@@ -61,17 +61,6 @@ static int usage(void)
 	return 2;
 }
 
-static int parse_u32(const char *s, uint32_t *out)
-{
-	char *end;
-	unsigned long v = strtoul(s, &end, 10);
-
-	if (!*s || *end || v == 0 || v > 1u << 20)
-		return -1;
-	*out = (uint32_t)v;
-	return 0;
-}
-
 /* kvd's resident set, VmRSS of /proc/PID/status, in bytes. */
 static int rss_of(pid_t pid, uint64_t *bytes)
 {
@@ -388,7 +377,7 @@ int bench_share_main(int argc, char **argv)
 				!strcmp(argv[i], "--layers") ? &x->op.layers :
 				!strcmp(argv[i], "--children") ? &x->op.children : NULL;
 
-		if (!dst || i + 1 >= argc || parse_u32(argv[++i], dst) || x->op.ctx < 1024 ||
+		if (!dst || i + 1 >= argc || bench_parse_u32(argv[++i], dst) || x->op.ctx < 1024 ||
 		    x->op.layers < 2 || x->op.layers > 32 || x->op.children > SH_MAXCHILD) {
 			free(x);
 			return usage();
