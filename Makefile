@@ -162,7 +162,7 @@ $(B)/kvd: $(B)/obj/kvd/main.o $(B)/libkvdcore.a
 # libkvclient exports kvc_* only (gpu-client/libkvclient.map).  Its soname
 # is libkvclient.so.$(KVC_SOVERSION): bump it on an incompatible change to kvc.h.
 KVC_SOVERSION := 3
-KVC_VERSION   := 3.0.0
+KVC_VERSION   := 3.1.0
 $(B)/libkvclient.so: $(CLIENT_OBJ) $(B)/libkvdcore.a gpu-client/libkvclient.map
 	$(call msg,LD,$@)
 	$(Q)$(CC) -shared $(LDFLAGS) -Wl,--version-script=gpu-client/libkvclient.map \

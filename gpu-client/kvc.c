@@ -6,9 +6,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+#include <xxhash.h>
 
 #include "attn.h"
 #include "bf16.h"
+#include "err.h"
 #include "kvc.h"
 #include "kvd_ring.h"
 #include "kvg.h"
@@ -23,6 +27,7 @@ struct kvc_layer {
 	uint16_t *k, *v;                /* [H][cap][d]: sinks, then recent tokens */
 	uint32_t n, cap, nsink;
 	int prefilled;
+	uint64_t tokens;                /* the layer's length: here and in kvd */
 };
 
 struct kvc {
@@ -160,7 +165,7 @@ int kvc_seq_fork(struct kvc *c, const struct kvc_seq *parent, struct kvc_seq **o
 		struct kvc_layer *b = &s->ly[l];
 
 		*b = (struct kvc_layer){ .n = a->n, .cap = a->cap, .nsink = a->nsink,
-					 .prefilled = a->prefilled };
+					 .prefilled = a->prefilled, .tokens = a->tokens };
 		if (a->mean && (b->mean = malloc(H * d * sizeof *b->mean)))
 			memcpy(b->mean, a->mean, H * d * sizeof *b->mean);
 		if (a->k && (b->k = malloc(H * a->cap * d * sizeof *b->k)))
@@ -278,6 +283,7 @@ int kvc_prefill(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k
 	if (l->prefilled)
 		return kvt_fail(c->t, -EALREADY, "layer %u already prefilled", layer);
 	l->prefilled = 1;
+	l->tokens = n;
 	if (kvt_dense(c->t, layer))
 		return local_put(c, l, k, v, n, 0, n);
 
@@ -402,6 +408,7 @@ int kvc_append(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
 		return kvt_fail(c->t, -EINVAL, "layer %u: append before prefill", layer);
 	if ((rc = local_put(c, l, k, v, 1, 0, 1)))
 		return rc;
+	l->tokens++;
 	if (!kvt_dense(c->t, layer) && l->n - l->nsink >= c->m->window + KVG_APPEND_BATCH)
 		return evict(c, s, layer, KVG_APPEND_BATCH);
 	return 0;
@@ -604,6 +611,169 @@ int kvc_seq_open(struct kvc *c, uint64_t id, struct kvc_seq **out, uint64_t *tok
 		*tokens = n;
 	*out = s;
 	return 0;
+}
+
+/* ---- prefix sharing --------------------------------------------------- */
+
+uint32_t kvc_chunk_tokens(const struct kvc *c)
+{
+	return kvt_chunk_tokens(c->t);
+}
+
+int kvc_content_keys(const struct kvc *c, const uint32_t *tokens, size_t n, uint8_t *keys)
+{
+	const uint32_t chunk = kvt_chunk_tokens(c->t);
+	XXH128_canonical_t prev = { { 0 } };
+	XXH3_state_t *st;
+	size_t nk;
+
+	if (!chunk)
+		return kvt_fail(c->t, -EOPNOTSUPP, "kvd has no content keys (or no profile yet)");
+	nk = n / chunk;
+	if (nk > INT32_MAX)
+		return kvt_fail(c->t, -E2BIG, "%zu chunks", nk);
+	if (!(st = XXH3_createState()))
+		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	/* key_i = XXH3-128(key_{i-1}, profile name, seed, chunk, token ids of
+	 * chunk i), little-endian fields; key_{-1} is 16 zero bytes.  The
+	 * namespace is kvd's to apply: it files keys per uid or group. */
+	for (size_t i = 0; i < nk; i++) {
+		const char *name = c->m->name;
+		uint64_t seed = c->m->seed;
+
+		XXH3_128bits_reset(st);
+		XXH3_128bits_update(st, &prev, sizeof prev);
+		XXH3_128bits_update(st, name, strlen(name) + 1);
+		XXH3_128bits_update(st, &seed, sizeof seed);
+		XXH3_128bits_update(st, &chunk, sizeof chunk);
+		XXH3_128bits_update(st, tokens + i * chunk, (size_t)chunk * sizeof *tokens);
+		XXH128_canonicalFromHash(&prev, XXH3_128bits_digest(st));
+		memcpy(keys + i * KVC_KEY_BYTES, &prev, KVC_KEY_BYTES);
+	}
+	XXH3_freeState(st);
+	return (int)nk;
+}
+
+int kvc_share_stats(struct kvc *c, struct kvc_share_stats *st)
+{
+	return kvt_share_stats(c->t, st);
+}
+
+uint64_t kvc_seq_tokens(const struct kvc_seq *s, uint32_t layer)
+{
+	return s->ly ? s->ly[layer].tokens : 0;
+}
+
+int kvc_seq_publish(struct kvc *c, struct kvc_seq *s, const uint8_t *key)
+{
+	uint64_t n;
+	int rc;
+
+	if (c->gpu)
+		return kvt_fail(c->t, -ENOTSUP, "publish: not on the CUDA backend yet");
+	if (s->reopened)
+		return kvt_fail(c->t, -EINVAL, "publish: a reopened sequence has no local part");
+	n = s->ly[0].tokens;
+	for (uint32_t l = 0; l < c->m->layers; l++) {
+		if (!s->ly[l].prefilled)
+			return kvt_fail(c->t, -EINVAL, "publish: layer %u not prefilled", l);
+		if (s->ly[l].tokens != n)
+			return kvt_fail(c->t, -EINVAL, "publish: layer %u has %llu tokens, layer 0 %llu",
+					l, (unsigned long long)s->ly[l].tokens,
+					(unsigned long long)n);
+	}
+	/* What kvd cannot have: this side's rows of every layer. */
+	for (uint32_t l = 0; l < c->m->layers; l++) {
+		const struct kvc_layer *a = &s->ly[l];
+
+		if (a->n && (rc = kvt_local_put(c->t, s->id, l, a->k, a->v, a->n, a->cap)))
+			return rc;
+	}
+	return kvt_seq_publish(c->t, s->id, key, n);
+}
+
+int kvc_seq_attach(struct kvc *c, const uint8_t *keys, uint32_t nkeys, struct kvc_seq **out,
+		   uint64_t *tokens)
+{
+	const size_t H = c->g->kv_heads, d = c->g->d;
+	uint32_t *rows;
+	uint64_t id, n = 0;
+	struct kvc_seq *s;
+	int rc;
+
+	if (c->gpu)
+		return kvt_fail(c->t, -ENOTSUP, "attach: not on the CUDA backend yet");
+	if (!(rows = calloc(c->m->layers, sizeof *rows)))
+		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	/* A prefix on disk is being read back: kvd says so, and asks again. */
+	for (int tries = 0;; tries++) {
+		rc = kvt_seq_attach(c->t, keys, nkeys, &id, &n, rows);
+		if (rc != -EAGAIN || tries >= 30000)
+			break;
+		nanosleep(&(struct timespec){ 0, 1000000 }, NULL);
+	}
+	if (rc) {
+		free(rows);
+		return rc;
+	}
+	if (!(s = seq_new(c, id))) {
+		free(rows);
+		kvt_seq_free(c->t, id);
+		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	}
+	for (uint32_t l = 0; n && l < c->m->layers; l++) {
+		struct kvc_layer *a = &s->ly[l];
+		int dense = kvt_dense(c->t, l);
+
+		a->prefilled = 1;
+		a->tokens = n;
+		a->nsink = dense ? 0 : (uint32_t)(n < c->m->sink ? n : c->m->sink);
+		if (!dense && !(a->mean = malloc(H * d * sizeof *a->mean)))
+			rc = kvt_fail(c->t, -ENOMEM, "out of memory");
+		if (!rc && rows[l] && (rc = local_reserve(c, a, rows[l])) == 0)
+			rc = kvt_local_get(c->t, id, l, a->mean, a->k, a->v, rows[l], a->cap);
+		if (!rc)
+			a->n = rows[l];
+		if (!rc && !dense && a->nsink > a->n)
+			rc = kvt_fail(c->t, -KVD_EPROTO, "attach: layer %u has %u rows, fewer than "
+				      "its %u sinks", l, a->n, a->nsink);
+		if (rc) {
+			free(rows);
+			kvc_seq_free(c, s);
+			return rc;
+		}
+	}
+	free(rows);
+	*tokens = n;
+	*out = s;
+	return 0;
+}
+
+int kvc_extend(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
+	       const float *v, uint32_t n)
+{
+	const size_t H = c->g ? c->g->kv_heads : 0, d = c->g ? c->g->d : 0;
+	float *kr, *vr;
+	int rc = 0;
+
+	if (c->gpu)
+		return kvt_fail(c->t, -ENOTSUP, "extend: not on the CUDA backend yet");
+	if (!c->m || layer >= c->m->layers)
+		return kvt_fail(c->t, -EINVAL, "layer %u out of range", layer);
+	if (!s->ly[layer].prefilled)
+		return kvc_prefill(c, s, layer, k, v, n);
+	if (!(kr = malloc(2 * H * d * sizeof *kr)))
+		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	vr = kr + H * d;
+	for (uint32_t i = 0; i < n && !rc; i++) {
+		for (size_t h = 0; h < H; h++) {
+			memcpy(kr + h * d, k + (h * n + i) * d, d * sizeof *kr);
+			memcpy(vr + h * d, v + (h * n + i) * d, d * sizeof *vr);
+		}
+		rc = kvc_append(c, s, layer, kr, vr);
+	}
+	free(kr);
+	return rc;
 }
 
 int kvc_seq_evict(struct kvc *c, struct kvc_seq *s)

@@ -182,6 +182,61 @@ int kvc_seq_evict(struct kvc *c, struct kvc_seq *s);
  * back (layer 0 first).  Returns at once. */
 int kvc_prefetch(struct kvc *c, struct kvc_seq *s);
 
+/* ---- prefix sharing (docs/PROTOCOL.md "Prefix sharing") -------------------
+ *
+ * Sequences that begin with the same tokens (a system prompt, a chat's
+ * history) share kvd's copy of them.  Each whole chunk of kvc_chunk_tokens()
+ * tokens is named by a content key chained over the chunks before it,
+ * computed here so that every client agrees; kvd files published prefixes
+ * per namespace (the uid, or a sharing group of the config), so a tenant
+ * never sees another's.  A publisher publishes a sequence as it is at a
+ * chunk boundary; an attacher gets a sequence that is bit for bit that one
+ * (kvd's part shared, not copied; the rows kept here fetched from kvd), and
+ * continues it with kvc_extend or kvc_append.  CPU backend only for now:
+ * the CUDA backend refuses these with -ENOTSUP. */
+#define KVC_KEY_BYTES 16
+
+/* Tokens per chunk of this connection's profile; 0 before kvc_profile or
+ * from a kvd without prefix sharing. */
+uint32_t kvc_chunk_tokens(const struct kvc *c);
+/* The keys of the whole chunks of tokens[0..n): n / kvc_chunk_tokens() of
+ * KVC_KEY_BYTES each into keys (key i names chunks 0..i); returns how many. */
+int kvc_content_keys(const struct kvc *c, const uint32_t *tokens, size_t n, uint8_t *keys);
+/* A layer's length: its tokens here and in kvd. */
+uint64_t kvc_seq_tokens(const struct kvc_seq *s, uint32_t layer);
+/* Publishes s as it is now under key, the key of its last chunk: every
+ * layer prefilled and of the same length, a whole number of chunks.  kvd
+ * keeps a copy-on-write snapshot (sharing its sealed segments) and a copy of
+ * the rows kept here; s goes on unchanged.  Publishing a key twice keeps
+ * the first.  kvd may drop the uid's least recently used prefixes to make
+ * room for a new one. */
+int kvc_seq_publish(struct kvc *c, struct kvc_seq *s, const uint8_t *key);
+/* A new sequence holding the longest published prefix named by keys[0..nkeys)
+ * (kvc_content_keys of the prompt); *tokens its length, 0 when nothing was
+ * published (an empty sequence: prefill it).  A prefix kvd has on disk is
+ * read back first (this waits). */
+int kvc_seq_attach(struct kvc *c, const uint8_t *keys, uint32_t nkeys, struct kvc_seq **out,
+		   uint64_t *tokens);
+/* n more tokens of one layer (k, v [kv_heads][n][head_dim]): kvc_prefill when
+ * the layer has none yet, else n kvc_append calls -- the rest of a prompt
+ * after an attach.  A sequence built by the same calls answers the same
+ * whether its prefix was attached or computed. */
+int kvc_extend(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
+	       const float *v, uint32_t n);
+
+/* What kvd shares for this connection's namespace (every namespace for a
+ * privileged caller: root, kvd's uid, [server] admin_group), summed:
+ * ServerStats.share (docs/PROTOCOL.md). */
+struct kvc_share_stats {
+	uint64_t published;             /* prefixes published now */
+	uint64_t published_tokens;      /* their tokens */
+	uint64_t hit_tokens;            /* tokens attaches got from the store */
+	uint64_t miss_tokens;           /* tokens attaches asked for and did not get */
+	uint64_t shared_bytes;          /* resident bytes of the published prefixes */
+	uint64_t saved_bytes;           /* bytes attaches shared instead of copying */
+};
+int kvc_share_stats(struct kvc *c, struct kvc_share_stats *st);
+
 /* ---- device API (CUDA backend; docs/GPU.md) --------------------------------
  *
  * The same operations on device memory, ordered on a CUDA stream the way a

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -46,6 +47,7 @@ struct kvt {
 	/* profile */
 	int have_profile;
 	uint32_t profile_id;
+	uint32_t chunk;                 /* Profile.chunk_tokens (0: a kvd without sharing) */
 	struct kvc_model m;
 	char mname[KVD_CTL_NAME_MAX + 1];
 	uint32_t *dense_list;
@@ -287,6 +289,7 @@ int kvt_profile(struct kvt *t, const struct kvc_model *m)
 		return rc;
 	}
 	t->profile_id = r->profile->profile_id;
+	t->chunk = got->chunk_tokens;
 	snprintf(t->mname, sizeof t->mname, "%s", got->name);
 	t->m = (struct kvc_model){
 		.name = t->mname, .layers = got->layers, .q_heads = got->q_heads,
@@ -532,6 +535,167 @@ int kvt_seq_fork(struct kvt *t, uint64_t parent, uint64_t *id)
 	return 0;
 }
 
+int kvt_seq_attach(struct kvt *t, const uint8_t *keys, uint32_t nkeys, uint64_t *id,
+		   uint64_t *tokens, uint32_t *local_rows)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqCreate sc = KVD__SEQ_CREATE__INIT;
+	ProtobufCBinaryData *kb;
+	Kvd__Response *r;
+	int rc;
+
+	if (!t->have_profile)
+		return kvt_fail(t, -EINVAL, "no profile yet");
+	if (!nkeys) {
+		*tokens = 0;
+		memset(local_rows, 0, t->m.layers * sizeof *local_rows);
+		return kvt_seq_create(t, id);
+	}
+	if (nkeys > KVD_CTL_ATTACH_KEYS_MAX)
+		return kvt_fail(t, -E2BIG, "attach of %u keys: at most %u", nkeys,
+				KVD_CTL_ATTACH_KEYS_MAX);
+	if (!(kb = malloc(nkeys * sizeof *kb)))
+		return kvt_fail(t, -ENOMEM, "out of memory");
+	for (uint32_t i = 0; i < nkeys; i++)
+		kb[i] = (ProtobufCBinaryData){ KVD_CTL_CONTENT_KEY,
+					       (uint8_t *)keys + (size_t)i * KVD_CTL_CONTENT_KEY };
+	sc.profile_id = t->profile_id;
+	sc.n_attach_keys = nkeys;
+	sc.attach_keys = kb;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
+	rq.seq_create = &sc;
+	r = call(t, &rq, NULL, NULL, &rc);
+	free(kb);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SEQ ||
+	    (r->seq->tokens && r->seq->n_local_rows != t->m.layers)) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+	}
+	*id = r->seq->seq;
+	*tokens = r->seq->tokens;
+	for (uint32_t l = 0; l < t->m.layers; l++)
+		local_rows[l] = *tokens ? r->seq->local_rows[l] : 0;
+	kvd_ctl_free_response(r);
+	return 0;
+}
+
+int kvt_seq_publish(struct kvt *t, uint64_t id, const uint8_t *key, uint64_t tokens)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqPublish sp = KVD__SEQ_PUBLISH__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	/* The LOCAL rows must have landed before kvd counts them. */
+	if ((rc = kvt_drain(t, "publish")))
+		return rc;
+	sp.seq = id;
+	sp.key = (ProtobufCBinaryData){ KVD_CTL_CONTENT_KEY, (uint8_t *)key };
+	sp.tokens = tokens;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_PUBLISH;
+	rq.seq_publish = &sp;
+	/* -EAGAIN: kvd is writing older sequences out to make room. */
+	for (int tries = 0;; tries++) {
+		r = call(t, &rq, NULL, NULL, &rc);
+		kvd_ctl_free_response(r);
+		if (rc != -EAGAIN || tries >= 30000)
+			return rc;
+		nanosleep(&(struct timespec){ 0, 1000000 }, NULL);
+	}
+}
+
+uint32_t kvt_chunk_tokens(const struct kvt *t)
+{
+	return t->have_profile ? t->chunk : 0;
+}
+
+int kvt_local_put(struct kvt *t, uint64_t id, uint32_t layer, const uint16_t *k,
+		  const uint16_t *v, uint32_t n, uint32_t stride)
+{
+	const uint32_t H = t->g.kv_heads, d = t->g.d;
+	uint32_t per = kvd_local_fit(H, d, kvt_slot_size(t));
+	int rc;
+
+	if (!per)
+		return kvt_fail(t, -EMSGSIZE, "slots too small for one row");
+	for (uint32_t r0 = 0; r0 < n; r0 += per) {
+		uint32_t cnt = n - r0 < per ? n - r0 : per;
+		const struct kvd_local_layout lay = kvd_local_layout(H, d, cnt, 0);
+		int slot = kvt_slot_get(t, 1);
+
+		if (slot < 0)
+			return slot;
+		char *base = kvt_slot(t, (uint32_t)slot);
+
+		for (size_t h = 0; h < H; h++) {
+			memcpy(base + lay.k + h * cnt * d * 2, k + (h * stride + r0) * d,
+			       (size_t)cnt * d * 2);
+			memcpy(base + lay.v + h * cnt * d * 2, v + (h * stride + r0) * d,
+			       (size_t)cnt * d * 2);
+		}
+		struct kvd_sqe e = {
+			.op = KVD_OP_LOCAL, .layer = (uint16_t)layer, .slot = (uint32_t)slot,
+			.user_data = (uint64_t)slot, .seq = id, .len = (uint32_t)lay.bytes,
+			.ntok = cnt, .row0 = r0,
+		};
+
+		if ((rc = kvt_submit(t, &e)))
+			return rc;
+	}
+	return 0;
+}
+
+int kvt_local_get(struct kvt *t, uint64_t id, uint32_t layer, float *mean, uint16_t *k,
+		  uint16_t *v, uint32_t n, uint32_t stride)
+{
+	const uint32_t H = t->g.kv_heads, d = t->g.d;
+	uint32_t per = kvd_local_fit(H, d, kvt_slot_size(t));
+	int rc = 0;
+
+	if (!per)
+		return kvt_fail(t, -EMSGSIZE, "slots too small for one row");
+	for (uint32_t r0 = 0; r0 < n; r0 += per) {
+		uint32_t cnt = n - r0 < per ? n - r0 : per;
+		int want_mean = r0 == 0 && mean;
+		const struct kvd_local_layout lay = kvd_local_layout(H, d, cnt, want_mean);
+		int slot = kvt_slot_get(t, 0);
+		int32_t res;
+		const char *msg;
+
+		if (slot < 0)
+			return slot;
+		struct kvd_sqe e = {
+			.op = KVD_OP_LOCAL, .flags = (uint8_t)(KVD_LF_GET | (want_mean ? KVD_LF_MEAN : 0)),
+			.layer = (uint16_t)layer, .slot = (uint32_t)slot, .user_data = (uint64_t)slot,
+			.seq = id, .ntok = cnt, .row0 = r0, .out_len = (uint32_t)lay.bytes,
+		};
+
+		if ((rc = kvt_submit(t, &e)) || (rc = kvt_wait_slot(t, (uint32_t)slot, &res, &msg))) {
+			kvt_slot_put(t, (uint32_t)slot);
+			return rc;
+		}
+		if (res < 0) {
+			rc = kvt_fail(t, res, "attach: rows of layer %u: kvd: %s", layer, msg);
+			kvt_slot_put(t, (uint32_t)slot);
+			return rc;
+		}
+		const char *base = kvt_slot(t, (uint32_t)slot);
+
+		if (want_mean)
+			memcpy(mean, base, (size_t)H * d * sizeof *mean);
+		for (size_t h = 0; h < H; h++) {
+			memcpy(k + (h * stride + r0) * d, base + lay.k + h * cnt * d * 2,
+			       (size_t)cnt * d * 2);
+			memcpy(v + (h * stride + r0) * d, base + lay.v + h * cnt * d * 2,
+			       (size_t)cnt * d * 2);
+		}
+		kvt_slot_put(t, (uint32_t)slot);
+	}
+	return 0;
+}
+
 int kvt_seq_free(struct kvt *t, uint64_t id)
 {
 	Kvd__Request rq = KVD__REQUEST__INIT;
@@ -623,6 +787,37 @@ int kvt_server_stats(struct kvt *t, struct kvc_stats *st)
 		.spill_bytes = m->spill_bytes, .restore_bytes = m->restore_bytes,
 		.used_bytes = m->used_bytes, .refused = m->refused,
 	};
+	kvd_ctl_free_response(r);
+	return 0;
+}
+
+int kvt_share_stats(struct kvt *t, struct kvc_share_stats *st)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	r = call(t, &rq, NULL, NULL, &rc);
+	if (!r)
+		return rc;
+	if (r->body_case != KVD__RESPONSE__BODY_SERVER_STATS) {
+		kvd_ctl_free_response(r);
+		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+	}
+	memset(st, 0, sizeof *st);
+	for (size_t i = 0; i < r->server_stats->n_share; i++) {
+		const Kvd__ShareUsage *u = r->server_stats->share[i];
+
+		st->published += u->published;
+		st->published_tokens += u->published_tokens;
+		st->hit_tokens += u->hit_tokens;
+		st->miss_tokens += u->miss_tokens;
+		st->shared_bytes += u->shared_bytes;
+		st->saved_bytes += u->saved_bytes;
+	}
 	kvd_ctl_free_response(r);
 	return 0;
 }

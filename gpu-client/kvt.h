@@ -52,12 +52,34 @@ int kvt_seq_create(struct kvt *t, uint64_t *id);
 /* A copy-on-write child of kvd's sequence parent (SeqCreate.parent). */
 int kvt_seq_fork(struct kvt *t, uint64_t parent, uint64_t *id);
 int kvt_seq_free(struct kvt *t, uint64_t id);
+
+/* ---- prefix sharing (docs/PROTOCOL.md "Prefix sharing") ------------------ */
+
+/* Profile.chunk_tokens as kvd made it; 0 from a kvd without sharing. */
+uint32_t kvt_chunk_tokens(const struct kvt *t);
+/* SeqCreate.attach_keys: *id a new sequence, *tokens the prefix it holds (0: a
+ * miss), local_rows[layers] the rows of each layer to fetch with
+ * kvt_local_get (0 on a miss).  nkeys 0: a plain create. */
+int kvt_seq_attach(struct kvt *t, const uint8_t *keys, uint32_t nkeys, uint64_t *id,
+		   uint64_t *tokens, uint32_t *local_rows);
+/* Waits for the rows in flight (LOCAL puts), then SeqPublish. */
+int kvt_seq_publish(struct kvt *t, uint64_t id, const uint8_t *key, uint64_t tokens);
+/* LOCAL puts of rows [0, n) of a layer (k, v [kv][stride][d] bf16), fire and
+ * forget (kvt_drain or kvt_seq_publish collects errors); a get of rows [0, n),
+ * n >= 1, into k, v of the same shape, and the layer's mean ([kv][d]) when
+ * mean is not NULL, waited for. */
+int kvt_local_put(struct kvt *t, uint64_t id, uint32_t layer, const uint16_t *k,
+		  const uint16_t *v, uint32_t n, uint32_t stride);
+int kvt_local_get(struct kvt *t, uint64_t id, uint32_t layer, float *mean, uint16_t *k,
+		  uint16_t *v, uint32_t n, uint32_t stride);
 /* SeqOpen of a sequence of this connection's profile: its tokens in kvd. */
 int kvt_seq_open(struct kvt *t, uint64_t id, uint64_t *tokens);
 /* Waits for the rows in flight, then SeqEvict. */
 int kvt_seq_evict(struct kvt *t, uint64_t id);
 int kvt_seq_stats(struct kvt *t, uint64_t id, struct kvc_seq_stats *st);
 int kvt_server_stats(struct kvt *t, struct kvc_stats *st);
+/* ServerStats.share, summed over the namespaces the caller sees. */
+int kvt_share_stats(struct kvt *t, struct kvc_share_stats *st);
 
 /* ---- the rings and the arena -------------------------------------------- */
 

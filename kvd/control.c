@@ -21,6 +21,7 @@
 #include "lsh.h"
 #include "server.h"
 #include "server_int.h"
+#include "share.h"
 #include "tier.h"
 
 static int reply(struct client *c, Kvd__Response *r, const int *fds, int nfds)
@@ -175,6 +176,7 @@ static void profile_to_msg(const struct kvd_profile *p, Kvd__Profile *m, uint32_
 	m->seed = p->seed;
 	m->segment_tokens = p->seg_tokens;
 	m->seal_tokens = p->seal_tokens;
+	m->chunk_tokens = p->chunk_tokens;
 }
 
 static int send_profile(struct client *c, uint64_t id, const struct kvd_profile *p)
@@ -268,6 +270,8 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 	want.seg_tokens = m->segment_tokens ? m->segment_tokens : KVD_CTL_SEG_DEFAULT;
 	want.seal_tokens = m->seal_tokens ? m->seal_tokens :
 			   (KVD_CTL_SEAL_DEFAULT < want.seg_tokens ? KVD_CTL_SEAL_DEFAULT : want.seg_tokens);
+	want.chunk_tokens = m->chunk_tokens ? m->chunk_tokens :
+			    kvd_ctl_chunk_default(want.seal_tokens);
 	for (size_t i = 0; i < m->n_dense_layers; i++)
 		dense[m->dense_layers[i]] = 1;
 	want.dense = dense;
@@ -314,6 +318,8 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 {
 	const struct kvd_profile *p = kvd_store_profile_get(s->store, c->ns, m->profile_id);
 	struct kvd_seqn *q;
+	uint64_t attached = 0;
+	uint32_t *local = NULL;
 	char msg[160] = "";
 	int rc;
 
@@ -321,8 +327,22 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no profile %u", m->profile_id);
 	if (m->content_key.len)
 		return kvd_ctl_send_error(c->fd, id, -EOPNOTSUPP,
-					  "content keys are not supported yet");
-	if (m->parent) {
+					  "SeqCreate.content_key: use attach_keys and SeqPublish");
+	if (m->n_attach_keys) {
+		/* Copied out of the decoded message into one array (each key was
+		 * checked to be KVD_CTL_CONTENT_KEY bytes by kvd_ctl_check). */
+		uint8_t *keys = malloc(m->n_attach_keys * KVD_SHARE_KEY);
+
+		if (!keys)
+			return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+		for (size_t i = 0; i < m->n_attach_keys; i++)
+			memcpy(keys + i * KVD_SHARE_KEY, m->attach_keys[i].data, KVD_SHARE_KEY);
+		rc = kvd_share_attach(s->share, c->ns, p, keys, (uint32_t)m->n_attach_keys, c->uid,
+				      c->tenant, c->id, &q, &attached, msg, sizeof msg);
+		free(keys);
+		if (rc == -EAGAIN)
+			return kvd_ctl_send_error(c->fd, id, rc, "attach: %s", msg);
+	} else if (m->parent) {
 		/* A fork: of a sequence of the caller's tenant only; any other
 		 * is "no such sequence", whether it exists or not. */
 		struct kvd_seqn *par = kvd_store_seq_get(s->store, m->parent, c->tenant);
@@ -355,10 +375,46 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 	Kvd__Response r = KVD__RESPONSE__INIT;
 
 	sr.seq = kvd_store_seq_id(q);
+	if (attached) {
+		if (!(local = malloc(p->layers * sizeof *local))) {
+			kvd_tier_free(s->tier, q);
+			return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+		}
+		for (uint32_t l = 0; l < p->layers; l++)
+			local[l] = kvd_store_local_rows(q, l);
+		sr.tokens = attached;
+		sr.n_local_rows = p->layers;
+		sr.local_rows = local;
+	}
 	r.id = id;
 	r.body_case = KVD__RESPONSE__BODY_SEQ;
 	r.seq = &sr;
-	return reply(c, &r, NULL, 0);
+	rc = reply(c, &r, NULL, 0);
+	free(local);
+	return rc;
+}
+
+static int do_seq_publish(struct kvd_server *s, struct client *c, uint64_t id,
+			  const Kvd__SeqPublish *m)
+{
+	struct kvd_seqn *q = kvd_client_seq(s, c, m->seq);
+	char msg[160] = "";
+	int rc;
+
+	if (!q)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu of yours",
+					  (unsigned long long)m->seq);
+	kvd_tier_begin(s->tier);
+	rc = kvd_share_publish(s->share, c->ns, q, m->key.data, m->tokens, msg, sizeof msg);
+	if (rc) {
+		if (rc == -EDQUOT || rc == -ENOSPC || rc == -ENOMEM)
+			kvd_log_refusal("client %llu (uid %u): publish refused: %s",
+					(unsigned long long)c->id, (unsigned)c->uid,
+					msg[0] ? msg : kvd_strerror(rc));
+		return kvd_ctl_send_error(c->fd, id, rc, "publish: %s",
+					  msg[0] ? msg : kvd_strerror(rc));
+	}
+	return kvd_ctl_send_ok(c->fd, id);
 }
 
 static int do_seq_stats(struct kvd_server *s, struct client *c, uint64_t id, uint64_t seq)
@@ -462,6 +518,48 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	ur->ptr[ur->n++] = m;
 }
 
+/* ServerStats.share: the caller's namespace, or every one for an admin. */
+struct share_rows {
+	uint32_t only;                  /* UINT32_MAX: every namespace */
+	Kvd__ShareUsage *row, **ptr;
+	size_t n, cap;
+};
+
+static void share_row(void *arg, const struct kvd_share_usage *u)
+{
+	struct share_rows *r = arg;
+
+	if (r->only != UINT32_MAX && u->ns != r->only)
+		return;
+	if (r->n == r->cap) {
+		size_t cap = r->cap ? 2 * r->cap : 8;
+		Kvd__ShareUsage *row = realloc(r->row, cap * sizeof *row);
+		Kvd__ShareUsage **ptr;
+
+		if (!row)
+			return;         /* a shorter listing, not a failed request */
+		r->row = row;
+		for (size_t i = 0; i < r->n; i++)
+			r->ptr[i] = &r->row[i];
+		if (!(ptr = realloc(r->ptr, cap * sizeof *ptr)))
+			return;
+		r->ptr = ptr;
+		r->cap = cap;
+	}
+	Kvd__ShareUsage *m = &r->row[r->n];
+
+	kvd__share_usage__init(m);
+	m->ns = u->ns;
+	m->published = u->published;
+	m->published_tokens = u->published_tokens;
+	m->hit_tokens = u->hit_tokens;
+	m->miss_tokens = u->miss_tokens;
+	m->shared_bytes = u->shared_bytes;
+	m->saved_bytes = u->saved_bytes;
+	r->ptr[r->n] = m;
+	r->n++;
+}
+
 static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 {
 	Kvd__ServerStats m = KVD__SERVER_STATS__INIT;
@@ -487,6 +585,12 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	m.n_uids = ur.n;
 	m.uids = ur.ptr;
 	m.refused = s->refused;
+	struct share_rows sr = { .only = c->admin ? UINT32_MAX : c->ns };
+
+	if (s->share)
+		kvd_share_each(s->share, share_row, &sr);
+	m.n_share = sr.n;
+	m.share = sr.ptr;
 
 	kvd_server_stats(s, &st);
 	m.clients = st.clients;
@@ -523,6 +627,8 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	rc = reply(c, &r, NULL, 0);
 	free(ur.row);
 	free(ur.ptr);
+	free(sr.row);
+	free(sr.ptr);
 	return rc;
 }
 
@@ -1044,6 +1150,9 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 			break;
 		case KVD__REQUEST__BODY_SEQ_OPEN:
 			rc = do_seq_open(s, c, id, rq->seq_open->seq);
+			break;
+		case KVD__REQUEST__BODY_SEQ_PUBLISH:
+			rc = do_seq_publish(s, c, id, rq->seq_publish);
 			break;
 		case KVD__REQUEST__BODY_SEQ_EVICT:
 			rc = do_seq_evict(s, c, id, rq->seq_evict->seq);

@@ -116,6 +116,20 @@ static uint32_t seal_tokens(const Kvd__Profile *p)
 	return seg < KVD_CTL_SEAL_DEFAULT ? seg : KVD_CTL_SEAL_DEFAULT;
 }
 
+uint32_t kvd_ctl_chunk_default(uint32_t seal)
+{
+	uint32_t c = seal < KVD_CTL_CHUNK_DEFAULT ? seal : KVD_CTL_CHUNK_DEFAULT;
+
+	while (c > 1 && seal % c)
+		c--;
+	return c ? c : 1;
+}
+
+static uint32_t chunk_tokens(const Kvd__Profile *p)
+{
+	return p->chunk_tokens ? p->chunk_tokens : kvd_ctl_chunk_default(seal_tokens(p));
+}
+
 /* ---- profiles ----------------------------------------------------------- */
 
 int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err *err)
@@ -205,6 +219,10 @@ int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err 
 			    "profile seal_tokens %u out of range [%u, segment_tokens %u]%s",
 			    p->seal_tokens, KVD_CTL_SEAL_MIN, seg,
 			    filled ? "" : " (or 0: the default)");
+	if ((filled || p->chunk_tokens) &&
+	    (!p->chunk_tokens || seal_tokens(p) % p->chunk_tokens))
+		return fail(err, -EINVAL, "profile chunk_tokens %u does not divide seal_tokens %u%s",
+			    p->chunk_tokens, seal_tokens(p), filled ? "" : " (or 0: the default)");
 	return 0;
 }
 
@@ -213,6 +231,7 @@ void kvd_ctl_profile_defaults(Kvd__Profile *p)
 	/* seal first: it depends on the segment size the profile asked for. */
 	p->seal_tokens = seal_tokens(p);
 	p->segment_tokens = seg_tokens(p);
+	p->chunk_tokens = chunk_tokens(p);
 }
 
 static void dense_set(const Kvd__Profile *p, uint64_t *set)
@@ -235,7 +254,8 @@ int kvd_ctl_profile_equal(const Kvd__Profile *a, const Kvd__Profile *b)
 	    a->min_collisions != b->min_collisions || a->sink_tokens != b->sink_tokens ||
 	    a->window_tokens != b->window_tokens || a->seed != b->seed ||
 	    a->kv_dtype != b->kv_dtype || a->estimator != b->estimator ||
-	    seg_tokens(a) != seg_tokens(b) || seal_tokens(a) != seal_tokens(b))
+	    seg_tokens(a) != seg_tokens(b) || seal_tokens(a) != seal_tokens(b) ||
+	    chunk_tokens(a) != chunk_tokens(b))
 		return 0;
 	dense_set(a, da);
 	dense_set(b, db);
@@ -306,6 +326,7 @@ const char *kvd_ctl_request_name(Kvd__Request__BodyCase c)
 	case KVD__REQUEST__BODY_SERVER_STATS:   return "server_stats";
 	case KVD__REQUEST__BODY_SEQ_OPEN:       return "seq_open";
 	case KVD__REQUEST__BODY_SEQ_EVICT:      return "seq_evict";
+	case KVD__REQUEST__BODY_SEQ_PUBLISH:    return "seq_publish";
 	case KVD__REQUEST__BODY_CLIENTS:        return "clients";
 	case KVD__REQUEST__BODY_SEQ_LIST:       return "seq_list";
 	case KVD__REQUEST__BODY_SEQ_ADMIN:      return "seq_admin";
@@ -389,6 +410,24 @@ static int check_request(const Kvd__Request *r, struct kvd_ctl_err *err)
 		if (r->seq_create->content_key.len > KVD_CTL_KEY_MAX)
 			return fail(err, -EINVAL, "seq_create content_key of %zu bytes, above %d",
 				    r->seq_create->content_key.len, KVD_CTL_KEY_MAX);
+		if (r->seq_create->n_attach_keys > KVD_CTL_ATTACH_KEYS_MAX)
+			return fail(err, -E2BIG, "seq_create of %zu attach_keys, above %d",
+				    r->seq_create->n_attach_keys, KVD_CTL_ATTACH_KEYS_MAX);
+		if (r->seq_create->n_attach_keys && r->seq_create->parent)
+			return fail(err, -EINVAL, "seq_create with both parent and attach_keys");
+		for (size_t i = 0; i < r->seq_create->n_attach_keys; i++)
+			if (r->seq_create->attach_keys[i].len != KVD_CTL_CONTENT_KEY)
+				return fail(err, -EINVAL, "seq_create attach_keys[%zu] of %zu bytes, not %d",
+					    i, r->seq_create->attach_keys[i].len, KVD_CTL_CONTENT_KEY);
+		return 0;
+	case KVD__REQUEST__BODY_SEQ_PUBLISH:
+		if (!r->seq_publish)
+			break;
+		if (!r->seq_publish->seq)
+			return fail(err, -EINVAL, "seq_publish seq is 0");
+		if (r->seq_publish->key.len != KVD_CTL_CONTENT_KEY)
+			return fail(err, -EINVAL, "seq_publish key of %zu bytes, not %d",
+				    r->seq_publish->key.len, KVD_CTL_CONTENT_KEY);
 		return 0;
 	case KVD__REQUEST__BODY_SEQ_FREE:
 		if (!r->seq_free)

@@ -131,7 +131,10 @@ int kvd_ctl_send_ok(int fd, uint64_t id);
  *                  re-checks with its defaults filled in: kvd_ctl_check_arena)
  *   ProfileCreate  a profile, kvd_ctl_check_profile(p, 0)
  *   ProfileOpen    name non-empty
- *   SeqCreate      profile_id != 0, content_key <= KVD_CTL_KEY_MAX bytes
+ *   SeqCreate      profile_id != 0, content_key <= KVD_CTL_KEY_MAX bytes;
+ *                  attach_keys: at most KVD_CTL_ATTACH_KEYS_MAX of
+ *                  KVD_CTL_CONTENT_KEY bytes each, not with parent
+ *   SeqPublish     seq != 0, key of KVD_CTL_CONTENT_KEY bytes
  *   SeqFree, SeqStatsReq  seq != 0
  *   ServerStatsReq nothing
  *   Hello.control  slots, slot_size and poll all 0
@@ -184,8 +187,19 @@ void kvd_ctl_free_response(Kvd__Response *r);
  * `filled`, segment_tokens and seal_tokens may also be 0 (the defaults). */
 int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err *err);
 
+/* The content-key chunk of a profile that names none: KVD_CTL_CHUNK_DEFAULT
+ * tokens when that divides seal, else the largest divisor of seal below it.
+ * A chunk_tokens that is not 0 must divide seal_tokens. */
+#define KVD_CTL_CHUNK_DEFAULT 256u
+/* Prefix sharing: a content key's bytes (XXH3-128) and the most keys one
+ * attach names (kvd/store/share.h has the same two). */
+#define KVD_CTL_CONTENT_KEY 16
+#define KVD_CTL_ATTACH_KEYS_MAX 2048
+uint32_t kvd_ctl_chunk_default(uint32_t seal);
+
 /* Fills in the defaults: segment_tokens 0 -> KVD_CTL_SEG_DEFAULT, seal_tokens
- * 0 -> min(KVD_CTL_SEAL_DEFAULT, segment_tokens).  Changes nothing else. */
+ * 0 -> min(KVD_CTL_SEAL_DEFAULT, segment_tokens), chunk_tokens 0 ->
+ * kvd_ctl_chunk_default(seal_tokens).  Changes nothing else. */
 void kvd_ctl_profile_defaults(Kvd__Profile *p);
 
 /* 1 when a and b describe the same profile: every field equal once the

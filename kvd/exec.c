@@ -230,6 +230,54 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	return rc;
 }
 
+/* LOCAL: the client's own rows of a layer, put for a publish or got after an
+ * attach.  A put copies the rows out of the slot once (a client rewriting
+ * them garbles only its own rows); a get writes into the client's slot. */
+static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
+		    size_t msglen)
+{
+	struct kvd_seqn *q = kvd_client_seq(s, c, e->seq);
+	const struct kvd_profile *p;
+	struct kvd_local_layout lay;
+	int rc;
+
+	if (!q) {
+		snprintf(msg, msglen, "no sequence %llu of yours", (unsigned long long)e->seq);
+		return -ENOENT;
+	}
+	p = kvd_store_seq_profile(q);
+	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
+		return rc;
+	lay = kvd_local_layout(p->g.kv_heads, p->g.d, e->ntok, e->flags & KVD_LF_MEAN);
+	if (!(e->flags & KVD_LF_GET)) {
+		const char *base = slot_base(c, e);
+
+		return kvd_store_local_put(s->store, q, e->layer, e->row0,
+					   (const uint16_t *)(base + lay.k),
+					   (const uint16_t *)(base + lay.v), e->ntok, msg, msglen);
+	}
+	char *out = (char *)shm_slot(&c->r, e->slot) + e->out_off;
+
+	if (e->flags & KVD_LF_MEAN) {
+		const float *mean;
+
+		if ((rc = kvd_tier_want(s->tier, q, e->layer, msg, msglen)))
+			return rc;
+		if (!(mean = kvd_store_layer_mean(q, e->layer))) {
+			snprintf(msg, msglen, "layer %u has no mean yet", e->layer);
+			return -ENODATA;
+		}
+		memcpy(out, mean, (size_t)p->g.kv_heads * p->g.d * sizeof(float));
+	}
+	if (kvd_store_local_get(q, e->layer, e->row0, e->ntok, (uint16_t *)(out + lay.k),
+				(uint16_t *)(out + lay.v))) {
+		snprintf(msg, msglen, "rows [%u, +%u) of layer %u: kvd holds %u", e->row0, e->ntok,
+			 e->layer, kvd_store_local_rows(q, e->layer));
+		return -ERANGE;
+	}
+	return 0;
+}
+
 /* ATTEND pass 1: copy every record's sequence id out once, then check that
  * each exists for this tenant, all share one profile, and every one has the
  * layer resident.  Restores of all of them start before any waiting, so a
@@ -325,6 +373,9 @@ static void run_whole(struct kvd_server *s, struct client *c)
 	case KVD_OP_PREFILL:
 	case KVD_OP_APPEND:
 		rc = do_rows(s, c, e, msg, sizeof msg);
+		break;
+	case KVD_OP_LOCAL:
+		rc = do_local(s, c, e, msg, sizeof msg);
 		break;
 	case KVD_OP_ATTEND:
 		rc = attend_check(s, c, msg, sizeof msg);

@@ -437,7 +437,7 @@ static void hist_put(struct buf *b, const char *name, const char *labels, const 
 static const char *ring_op_name(unsigned op)
 {
 	static const char *const names[KVD_OP_MAX] = { "nop", "prefill", "append", "attend",
-						       "free", "prefetch" };
+						       "free", "prefetch", "local" };
 
 	return op < KVD_OP_MAX && names[op] ? names[op] : "invalid";
 }

@@ -28,6 +28,7 @@
 #include "server.h"
 #include "server_int.h"
 #include "store.h"
+#include "share.h"
 #include "tier.h"
 
 /* ---- signals ----------------------------------------------------------- */
@@ -567,6 +568,10 @@ int kvd_server_run(struct kvd_server *s)
 	sd_notify(0, "STOPPING=1\nSTATUS=draining");
 	/* Drain: what clients already queued is answered, then everyone goes. */
 	kvd_exec_stop(s);
+	/* Published prefixes do not outlive kvd: their snapshots go now, files
+	 * included, before the tier starts keeping files. */
+	kvd_share_destroy(s->share);
+	s->share = NULL;
 	kvd_tier_stopping(s->tier);
 	while (s->clients)
 		client_drop(s, s->clients, "server stopping");
@@ -722,6 +727,10 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 				tc.io.ndirs, tc.io.ndirs == 1 ? "y" : "ies",
 				tc.persist ? ", persistent" : "", rc);
 	}
+	if ((rc = kvd_share_create(s->store, s->tier, &s->share))) {
+		kvd_log(LOG_ERR, "share: %s", kvd_strerror(rc));
+		goto fail;
+	}
 
 	s->sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	s->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -814,6 +823,7 @@ void kvd_server_destroy(struct kvd_server *s)
 		close(s->sfd);
 	if (s->tfd >= 0)
 		close(s->tfd);
+	kvd_share_destroy(s->share);
 	kvd_tier_destroy(s->tier);
 	kvd_store_destroy(s->store);
 	/* After the tier, which counts its last I/O into it.  A scrape in

@@ -120,6 +120,7 @@ struct kvd_server {
 	struct kvd_attn_scratch *scrs[KVD_STORE_NODES];
 	struct kvd_store *store;
 	struct kvd_tier *tier;
+	struct kvd_share *share;        /* published prefixes (kvd/store/share.h) */
 	struct kvd_limits *limits;
 	struct client *clients;
 	uint32_t nclients;

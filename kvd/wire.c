@@ -10,7 +10,21 @@
 static const uint8_t allowed_flags[KVD_OP_MAX] = {
 	[KVD_OP_PREFILL] = KVD_RF_MEAN | KVD_RF_LAST,
 	[KVD_OP_APPEND]  = 0,
+	[KVD_OP_LOCAL]   = KVD_LF_GET | KVD_LF_MEAN,
 };
+
+static int out_range(const struct kvd_sqe *e, uint64_t slot_size, char *msg, size_t msglen)
+{
+	if (e->out_off % 64)
+		FAIL(-EINVAL, "output offset %u not 64-byte aligned", e->out_off);
+	if ((uint64_t)e->out_off + e->out_len > slot_size)
+		FAIL(-ERANGE, "output [%u, +%u) past the slot's %llu bytes", e->out_off, e->out_len,
+		     (unsigned long long)slot_size);
+	if ((uint64_t)e->out_off < (uint64_t)e->off + e->len &&
+	    (uint64_t)e->off < (uint64_t)e->out_off + e->out_len)
+		FAIL(-EINVAL, "output range overlaps the input");
+	return 0;
+}
 
 int kvd_wire_sqe(const void *entry, uint32_t nslots, uint64_t slot_size,
 		 struct kvd_sqe *out, char *msg, size_t msglen)
@@ -45,20 +59,26 @@ int kvd_wire_sqe(const void *entry, uint32_t nslots, uint64_t slot_size,
 			FAIL(-EINVAL, "nseq/out_off/out_len must be zero for rows");
 		return 0;
 	}
+	if (e.op == KVD_OP_LOCAL) {
+		if (e.ntok == 0 || e.ntok > KVD_WIRE_MAX_NTOK)
+			FAIL(-ERANGE, "LOCAL of %u rows (1..%u)", e.ntok, KVD_WIRE_MAX_NTOK);
+		if (!(e.flags & KVD_LF_GET)) {
+			if (e.flags & KVD_LF_MEAN)
+				FAIL(-EINVAL, "LOCAL put takes no mean");
+			if (e.out_off || e.out_len)
+				FAIL(-EINVAL, "out_off/out_len must be zero for a LOCAL put");
+			return 0;
+		}
+		if (e.len)
+			FAIL(-EINVAL, "a LOCAL get has no input");
+		return out_range(&e, slot_size, msg, msglen);
+	}
 	/* ATTEND */
 	if (e.nseq == 0 || e.nseq > KVD_WIRE_MAX_NSEQ)
 		FAIL(-ERANGE, "nseq %u not in 1..%u", e.nseq, KVD_WIRE_MAX_NSEQ);
 	if (e.ntok)
 		FAIL(-EINVAL, "ntok must be zero for ATTEND");
-	if (e.out_off % 64)
-		FAIL(-EINVAL, "output offset %u not 64-byte aligned", e.out_off);
-	if ((uint64_t)e.out_off + e.out_len > slot_size)
-		FAIL(-ERANGE, "output [%u, +%u) past the slot's %llu bytes", e.out_off, e.out_len,
-		     (unsigned long long)slot_size);
-	if ((uint64_t)e.out_off < (uint64_t)e.off + e.len &&
-	    (uint64_t)e.off < (uint64_t)e.out_off + e.out_len)
-		FAIL(-EINVAL, "output range overlaps the input");
-	return 0;
+	return out_range(&e, slot_size, msg, msglen);
 }
 
 int kvd_wire_payload(const struct kvd_sqe *e, const struct kvd_profile *p,
@@ -94,6 +114,22 @@ int kvd_wire_payload(const struct kvd_sqe *e, const struct kvd_profile *p,
 		if (e->out_len < out)
 			FAIL(-EBADMSG, "ATTEND output room %u bytes, %llu needed", e->out_len,
 			     (unsigned long long)out);
+		return 0;
+	}
+	case KVD_OP_LOCAL: {
+		int get = e->flags & KVD_LF_GET;
+		uint64_t want = kvd_local_layout(H, d, e->ntok, e->flags & KVD_LF_MEAN).bytes;
+
+		if (e->layer >= p->layers)
+			FAIL(-ERANGE, "layer %u out of range (%u layers)", e->layer, p->layers);
+		if (e->flags & KVD_LF_MEAN && p->dense[e->layer])
+			FAIL(-EINVAL, "layer %u is dense: it has no mean", e->layer);
+		if (!get && e->len != want)
+			FAIL(-EBADMSG, "LOCAL payload of %u bytes, %llu expected for %u rows", e->len,
+			     (unsigned long long)want, e->ntok);
+		if (get && e->out_len < want)
+			FAIL(-EBADMSG, "LOCAL output room %u bytes, %llu needed", e->out_len,
+			     (unsigned long long)want);
 		return 0;
 	}
 	default:

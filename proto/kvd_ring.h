@@ -27,12 +27,20 @@ enum kvd_op {
 	KVD_OP_FREE    = 4,     /* drop a sequence (same as the control message) */
 	KVD_OP_PREFETCH = 5,    /* seq: start reading it back if it was spilled;
 				 * completes at once (0, or why it cannot) */
+	KVD_OP_LOCAL   = 6,     /* the client's own rows of one layer (sinks,
+				 * window, dense layers) for prefix sharing:
+				 * put before SeqPublish, get after an attach */
 	KVD_OP_MAX
 };
 
 /* PREFILL / APPEND flags */
 #define KVD_RF_MEAN 0x01        /* payload starts with the layer's centering mean */
 #define KVD_RF_LAST 0x02        /* PREFILL: last chunk of this layer: seal the rest */
+/* LOCAL flags */
+#define KVD_LF_GET 0x01         /* kvd writes rows [row0, row0+ntok) at out_off;
+				 * without it the payload puts them (row0 must be
+				 * the rows put so far, or 0 to start again) */
+#define KVD_LF_MEAN 0x02        /* GET: the layer's centering mean comes first */
 
 struct kvd_sqe {
 	uint8_t op;
@@ -42,9 +50,12 @@ struct kvd_sqe {
 	uint64_t user_data;     /* echoed in the completion */
 	uint64_t seq;           /* PREFILL, APPEND, FREE: the sequence */
 	uint32_t off, len;      /* payload: bytes [off, off+len) of the slot */
-	uint32_t ntok;          /* PREFILL, APPEND: tokens in the payload */
-	uint32_t nseq;          /* ATTEND: sequences in the batch */
-	uint32_t out_off, out_len; /* ATTEND: where (o, lse) go in the slot */
+	uint32_t ntok;          /* PREFILL, APPEND, LOCAL: tokens in the payload */
+	union {
+		uint32_t nseq;  /* ATTEND: sequences in the batch */
+		uint32_t row0;  /* LOCAL: the first row */
+	};
+	uint32_t out_off, out_len; /* ATTEND, LOCAL get: where the output goes */
 	uint32_t _reserved[4];  /* must be zero */
 };
 static_assert(sizeof(struct kvd_sqe) == KVD_RING_ENTRY, "sqe size");
@@ -84,6 +95,16 @@ static_assert(offsetof(struct kvd_cqe, res) == 8 && offsetof(struct kvd_cqe, msg
  *   lse: float32 [Hq]                 ln sum exp(q.k/sqrt d) over kvd's part
  */
 #define KVD_ALIGN64(x) (((x) + 63u) & ~(uint64_t)63u)
+
+/* LOCAL payload (put) or output (get), ntok rows of one layer, each part
+ * 64-byte aligned:
+ *
+ *   [mean: float32 [H][d]]           get with KVD_LF_MEAN (sparse layers)
+ *   K:     bf16    [H][ntok][d]      as the client keeps them (sparse: centered)
+ *   V:     bf16    [H][ntok][d]
+ *
+ * A put carries no payload for the mean; a get's input range is empty
+ * (off = len = 0). */
 
 /* ABI limits: kvd refuses an entry beyond them (kvd/wire.c), so a client
  * never cuts a batch or a chunk larger. */
@@ -146,6 +167,36 @@ static inline uint32_t kvd_rows_fit(uint32_t H, uint32_t d, uint32_t L, uint64_t
 		uint32_t mid = (lo + hi + 1) / 2;
 
 		if (kvd_rows_bytes(H, d, L, mid, 1) <= slot_size)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
+/* LOCAL: mean (when asked) at 0, then K and V; the exact length. */
+struct kvd_local_layout {
+	uint64_t k, v, bytes;
+};
+
+static inline struct kvd_local_layout kvd_local_layout(uint32_t H, uint32_t d, uint32_t ntok,
+						       int mean)
+{
+	struct kvd_rows_layout r = kvd_rows_layout(H, d, 0, ntok, mean);
+	struct kvd_local_layout lay = { r.k, r.v, r.codes };
+
+	return lay;
+}
+
+/* Most rows of one LOCAL get (with the mean) that fit slot_size bytes. */
+static inline uint32_t kvd_local_fit(uint32_t H, uint32_t d, uint64_t slot_size)
+{
+	uint32_t lo = 0, hi = KVD_WIRE_MAX_NTOK;
+
+	while (lo < hi) {
+		uint32_t mid = (lo + hi + 1) / 2;
+
+		if (kvd_local_layout(H, d, mid, 1).bytes <= slot_size)
 			lo = mid;
 		else
 			hi = mid - 1;

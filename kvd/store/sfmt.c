@@ -47,7 +47,8 @@ static_assert(offsetof(struct kvd_sfmt_profile_rec, layers) == 96, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, kv_dtype) == 116, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, seed) == 120, "layout");
 static_assert(offsetof(struct kvd_sfmt_profile_rec, estimator) == 128, "layout");
-static_assert(offsetof(struct kvd_sfmt_profile_rec, reserved) == 132, "layout");
+static_assert(offsetof(struct kvd_sfmt_profile_rec, chunk_tokens) == 132 &&
+	      offsetof(struct kvd_sfmt_profile_rec, reserved) == 136, "layout");
 static_assert(sizeof(struct kvd_sfmt_profile_rec) == KVD_SFMT_PROFILE_REC, "record size");
 static_assert(sizeof(((struct kvd_sfmt_profile_rec *)0)->name) > KVD_CTL_NAME_MAX, "name + NUL");
 static_assert(KVD_CTL_NAME_MAX == KVD_NAME_MAX, "one name limit");
@@ -145,6 +146,10 @@ static void rec_make(const struct kvd_profile *p, struct kvd_sfmt_profile_rec *r
 	r->seed = p->seed;
 	r->kv_dtype = p->g.kv_dtype;
 	r->estimator = p->estimator;
+	/* The default is written as 0, so a profile's record (and fingerprint)
+	 * is what it was before the field existed. */
+	r->chunk_tokens = p->chunk_tokens == kvd_ctl_chunk_default(p->seal_tokens) ? 0 :
+			  p->chunk_tokens;
 }
 
 uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p)
@@ -261,6 +266,9 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 	if (r->seal_tokens < KVD_CTL_SEAL_MIN || r->seal_tokens > r->seg_tokens)
 		return fail(msg, msglen, "PROFILE seal_tokens %u out of range [%u, seg_tokens %u]",
 			    r->seal_tokens, KVD_CTL_SEAL_MIN, r->seg_tokens);
+	if (r->chunk_tokens && r->seal_tokens % r->chunk_tokens)
+		return fail(msg, msglen, "PROFILE chunk_tokens %u does not divide seal_tokens %u",
+			    r->chunk_tokens, r->seal_tokens);
 
 	/* All factors bounded above by now: no overflow. */
 	uint64_t want = KVD_SFMT_PROFILE_REC + A64(r->layers) + w_bytes(r->d, r->K, r->L);
@@ -315,6 +323,7 @@ int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile
 	out->seal_tokens = r.seal_tokens;
 	out->seed = r.seed;
 	out->estimator = r.estimator;
+	out->chunk_tokens = r.chunk_tokens ? r.chunk_tokens : kvd_ctl_chunk_default(r.seal_tokens);
 	out->dense = malloc(r.layers);
 	out->W = malloc(w_bytes(r.d, r.K, r.L));
 	if (!out->dense || !out->W) {

@@ -132,7 +132,9 @@ struct kvd_sfmt_profile_rec {
 	uint64_t seed;
 	uint32_t estimator;             /* enum kvd_estimator (0, magicpig, in files
 					 * written before it: it was reserved) */
-	uint8_t reserved[124];          /* 0 */
+	uint32_t chunk_tokens;          /* 0: kvd_ctl_chunk_default(seal_tokens), as in
+					 * files written before it (reserved then) */
+	uint8_t reserved[120];          /* 0 */
 };
 
 uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p);

@@ -35,6 +35,7 @@ struct kvd_store {
 	uint32_t next_pid;              /* last profile id handed out */
 	uint64_t prof_bytes;
 	uint64_t fixed;                 /* sequences' structs and layer arrays */
+	uint64_t local_bytes;           /* kvd_local blobs, each once */
 	struct kvd_limits *lim;
 	kvd_store_room_fn room;         /* the tier's policy before the wall */
 	void *room_arg;
@@ -199,12 +200,14 @@ static size_t heavy_bytes(const struct kvd_profile *p)
 }
 
 static void prof_unlink(struct kvd_store *s, struct prof *x);
+static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct kvd_local *b);
 
 /* Frees q, gives back everything charged for it and its profile reference. */
 static void seq_destroy(struct kvd_store *s, struct kvd_seqn *q)
 {
 	const struct kvd_profile *p = q->p;
 
+	local_unref(s, p, q->loc);
 	for (uint32_t i = 0; i < p->layers; i++)
 		layer_free(p, &q->ly[i]);
 	free(q->ly);
@@ -595,7 +598,7 @@ struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char 
 {
 	struct kvd_seqn *q = seq_find(s, id);
 
-	return q && !strcmp(q->tenant, tenant) ? q : NULL;
+	return q && !q->hidden && !strcmp(q->tenant, tenant) ? q : NULL;
 }
 
 struct kvd_seqn *kvd_store_seq_any(struct kvd_store *s, uint64_t id)
@@ -1148,6 +1151,11 @@ static size_t fork_bytes(const struct kvd_seqn *parent)
 	return n;
 }
 
+size_t kvd_store_fork_bytes(const struct kvd_seqn *parent)
+{
+	return fork_bytes(parent) + parent->fixed;
+}
+
 int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t uid,
 		       const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
 		       size_t msglen)
@@ -1292,7 +1300,7 @@ uint32_t kvd_store_seq_node(const struct kvd_seqn *q)
 
 int kvd_store_seq_claim(struct kvd_seqn *q, uint64_t owner)
 {
-	if (q->owner && q->owner != owner)
+	if (q->hidden || (q->owner && q->owner != owner))
 		return -EBUSY;
 	q->owner = owner;
 	return 0;
@@ -1342,6 +1350,7 @@ void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st)
 	st->bytes = s->bytes;
 	st->profile_bytes = s->prof_bytes;
 	st->fixed_bytes = s->fixed;
+	st->local_bytes = s->local_bytes;
 }
 
 void kvd_store_seq_stats(const struct kvd_seqn *q, uint64_t *tokens, uint32_t *segments)
@@ -1352,4 +1361,168 @@ void kvd_store_seq_stats(const struct kvd_seqn *q, uint64_t *tokens, uint32_t *s
 		*tokens = q->ly[i].tokens > *tokens ? q->ly[i].tokens : *tokens;
 		*segments += q->ly[i].nseg;
 	}
+}
+
+/* ---- the client's own rows (prefix sharing) ----------------------------- */
+
+static size_t local_layer_bytes(const struct kvd_profile *p, uint32_t cap)
+{
+	return 2 * kv_bytes(p, cap);
+}
+
+static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct kvd_local *b)
+{
+	if (!b || --b->refs)
+		return;
+	for (uint32_t l = 0; l < p->layers; l++) {
+		free(b->ly[l].k);
+		free(b->ly[l].v);
+	}
+	s->local_bytes -= b->bytes;
+	uncharge(s, b->uid, b->bytes);
+	free(b);
+}
+
+/* q's own blob, made (or unshared: a snapshot's rows never change) for a
+ * put.  The struct is charged like its rows. */
+static int local_own(struct kvd_store *s, struct kvd_seqn *q)
+{
+	const struct kvd_profile *p = q->p;
+	size_t n = sizeof(struct kvd_local) + p->layers * sizeof(struct kvd_local_layer);
+	struct kvd_local *b;
+	int rc;
+
+	if (q->loc && q->loc->refs == 1)
+		return 0;
+	if ((rc = charge(s, q->uid, n, 0)))
+		return rc;
+	if (!(b = calloc(1, n))) {
+		uncharge(s, q->uid, n);
+		snprintf(s->why, sizeof s->why, "out of memory");
+		return -ENOMEM;
+	}
+	b->refs = 1;
+	b->uid = q->uid;
+	b->bytes = n;
+	s->local_bytes += n;
+	local_unref(s, p, q->loc);
+	q->loc = b;
+	return 0;
+}
+
+int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
+			const uint16_t *k, const uint16_t *v, uint32_t n, char *msg, size_t msglen)
+{
+	const struct kvd_profile *p = q->p;
+	const size_t H = p->g.kv_heads, d = p->g.d;
+	struct kvd_local_layer *l;
+	uint32_t have = q->loc ? q->loc->ly[layer].n : 0;
+	uint64_t need;
+	int rc;
+
+	if (layer >= p->layers || !n)
+		return say(msg, msglen, "layer %u, %u rows", layer, n), -EINVAL;
+	if (row0 != 0 && row0 != have)
+		return say(msg, msglen, "rows must continue at %u (or start again at 0), not %u",
+			   have, row0), -EINVAL;
+	need = (uint64_t)row0 + n;
+	if (need > UINT32_MAX / 2)
+		return say(msg, msglen, "%llu rows of layer %u", (unsigned long long)need, layer),
+		       -E2BIG;
+	if ((rc = local_own(s, q))) {
+		say(msg, msglen, "%s", s->why);
+		return rc;
+	}
+	l = &q->loc->ly[layer];
+	if (row0 == 0)
+		l->n = 0;
+	if (need > l->cap) {
+		uint32_t cap = l->cap ? l->cap : 64;
+		size_t more;
+		uint16_t *nk, *nv;
+
+		while (cap < need)
+			cap *= 2;
+		more = local_layer_bytes(p, cap) - local_layer_bytes(p, l->cap);
+		if ((rc = charge(s, q->uid, more, 0))) {
+			say(msg, msglen, "%s", s->why);
+			return rc;
+		}
+		nk = malloc(kv_bytes(p, cap));
+		nv = malloc(kv_bytes(p, cap));
+		if (!nk || !nv) {
+			free(nk);
+			free(nv);
+			uncharge(s, q->uid, more);
+			return say(msg, msglen, "out of memory"), -ENOMEM;
+		}
+		for (size_t h = 0; h < H && l->n; h++) {
+			memcpy(nk + h * cap * d, l->k + h * l->cap * d, (size_t)l->n * d * 2);
+			memcpy(nv + h * cap * d, l->v + h * l->cap * d, (size_t)l->n * d * 2);
+		}
+		free(l->k);
+		free(l->v);
+		l->k = nk;
+		l->v = nv;
+		l->cap = cap;
+		q->loc->bytes += more;
+		s->local_bytes += more;
+	}
+	for (size_t h = 0; h < H; h++) {
+		memcpy(l->k + (h * l->cap + l->n) * d, k + h * n * d, (size_t)n * d * 2);
+		memcpy(l->v + (h * l->cap + l->n) * d, v + h * n * d, (size_t)n * d * 2);
+	}
+	l->n += n;
+	return 0;
+}
+
+uint32_t kvd_store_local_rows(const struct kvd_seqn *q, uint32_t layer)
+{
+	return q->loc && layer < q->p->layers ? q->loc->ly[layer].n : 0;
+}
+
+int kvd_store_local_get(const struct kvd_seqn *q, uint32_t layer, uint32_t row0, uint32_t n,
+			uint16_t *k, uint16_t *v)
+{
+	const size_t H = q->p->g.kv_heads, d = q->p->g.d;
+	const struct kvd_local_layer *l;
+
+	if ((uint64_t)row0 + n > kvd_store_local_rows(q, layer))
+		return -ERANGE;
+	l = &q->loc->ly[layer];
+	for (size_t h = 0; h < H; h++) {
+		memcpy(k + h * n * d, l->k + (h * l->cap + row0) * d, (size_t)n * d * 2);
+		memcpy(v + h * n * d, l->v + (h * l->cap + row0) * d, (size_t)n * d * 2);
+	}
+	return 0;
+}
+
+void kvd_store_local_give(struct kvd_store *s, struct kvd_seqn *from, struct kvd_seqn *to,
+			  int move)
+{
+	struct kvd_local *b = from->loc;
+
+	if (b == to->loc)
+		return;
+	if (b && !move)
+		b->refs++;
+	local_unref(s, to->p, to->loc);
+	to->loc = b;
+	if (move)
+		from->loc = NULL;
+}
+
+size_t kvd_store_local_bytes(const struct kvd_seqn *q)
+{
+	return q->loc ? q->loc->bytes : 0;
+}
+
+void kvd_store_seq_hide(struct kvd_seqn *q)
+{
+	q->hidden = 1;
+}
+
+int kvd_store_seq_hidden(const struct kvd_seqn *q)
+{
+	return q->hidden;
 }

@@ -54,6 +54,8 @@ struct kvd_profile {
 	char name[KVD_NAME_MAX + 1];
 	struct kvd_geom g;
 	uint32_t layers, sink, window, seg_tokens, seal_tokens;
+	uint32_t chunk_tokens;          /* content-key chunk, divides seal_tokens (0: 256
+					 * or seal_tokens when smaller) */
 	uint64_t seed;
 	uint32_t estimator;             /* enum kvd_estimator (attn.h); part of equality */
 	uint8_t *dense;                 /* [layers]: 1 = stays on the GPU */
@@ -161,6 +163,9 @@ int kvd_store_seq_create_uid(struct kvd_store *s, const struct kvd_profile *p, u
 int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t uid,
 		       const char *tenant, uint64_t owner, struct kvd_seqn **out, char *msg,
 		       size_t msglen);
+/* What kvd_store_seq_fork of parent charges: its struct and everything it
+ * holds (for the tier to make room first). */
+size_t kvd_store_fork_bytes(const struct kvd_seqn *parent);
 /* The same with a given id (sequences found on disk at start-up): -EEXIST
  * when the id is taken; charged as kvd_store_seq_create (uid from tenant). */
 int kvd_store_seq_adopt(struct kvd_store *s, const struct kvd_profile *p, const char *tenant,
@@ -256,11 +261,37 @@ const uint16_t *kvd_store_layer_tail_codes(const struct kvd_seqn *q, uint32_t la
  * the layer gets the pointer from here. */
 uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer);
 
+/* ---- prefix sharing (kvd/store/share.c builds on these) ----------------
+ *
+ * The client's own rows of a layer -- the sinks and window of a sparse
+ * layer, every row of a dense one, as the client keeps them (bf16, keys of
+ * sparse layers centered) -- which kvd holds only so that a sequence
+ * attaching a published prefix can fetch them.  put appends rows [row0,
+ * row0+n) (row0 must be the rows put so far, or 0 to start the layer
+ * again), charged to the sequence's uid before anything is allocated; k, v
+ * are [kv][n][d] and copied once.  A blob shared with a snapshot is never
+ * changed: a put then starts a private one.  get copies rows out; -ERANGE
+ * beyond what was put. */
+int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
+			const uint16_t *k, const uint16_t *v, uint32_t n, char *msg, size_t msglen);
+uint32_t kvd_store_local_rows(const struct kvd_seqn *q, uint32_t layer);
+int kvd_store_local_get(const struct kvd_seqn *q, uint32_t layer, uint32_t row0, uint32_t n,
+			uint16_t *k, uint16_t *v);
+/* to takes from's rows: moved (from keeps none) or shared (a reference). */
+void kvd_store_local_give(struct kvd_store *s, struct kvd_seqn *from, struct kvd_seqn *to,
+			  int move);
+/* Bytes of q's rows blob (0 without one); shared blobs count in each. */
+size_t kvd_store_local_bytes(const struct kvd_seqn *q);
+/* A published snapshot: kvd_store_seq_get and claims no longer find it. */
+void kvd_store_seq_hide(struct kvd_seqn *q);
+int kvd_store_seq_hidden(const struct kvd_seqn *q);
+
 struct kvd_store_stats {
 	uint32_t sequences, profiles;
 	uint64_t bytes;                 /* resident, all sequences */
 	uint64_t profile_bytes;         /* all profiles (charged to their creators) */
 	uint64_t fixed_bytes;           /* all sequences' structs and layer arrays */
+	uint64_t local_bytes;           /* clients' rows kept for sharing (once each) */
 };
 /* Per-uid usage is kvd_limits_uid_usage / kvd_limits_each on
  * kvd_store_limits(s). */

@@ -33,6 +33,19 @@ struct kvd_layer_state {
 	uint32_t *heavy;
 };
 
+/* The client's own rows of a sequence (kvd_store_local_put), kept for the
+ * sequences that attach it once it is published: reference counted (the
+ * snapshot and every attached child), charged once to `uid`, never spilled.
+ * Per layer K and V [kv][cap][d] bf16, n rows used. */
+struct kvd_local {
+	uint32_t refs, uid;
+	size_t bytes;
+	struct kvd_local_layer {
+		uint16_t *k, *v;
+		uint32_t n, cap;
+	} ly[];                         /* [layers] */
+};
+
 struct kvd_seqn {
 	uint64_t id;
 	uint64_t owner;                 /* client id */
@@ -49,6 +62,8 @@ struct kvd_seqn {
 	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
 	uint32_t node;                  /* NUMA node (index into the store's nodes) */
 	void *tier;                     /* kvd_tier's record, or NULL */
+	struct kvd_local *loc;          /* the client's rows, or NULL */
+	uint8_t hidden;                 /* a published snapshot: no client names it */
 	struct kvd_seqn *next;          /* hash chain */
 };
 

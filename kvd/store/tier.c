@@ -104,7 +104,7 @@ static uint64_t used(const struct kvd_tier *t)
 		return u.n[KVD_RES_MEMORY];
 	}
 	kvd_store_stats(t->st, &ss);
-	return ss.bytes + ss.fixed_bytes + ss.profile_bytes + t->reserved;
+	return ss.bytes + ss.fixed_bytes + ss.profile_bytes + ss.local_bytes + t->reserved;
 }
 
 static void *page_alloc(uint64_t bytes)

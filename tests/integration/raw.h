@@ -32,10 +32,12 @@
 #include <unistd.h>
 
 #include "ctl.h"
+#include "kvd_ring.h"
 #include "shm.h"
 
 #define RX_CAP  (KVD_CTL_W_INLINE_MAX + 65536)
 #define CALL_MS 60000           /* control replies: generous for sanitizer builds */
+#define RAW_RING_WAITS 3000     /* completions: 3000 waits of 100 ms at most */
 
 struct raw {
 	int fd;
@@ -256,6 +258,39 @@ static __attribute__((unused)) int raw_seq_create(struct raw *x, uint32_t profil
 		kvd_ctl_free_response(r);
 	}
 	return rc;
+}
+
+/* One ring entry and its completion: 0 or the completion's res (its
+ * message in x->msg); -ETIMEDOUT when none came. */
+static __attribute__((unused)) int raw_ring(struct raw *x, struct kvd_sqe *e)
+{
+	uint64_t one = 1;
+	void *p = shm_ring_reserve(&x->r.sq);
+
+	if (!p)
+		return -ENOSPC;
+	e->user_data = ++x->ud;
+	memcpy(p, e, sizeof *e);
+	shm_ring_commit(&x->r.sq, 1);
+	if (shm_ring_needs_kick(&x->r.sq) && write(x->efd, &one, 8) != 8)
+		return -errno;
+	for (int i = 0; i < RAW_RING_WAITS; i++) {
+		int n = shm_ring_wait(&x->r.cq, 50000, 100000000ull, 0);
+
+		if (n > 0) {
+			struct kvd_cqe c;
+
+			memcpy(&c, shm_ring_entry(&x->r.cq, 0), sizeof c);
+			shm_ring_release(&x->r.cq, 1);
+			if (c.user_data != e->user_data)
+				return -EBADMSG;
+			snprintf(x->msg, sizeof x->msg, "%s", c.res < 0 ? c.msg : "");
+			return c.res;
+		}
+		if (n < 0 && n != -EINTR)
+			return n;
+	}
+	return -ETIMEDOUT;
 }
 
 #endif

@@ -370,39 +370,6 @@ static int raw_seq_free(struct raw *x, uint64_t seq)
 	return raw_expect(x, &rq, KVD__RESPONSE__BODY_OK, NULL);
 }
 
-/* One ring entry and its completion: 0 or the completion's res (its
- * message in x->msg); -ETIMEDOUT when none came. */
-static int raw_ring(struct raw *x, struct kvd_sqe *e)
-{
-	uint64_t one = 1;
-	void *p = shm_ring_reserve(&x->r.sq);
-
-	if (!p)
-		return -ENOSPC;
-	e->user_data = ++x->ud;
-	memcpy(p, e, sizeof *e);
-	shm_ring_commit(&x->r.sq, 1);
-	if (shm_ring_needs_kick(&x->r.sq) && write(x->efd, &one, 8) != 8)
-		return -errno;
-	for (int i = 0; i < CQE_S * 10; i++) {
-		int n = shm_ring_wait(&x->r.cq, 50000, 100000000ull, 0);
-
-		if (n > 0) {
-			struct kvd_cqe c;
-
-			memcpy(&c, shm_ring_entry(&x->r.cq, 0), sizeof c);
-			shm_ring_release(&x->r.cq, 1);
-			if (c.user_data != e->user_data)
-				return -EBADMSG;
-			snprintf(x->msg, sizeof x->msg, "%s", c.res < 0 ? c.msg : "");
-			return c.res;
-		}
-		if (n < 0 && n != -EINTR)
-			return n;
-	}
-	return -ETIMEDOUT;
-}
-
 /* One PREFILL of ntok zero rows into `layer` (the mean with `first`). */
 static int raw_prefill_zero(struct raw *x, uint64_t seq, uint32_t layer, uint32_t ntok, int first,
 			    int last)

@@ -1,0 +1,326 @@
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "rng.h"
+#include "share.h"
+
+#define PUB_BUCKETS 4096
+
+/* One published prefix.  Chained by (ns, profile, key); on the LRU list,
+ * most recently published or attached first. */
+struct pub {
+	uint32_t ns, pid;
+	uint8_t key[KVD_SHARE_KEY];
+	uint64_t tokens;
+	struct kvd_seqn *snap;
+	struct pub *next;               /* hash chain */
+	struct pub *lru_prev, *lru_next;
+};
+
+struct ns_usage {
+	struct kvd_share_usage u;       /* published, published_tokens: live counts */
+	struct ns_usage *next;
+};
+
+struct kvd_share {
+	struct kvd_store *st;
+	struct kvd_tier *t;
+	struct pub *bucket[PUB_BUCKETS];
+	struct pub *lru_head, *lru_tail;
+	struct ns_usage *usage;
+};
+
+static void say(char *msg, size_t msglen, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (!msg || !msglen)
+		return;
+	va_start(ap, fmt);
+	vsnprintf(msg, msglen, fmt, ap);
+	va_end(ap);
+}
+
+static uint32_t bucket_of(uint32_t ns, uint32_t pid, const uint8_t *key)
+{
+	uint64_t a, b;
+
+	memcpy(&a, key, 8);
+	memcpy(&b, key + 8, 8);
+	return (uint32_t)(kvd_mix64(a ^ kvd_mix64(b ^ ((uint64_t)ns << 32 | pid))) &
+			  (PUB_BUCKETS - 1));
+}
+
+static struct pub *find(const struct kvd_share *sh, uint32_t ns, uint32_t pid,
+			const uint8_t *key)
+{
+	for (struct pub *x = sh->bucket[bucket_of(ns, pid, key)]; x; x = x->next)
+		if (x->ns == ns && x->pid == pid && !memcmp(x->key, key, KVD_SHARE_KEY))
+			return x;
+	return NULL;
+}
+
+/* The namespace's counters, made on first use (NULL only without memory:
+ * then nothing is counted for it). */
+static struct ns_usage *usage_of(struct kvd_share *sh, uint32_t ns)
+{
+	struct ns_usage *u;
+
+	for (u = sh->usage; u; u = u->next)
+		if (u->u.ns == ns)
+			return u;
+	if (!(u = calloc(1, sizeof *u)))
+		return NULL;
+	u->u.ns = ns;
+	u->next = sh->usage;
+	sh->usage = u;
+	return u;
+}
+
+static void lru_unlink(struct kvd_share *sh, struct pub *x)
+{
+	*(x->lru_prev ? &x->lru_prev->lru_next : &sh->lru_head) = x->lru_next;
+	*(x->lru_next ? &x->lru_next->lru_prev : &sh->lru_tail) = x->lru_prev;
+	x->lru_prev = x->lru_next = NULL;
+}
+
+static void lru_front(struct kvd_share *sh, struct pub *x)
+{
+	if (sh->lru_head == x)
+		return;
+	if (x->lru_prev || x->lru_next || sh->lru_tail == x)
+		lru_unlink(sh, x);
+	x->lru_next = sh->lru_head;
+	if (sh->lru_head)
+		sh->lru_head->lru_prev = x;
+	sh->lru_head = x;
+	if (!sh->lru_tail)
+		sh->lru_tail = x;
+}
+
+static void pub_drop(struct kvd_share *sh, struct pub *x)
+{
+	struct pub **pp = &sh->bucket[bucket_of(x->ns, x->pid, x->key)];
+	struct ns_usage *u = usage_of(sh, x->ns);
+
+	while (*pp != x)
+		pp = &(*pp)->next;
+	*pp = x->next;
+	lru_unlink(sh, x);
+	if (u) {
+		u->u.published--;
+		u->u.published_tokens -= x->tokens;
+	}
+	kvd_tier_free(sh->t, x->snap);
+	free(x);
+}
+
+int kvd_share_create(struct kvd_store *st, struct kvd_tier *t, struct kvd_share **out)
+{
+	struct kvd_share *sh = calloc(1, sizeof *sh);
+
+	if (!sh)
+		return -ENOMEM;
+	sh->st = st;
+	sh->t = t;
+	*out = sh;
+	return 0;
+}
+
+void kvd_share_destroy(struct kvd_share *sh)
+{
+	if (!sh)
+		return;
+	while (sh->lru_head)
+		pub_drop(sh, sh->lru_head);
+	for (struct ns_usage *u = sh->usage, *nx; u; u = nx) {
+		nx = u->next;
+		free(u);
+	}
+	free(sh);
+}
+
+/* The least recently used snapshot charged to uid, other than keep. */
+static struct pub *lru_of_uid(const struct kvd_share *sh, uint32_t uid, const struct pub *keep)
+{
+	for (struct pub *x = sh->lru_tail; x; x = x->lru_prev)
+		if (x != keep && kvd_store_seq_uid(x->snap) == uid)
+			return x;
+	return NULL;
+}
+
+/* Why q cannot be published at `tokens` now, or 0. */
+static int check_publish(struct kvd_seqn *q, uint64_t tokens, char *msg, size_t msglen)
+{
+	const struct kvd_profile *p = kvd_store_seq_profile(q);
+	uint32_t chunk = p->chunk_tokens;
+
+	if (!tokens || !chunk || tokens % chunk) {
+		say(msg, msglen, "%llu tokens: not a positive multiple of chunk_tokens %u",
+		    (unsigned long long)tokens, chunk);
+		return -EINVAL;
+	}
+	for (uint32_t l = 0; l < p->layers; l++) {
+		if (!p->dense[l] && (!kvd_store_layer_mean(q, l) || kvd_store_attend_ready(q, l))) {
+			say(msg, msglen, "layer %u is not prefilled", l);
+			return -EBUSY;
+		}
+	}
+	for (uint32_t l = 0; l < p->layers; l++) {
+		uint64_t have = kvd_store_local_rows(q, l);
+
+		if (!p->dense[l])
+			have += kvd_store_layer_tokens(q, l);
+		if (have != tokens) {
+			say(msg, msglen, "layer %u holds %llu tokens (kvd's and LOCAL rows), not %llu",
+			    l, (unsigned long long)have, (unsigned long long)tokens);
+			return -EINVAL;
+		}
+	}
+	return 0;
+}
+
+int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
+		      const uint8_t *key, uint64_t tokens, char *msg, size_t msglen)
+{
+	const struct kvd_profile *p = kvd_store_seq_profile(q);
+	const uint32_t uid = kvd_store_seq_uid(q);
+	struct kvd_seqn *snap;
+	struct ns_usage *u;
+	struct pub *x;
+	int rc;
+
+	/* The rows kvd holds are resident, so their counts are known. */
+	if ((rc = kvd_tier_want(sh->t, q, UINT32_MAX, msg, msglen)))
+		return rc == -EINPROGRESS ? -EAGAIN : rc;
+	if ((rc = check_publish(q, tokens, msg, msglen)))
+		return rc;
+	if (find(sh, ns, p->id, key))
+		return 0;
+	rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(q), msg, msglen);
+	if (rc == -EINPROGRESS) {
+		say(msg, msglen, "making room for the snapshot: publish again");
+		return -EAGAIN;
+	}
+	if (!(x = calloc(1, sizeof *x)) || !(u = usage_of(sh, ns))) {
+		free(x);
+		say(msg, msglen, "out of memory");
+		return -ENOMEM;
+	}
+	/* A snapshot is a fork with no owner.  At the uid's limits its older
+	 * snapshots make way: they are a cache, the publisher's request is not. */
+	for (;;) {
+		struct pub *old;
+
+		rc = kvd_store_seq_fork(sh->st, q, uid, kvd_store_seq_tenant(q), 0, &snap, msg,
+					msglen);
+		if (rc != -EDQUOT && rc != -ENOMEM && rc != -ENOSPC)
+			break;
+		if (!(old = lru_of_uid(sh, uid, NULL)))
+			break;
+		pub_drop(sh, old);
+	}
+	if (rc) {
+		free(x);
+		return rc;
+	}
+	kvd_store_seq_hide(snap);
+	kvd_store_local_give(sh->st, q, snap, 1);
+	/* On the tier's LRU from now: a snapshot nobody attaches goes to disk
+	 * before the sequences in use. */
+	(void)kvd_tier_want(sh->t, snap, UINT32_MAX, NULL, 0);
+	x->ns = ns;
+	x->pid = p->id;
+	memcpy(x->key, key, KVD_SHARE_KEY);
+	x->tokens = tokens;
+	x->snap = snap;
+	uint32_t b = bucket_of(ns, p->id, key);
+
+	x->next = sh->bucket[b];
+	sh->bucket[b] = x;
+	lru_front(sh, x);
+	u->u.published++;
+	u->u.published_tokens += tokens;
+	return 0;
+}
+
+int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile *p,
+		     const uint8_t *keys, uint32_t nkeys, uint32_t uid, const char *tenant,
+		     uint64_t owner, struct kvd_seqn **out, uint64_t *tokens, char *msg,
+		     size_t msglen)
+{
+	struct ns_usage *u = usage_of(sh, ns);
+	uint64_t asked = (uint64_t)nkeys * p->chunk_tokens;
+	int rc;
+
+	*tokens = 0;
+	if (nkeys > KVD_SHARE_MAX_KEYS) {
+		say(msg, msglen, "%u keys, at most %u", nkeys, KVD_SHARE_MAX_KEYS);
+		return -E2BIG;
+	}
+	for (uint32_t i = nkeys; i-- > 0;) {
+		struct pub *x = find(sh, ns, p->id, keys + (size_t)i * KVD_SHARE_KEY);
+		char why[160];
+
+		/* Key i names i+1 chunks: a snapshot of another length under it
+		 * is not this prefix (only a publisher that lied makes one). */
+		if (!x || x->tokens != (uint64_t)(i + 1) * p->chunk_tokens)
+			continue;
+		rc = kvd_tier_want(sh->t, x->snap, UINT32_MAX, why, sizeof why);
+		if (rc == -EINPROGRESS) {
+			say(msg, msglen, "the prefix is being read back from disk: attach again");
+			return -EAGAIN;
+		}
+		if (rc == -KVD_ELOST) {
+			pub_drop(sh, x);
+			continue;
+		}
+		if (rc) {
+			say(msg, msglen, "%s", why);
+			return rc;
+		}
+		/* The child is charged like a private copy: under the budget, the
+		 * tier writes older sequences out first. */
+		rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(x->snap), msg, msglen);
+		if (rc == -EINPROGRESS) {
+			say(msg, msglen, "making room for the prefix: attach again");
+			return -EAGAIN;
+		}
+		if (rc)
+			return rc;
+		rc = kvd_store_seq_fork(sh->st, x->snap, uid, tenant, owner, out, msg, msglen);
+		if (rc)
+			return rc;
+		kvd_store_local_give(sh->st, x->snap, *out, 0);
+		lru_front(sh, x);
+		*tokens = x->tokens;
+		if (u) {
+			u->u.hit_tokens += x->tokens;
+			u->u.miss_tokens += asked - x->tokens;
+			u->u.saved_bytes += kvd_store_seq_bytes(x->snap);
+		}
+		return 0;
+	}
+	rc = kvd_store_seq_create_uid(sh->st, p, uid, tenant, owner, out, msg, msglen);
+	if (!rc && u)
+		u->u.miss_tokens += asked;
+	return rc;
+}
+
+void kvd_share_each(const struct kvd_share *sh,
+		    void (*fn)(void *arg, const struct kvd_share_usage *u), void *arg)
+{
+	for (const struct ns_usage *u = sh->usage; u; u = u->next) {
+		struct kvd_share_usage v = u->u;
+
+		for (const struct pub *x = sh->lru_head; x; x = x->lru_next)
+			if (x->ns == v.ns)
+				v.shared_bytes += kvd_store_seq_bytes(x->snap) +
+						  kvd_store_local_bytes(x->snap);
+		fn(arg, &v);
+	}
+}

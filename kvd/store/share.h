@@ -1,0 +1,69 @@
+/* kvd_share: prefixes published by content key, and attaching them.
+ *
+ * A published prefix is a snapshot: a hidden copy-on-write fork of the
+ * publishing sequence as it was when it published (its sealed segments
+ * shared, reference counted; its open tails and means copied) together with
+ * the client's own rows it sent with LOCAL (kvd_store_local_*), filed under
+ * (namespace, profile, key of its last chunk).  An attach forks the
+ * snapshot for the attaching client, so the child is bit for bit the
+ * publisher at that moment: its answers equal those of a private sequence
+ * given the same rows in the same calls.  The namespace is the caller's
+ * (kvd_limits_namespace: its uid or its sharing group); lookups never leave
+ * it, so a miss and another namespace's hit look the same.
+ *
+ * Snapshots are sequences to the tier: charged to the publisher's uid,
+ * counted against its sequences, written out and restored like any other.
+ * When a publish is refused for the uid's limits, that uid's least recently
+ * used snapshots are dropped to make room (a published prefix is a cache);
+ * a snapshot that is lost on disk drops out at its next attach (a miss).
+ *
+ * Single-threaded: the daemon's state lock, like the store.
+ */
+#ifndef KVD_SHARE_H
+#define KVD_SHARE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "store.h"
+#include "tier.h"
+
+#define KVD_SHARE_KEY 16                /* bytes of a content key (XXH3-128) */
+#define KVD_SHARE_MAX_KEYS 2048         /* keys in one attach (a request is <= 64 KiB) */
+
+struct kvd_share;
+
+int kvd_share_create(struct kvd_store *st, struct kvd_tier *t, struct kvd_share **out);
+/* Frees every snapshot (their files go: a published prefix does not outlive
+ * kvd).  Before kvd_tier_stopping and the store's destruction. */
+void kvd_share_destroy(struct kvd_share *sh);
+
+/* Publishes q (ns: its caller's namespace) under key: `tokens` is its length,
+ * a multiple of the profile's chunk_tokens.  q must be resident with every
+ * layer's prefill done; per layer the rows kvd holds plus the client rows
+ * put with LOCAL must be `tokens` (dense layers: all rows put).  Those rows
+ * move to the snapshot.  0 (also when key is published already: nothing
+ * changes), -EINVAL, -EAGAIN (q on disk), -EBUSY (mid-prefill), or a
+ * refusal of the limits once the uid's other snapshots are gone. */
+int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
+		      const uint8_t *key, uint64_t tokens, char *msg, size_t msglen);
+
+/* Attaches the longest published prefix of ns and profile p named by keys
+ * (nkeys of KVD_SHARE_KEY bytes; key i names chunks 0..i): a new sequence
+ * for (uid, tenant, owner) either way, *tokens the prefix's length (0: a
+ * miss, the sequence is empty).  -EAGAIN when the prefix is on disk (its
+ * restore has started: ask again), else as kvd_store_seq_create_uid. */
+int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile *p,
+		     const uint8_t *keys, uint32_t nkeys, uint32_t uid, const char *tenant,
+		     uint64_t owner, struct kvd_seqn **out, uint64_t *tokens, char *msg,
+		     size_t msglen);
+
+struct kvd_share_usage {
+	uint32_t ns, published;
+	uint64_t published_tokens, hit_tokens, miss_tokens, shared_bytes, saved_bytes;
+};
+/* Calls fn for every namespace that published or attached. */
+void kvd_share_each(const struct kvd_share *sh,
+		    void (*fn)(void *arg, const struct kvd_share_usage *u), void *arg);
+
+#endif
