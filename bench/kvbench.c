@@ -621,7 +621,7 @@ static void usage(void)
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n"
-		"       kvbench share [--json] [--ctx N] [--layers N] [--children N]\n");
+		"       kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N] ...\n");
 	exit(2);
 }
 

@@ -1,9 +1,14 @@
-/* kvbench share: sequence fork (kvc_seq_fork) through the real daemon
- * (docs/ARCHITECTURE.md, "kvbench share fields").
+/* kvbench share: sharing one prompt's KV in kvd (docs/ARCHITECTURE.md,
+ * "kvbench share fields"), one JSON line per scene.
  *
- *   kvbench share [--json] [--ctx N] [--layers N] [--children N]
+ *   kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N]
+ *                 [--children N] [--clients N] [--private N] [--steps N]
+ *                 [--sessions N] [--procs N] [--turns N] [--base N]
+ *                 [--msg-min N] [--msg-max N] [--gen N]
  *
- * One client, one kvd started for the run.  A --ctx token prompt (kvd_synth,
+ * The prompt and chat scenes (prefix sharing by content key) are
+ * bench/prefix.c's.  The fork scene: one client, one kvd started for the
+ * run.  A --ctx token prompt (kvd_synth,
  * the mixed workload; every layer gets the same rows, as in serve and the
  * demo: the generator is not what is measured) is prefilled into one parent
  * sequence of a Llama-3.1-8B-shaped profile cut to --layers layers (layer 0
@@ -29,6 +34,7 @@
 #include "bench.h"
 #include "err.h"
 #include "kvc.h"
+#include "prefix.h"
 #include "synth.h"
 
 #define SH_APPEND   300         /* tokens decoded into child 1 and the parent */
@@ -37,6 +43,9 @@
 struct share_opts {
 	int json;
 	uint32_t ctx, layers, children;
+	struct prefix_opts px;
+	const char *scene;
+	int layers_given;
 };
 
 /* Everything one run holds, so one exit path frees it. */
@@ -56,9 +65,104 @@ static const uint32_t dense0[] = { 0 };
 
 static int usage(void)
 {
-	fprintf(stderr, "usage: kvbench share [--json] [--ctx N>=1024] [--layers N in 2..32] "
-			"[--children N in 1..%d]\n", SH_MAXCHILD);
+	fprintf(stderr, "usage: kvbench share [--json] [--scene fork|prompt|chat|all] "
+			"[--ctx N>=1024] [--layers N in 2..32]\n"
+			"         [--children N in 1..%d] [--clients N in 2..64] [--private N] "
+			"[--steps N]\n"
+			"         [--sessions N] [--procs N] [--turns N] [--base N] [--msg-min N] "
+			"[--msg-max N] [--gen N]\n", SH_MAXCHILD);
 	return 2;
+}
+
+static int scene_prompt(const struct share_opts *op)
+{
+	struct prefix_opts px = op->px;
+	struct prefix_prompt_res r;
+	long cores = sysconf(_SC_NPROCESSORS_ONLN);
+	int rc;
+
+	px.ctx = op->ctx;
+	/* One dense layer of 8 unless --layers says otherwise: an attach ships
+	 * the dense layers' rows whole, and Llama-3.1-8B keeps 2 of 32 dense, so
+	 * a slice of 4 (1 of 4) would weigh them double. */
+	px.layers = op->layers_given ? op->layers : 8;
+	if ((rc = bench_prefix_prompt(&px, &r)))
+		return rc;
+	if (op->json)
+		printf("{\"bench\":\"share\",\"scene\":\"prompt\",\"ctx\":%u,\"private\":%u,"
+		       "\"clients\":%u,\"layers\":%u,\"dense_layers\":1,\"steps\":%u,"
+		       "\"workload\":\"mixed\",\"prefill_ms\":%.1f,\"publish_ms\":%.2f,"
+		       "\"attach_ms\":%.3f,\"attach_vs_prefill\":%.5f,\"identical\":%s,"
+		       "\"prompt_bytes\":%llu,\"shared_bytes\":%llu,\"part_bytes\":%llu,"
+		       "\"ideal_bytes\":%.0f,\"rss_shared_bytes\":%.0f,\"rss_private_bytes\":%.0f,"
+		       "\"resident_ratio\":%.3f,\"private_resident_ratio\":%.3f,"
+		       "\"rss_saved_bytes\":%.0f,\"cpu\":\"%s\",\"cores\":%ld}\n",
+		       px.ctx, px.priv, px.clients, px.layers, px.steps, r.prefill_ms, r.publish_ms,
+		       r.attach_ms, r.attach_ms / r.prefill_ms, r.identical ? "true" : "false",
+		       (unsigned long long)r.prompt_bytes, (unsigned long long)r.shared_bytes,
+		       (unsigned long long)r.part_bytes, r.ideal, r.rss_shared, r.rss_private,
+		       r.resident_ratio, r.private_ratio, r.rss_private - r.rss_shared,
+		       bench_cpu_name(), cores);
+	else
+		printf("share, prompt: %u clients, one %u-token prompt + %u own tokens each, %u layers "
+		       "(1 dense); %s, %ld cores\n"
+		       "  prefill of the prompt %.1f ms, publish %.2f ms, attach %.3f ms (median): "
+		       "attach / prefill %.5f\n"
+		       "  kvd resident (RssAnon) for all %u: shared %.1f MiB, private %.1f MiB "
+		       "(saved %.1f MiB);\n"
+		       "  shared / (one prompt + %u own parts) %.3f, private / same %.3f; "
+		       "identical: %s\n",
+		       px.clients, px.ctx, px.priv, px.layers, bench_cpu_name(), cores, r.prefill_ms,
+		       r.publish_ms, r.attach_ms, r.attach_ms / r.prefill_ms, px.clients,
+		       r.rss_shared / 1048576, r.rss_private / 1048576,
+		       (r.rss_private - r.rss_shared) / 1048576, px.clients, r.resident_ratio,
+		       r.private_ratio, r.identical ? "yes" : "NO");
+	fflush(stdout);
+	return r.identical ? 0 : 1;
+}
+
+static int scene_chat(const struct share_opts *op)
+{
+	struct prefix_opts px = op->px;
+	struct prefix_chat_res r;
+	long cores = sysconf(_SC_NPROCESSORS_ONLN);
+	int rc;
+
+	px.layers = op->layers;
+	rc = bench_prefix_chat(&px, &r);
+	if (op->json)
+		printf("{\"bench\":\"share\",\"scene\":\"chat\",\"sessions\":%u,\"procs\":%u,"
+		       "\"turns\":%u,\"base\":%u,\"msg_min\":%u,\"msg_max\":%u,\"gen\":%u,"
+		       "\"layers\":%u,\"total_bytes\":%llu,\"budget_bytes\":%llu,"
+		       "\"asked_tokens\":%llu,\"hit_tokens\":%llu,\"hit_rate\":%.4f,"
+		       "\"publish_refused\":%llu,"
+		       "\"checked\":%llu,\"mismatches\":%llu,\"identical\":%s,\"spills\":%llu,"
+		       "\"restores\":%llu,\"lost\":%llu,\"attach_ms_mean\":%.3f,"
+		       "\"turn_ms_mean\":%.1f,\"wall_s\":%.1f,\"cpu\":\"%s\",\"cores\":%ld}\n",
+		       px.sessions, px.procs, px.turns, px.base, px.msg_min, px.msg_max, px.gen,
+		       px.layers, (unsigned long long)r.total_bytes, (unsigned long long)r.budget_bytes,
+		       (unsigned long long)r.asked, (unsigned long long)r.hit, r.hit_rate,
+		       (unsigned long long)r.refused, (unsigned long long)r.checked, (unsigned long long)r.mismatches,
+		       r.identical ? "true" : "false", (unsigned long long)r.spills,
+		       (unsigned long long)r.restores, (unsigned long long)r.lost,
+		       r.turns ? r.attach_ms / r.turns : 0, r.turns ? r.turn_ms / r.turns : 0,
+		       r.wall_s, bench_cpu_name(), cores);
+	else
+		printf("share, chat: %u sessions x %u turns in %u processes, budget %.1f MiB of %.1f "
+		       "MiB; %s, %ld cores\n"
+		       "  hit rate %.3f (%llu of %llu prompt tokens from the store), %llu publishes "
+		       "refused, %llu spills, %llu restores, %llu lost\n"
+		       "  attach %.2f ms, turn %.1f ms (means); %llu turns checked against private "
+		       "sequences, %llu differ\n",
+		       px.sessions, px.turns, px.procs, r.budget_bytes / 1048576.0,
+		       r.total_bytes / 1048576.0, bench_cpu_name(), cores, r.hit_rate,
+		       (unsigned long long)r.hit, (unsigned long long)r.asked,
+		       (unsigned long long)r.refused, (unsigned long long)r.spills, (unsigned long long)r.restores,
+		       (unsigned long long)r.lost, r.turns ? r.attach_ms / r.turns : 0,
+		       r.turns ? r.turn_ms / r.turns : 0, (unsigned long long)r.checked,
+		       (unsigned long long)r.mismatches);
+	fflush(stdout);
+	return rc;
 }
 
 /* kvd's resident set, VmRSS of /proc/PID/status, in bytes. */
@@ -290,7 +394,7 @@ static int run(struct share *x)
 	long cores = sysconf(_SC_NPROCESSORS_ONLN);
 
 	if (op->json)
-		printf("{\"bench\":\"share\",\"ctx\":%u,\"layers\":%u,\"dense_layers\":%u,"
+		printf("{\"bench\":\"share\",\"scene\":\"fork\",\"ctx\":%u,\"layers\":%u,\"dense_layers\":%u,"
 		       "\"children\":%u,\"sequences\":%u,\"workload\":\"mixed\",\"q_heads\":%u,"
 		       "\"kv_heads\":%u,\"head_dim\":%u,\"K\":%u,\"L\":%u,\"c\":%u,"
 		       "\"prefill_ms\":%.1f,\"fork_ms\":%.3f,\"fork_vs_prefill\":%.5f,"
@@ -367,24 +471,64 @@ int bench_share_main(int argc, char **argv)
 		fprintf(stderr, "kvbench share: out of memory\n");
 		return 1;
 	}
-	x->op = (struct share_opts){ .ctx = 16384, .layers = 4, .children = 7 };
+	int layers_given = 0;
+
+	x->op = (struct share_opts){ .ctx = 16384, .layers = 4, .children = 7, .scene = "all",
+		.px = { .clients = 8, .priv = 2048, .steps = 8, .sessions = 32, .procs = 4,
+			.turns = 3, .base = 768, .msg_min = 200, .msg_max = 600, .gen = 32 } };
 	for (int i = 0; i < argc; i++) {
+		struct prefix_opts *px = &x->op.px;
+
 		if (!strcmp(argv[i], "--json")) {
 			x->op.json = 1;
 			continue;
 		}
+		if (!strcmp(argv[i], "--scene") && i + 1 < argc) {
+			x->op.scene = argv[++i];
+			continue;
+		}
+		if (!strcmp(argv[i], "--layers"))
+			layers_given = 1;
 		uint32_t *dst = !strcmp(argv[i], "--ctx") ? &x->op.ctx :
 				!strcmp(argv[i], "--layers") ? &x->op.layers :
-				!strcmp(argv[i], "--children") ? &x->op.children : NULL;
+				!strcmp(argv[i], "--children") ? &x->op.children :
+				!strcmp(argv[i], "--clients") ? &px->clients :
+				!strcmp(argv[i], "--private") ? &px->priv :
+				!strcmp(argv[i], "--steps") ? &px->steps :
+				!strcmp(argv[i], "--sessions") ? &px->sessions :
+				!strcmp(argv[i], "--procs") ? &px->procs :
+				!strcmp(argv[i], "--turns") ? &px->turns :
+				!strcmp(argv[i], "--base") ? &px->base :
+				!strcmp(argv[i], "--msg-min") ? &px->msg_min :
+				!strcmp(argv[i], "--msg-max") ? &px->msg_max :
+				!strcmp(argv[i], "--gen") ? &px->gen : NULL;
 
 		if (!dst || i + 1 >= argc || bench_parse_u32(argv[++i], dst) || x->op.ctx < 1024 ||
-		    x->op.layers < 2 || x->op.layers > 32 || x->op.children > SH_MAXCHILD) {
+		    x->op.layers < 2 || x->op.layers > 32 || x->op.children > SH_MAXCHILD ||
+		    px->clients < 2 || px->clients > 64 || px->procs > 64 ||
+		    px->msg_min > px->msg_max) {
 			free(x);
 			return usage();
 		}
 	}
-	rc = run(x);
-	share_free(x);
+	const char *sc = x->op.scene;
+
+	x->op.layers_given = layers_given;
+	int all = !strcmp(sc, "all");
+
+	if (!all && strcmp(sc, "fork") && strcmp(sc, "prompt") && strcmp(sc, "chat")) {
+		free(x);
+		return usage();
+	}
+	rc = 0;
+	if (all || !strcmp(sc, "fork")) {
+		rc |= run(x);
+		share_free(x);
+	}
+	if (all || !strcmp(sc, "prompt"))
+		rc |= scene_prompt(&x->op);
+	if (all || !strcmp(sc, "chat"))
+		rc |= scene_chat(&x->op);
 	free(x);
 	return rc;
 }

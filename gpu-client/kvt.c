@@ -647,53 +647,81 @@ int kvt_local_put(struct kvt *t, uint64_t id, uint32_t layer, const uint16_t *k,
 	return 0;
 }
 
+/* One LOCAL get of rows [r0, r0 + cnt) into a slot of its own. */
+static int local_get_submit(struct kvt *t, uint64_t id, uint32_t layer, uint32_t r0,
+			    uint32_t cnt, int mean, int *slot)
+{
+	const struct kvd_local_layout lay = kvd_local_layout(t->g.kv_heads, t->g.d, cnt, mean);
+	int rc;
+
+	if ((*slot = kvt_slot_get(t, 0)) < 0)
+		return *slot;
+	struct kvd_sqe e = {
+		.op = KVD_OP_LOCAL, .flags = (uint8_t)(KVD_LF_GET | (mean ? KVD_LF_MEAN : 0)),
+		.layer = (uint16_t)layer, .slot = (uint32_t)*slot, .user_data = (uint64_t)*slot,
+		.seq = id, .ntok = cnt, .row0 = r0, .out_len = (uint32_t)lay.bytes,
+	};
+
+	if ((rc = kvt_submit(t, &e)))
+		kvt_slot_put(t, (uint32_t)*slot);
+	return rc;
+}
+
 int kvt_local_get(struct kvt *t, uint64_t id, uint32_t layer, float *mean, uint16_t *k,
 		  uint16_t *v, uint32_t n, uint32_t stride)
 {
 	const uint32_t H = t->g.kv_heads, d = t->g.d;
 	uint32_t per = kvd_local_fit(H, d, kvt_slot_size(t));
-	int rc = 0;
+	/* Several gets in flight: kvd fills one slot while this side copies
+	 * another out.  One slot stays free for whoever else needs one. */
+	uint32_t depth = t->r.geo.nslots > 2 ? t->r.geo.nslots - 1 : 1;
+	uint32_t nchunk, sent = 0, got = 0;
+	int slots[64], rc = 0;
 
 	if (!per)
 		return kvt_fail(t, -EMSGSIZE, "slots too small for one row");
-	for (uint32_t r0 = 0; r0 < n; r0 += per) {
-		uint32_t cnt = n - r0 < per ? n - r0 : per;
-		int want_mean = r0 == 0 && mean;
+	nchunk = (n + per - 1) / per;
+	depth = depth < 64 ? depth : 64;
+	while (got < nchunk) {
+		while (!rc && sent < nchunk && sent - got < depth) {
+			uint32_t r0 = sent * per, cnt = n - r0 < per ? n - r0 : per;
+
+			rc = local_get_submit(t, id, layer, r0, cnt, r0 == 0 && mean, &slots[sent % 64]);
+			if (!rc)
+				sent++;
+		}
+		if (got == sent)
+			return rc;
+		uint32_t r0 = got * per, cnt = n - r0 < per ? n - r0 : per;
+		int slot = slots[got % 64], want_mean = r0 == 0 && mean;
 		const struct kvd_local_layout lay = kvd_local_layout(H, d, cnt, want_mean);
-		int slot = kvt_slot_get(t, 0);
 		int32_t res;
 		const char *msg;
+		int wrc = kvt_wait_slot(t, (uint32_t)slot, &res, &msg);
 
-		if (slot < 0)
-			return slot;
-		struct kvd_sqe e = {
-			.op = KVD_OP_LOCAL, .flags = (uint8_t)(KVD_LF_GET | (want_mean ? KVD_LF_MEAN : 0)),
-			.layer = (uint16_t)layer, .slot = (uint32_t)slot, .user_data = (uint64_t)slot,
-			.seq = id, .ntok = cnt, .row0 = r0, .out_len = (uint32_t)lay.bytes,
-		};
+		if (!wrc && res < 0)
+			wrc = kvt_fail(t, res, "attach: rows of layer %u: kvd: %s", layer, msg);
+		if (!wrc) {
+			const char *base = kvt_slot(t, (uint32_t)slot);
 
-		if ((rc = kvt_submit(t, &e)) || (rc = kvt_wait_slot(t, (uint32_t)slot, &res, &msg))) {
+			if (want_mean)
+				memcpy(mean, base, (size_t)H * d * sizeof *mean);
+			for (size_t h = 0; h < H; h++) {
+				memcpy(k + (h * stride + r0) * d, base + lay.k + h * cnt * d * 2,
+				       (size_t)cnt * d * 2);
+				memcpy(v + (h * stride + r0) * d, base + lay.v + h * cnt * d * 2,
+				       (size_t)cnt * d * 2);
+			}
+		}
+		/* An owned slot goes back only once kvd is done with it. */
+		if (wrc == 0 || t->slot[slot].done)
 			kvt_slot_put(t, (uint32_t)slot);
-			return rc;
-		}
-		if (res < 0) {
-			rc = kvt_fail(t, res, "attach: rows of layer %u: kvd: %s", layer, msg);
-			kvt_slot_put(t, (uint32_t)slot);
-			return rc;
-		}
-		const char *base = kvt_slot(t, (uint32_t)slot);
-
-		if (want_mean)
-			memcpy(mean, base, (size_t)H * d * sizeof *mean);
-		for (size_t h = 0; h < H; h++) {
-			memcpy(k + (h * stride + r0) * d, base + lay.k + h * cnt * d * 2,
-			       (size_t)cnt * d * 2);
-			memcpy(v + (h * stride + r0) * d, base + lay.v + h * cnt * d * 2,
-			       (size_t)cnt * d * 2);
-		}
-		kvt_slot_put(t, (uint32_t)slot);
+		got++;
+		rc = rc ? rc : wrc;
+		if (rc && got < sent)
+			continue;       /* collect what is in flight before failing */
 	}
-	return 0;
+	return rc;
 }
 
 int kvt_seq_free(struct kvt *t, uint64_t id)

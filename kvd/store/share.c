@@ -9,6 +9,7 @@
 #include "share.h"
 
 #define PUB_BUCKETS 4096
+#define KVD_SHARE_MAKE_WAY 4            /* snapshots one publish may drop */
 
 /* One published prefix.  Chained by (ns, profile, key); on the LRU list,
  * most recently published or attached first. */
@@ -212,15 +213,16 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 		return -ENOMEM;
 	}
 	/* A snapshot is a fork with no owner.  At the uid's limits its older
-	 * snapshots make way: they are a cache, the publisher's request is not. */
-	for (;;) {
+	 * snapshots make way (they are a cache), a few at most: a publish that
+	 * cannot fit anyway must not empty the uid's cache for nothing. */
+	for (int dropped = 0;; dropped++) {
 		struct pub *old;
 
 		rc = kvd_store_seq_fork(sh->st, q, uid, kvd_store_seq_tenant(q), 0, &snap, msg,
 					msglen);
 		if (rc != -EDQUOT && rc != -ENOMEM && rc != -ENOSPC)
 			break;
-		if (!(old = lru_of_uid(sh, uid, NULL)))
+		if (dropped == KVD_SHARE_MAKE_WAY || !(old = lru_of_uid(sh, uid, NULL)))
 			break;
 		pub_drop(sh, old);
 	}

@@ -13,8 +13,9 @@
  *
  * Snapshots are sequences to the tier: charged to the publisher's uid,
  * counted against its sequences, written out and restored like any other.
- * When a publish is refused for the uid's limits, that uid's least recently
- * used snapshots are dropped to make room (a published prefix is a cache);
+ * When a publish is refused for the uid's limits, up to four of that uid's
+ * least recently used snapshots are dropped to make room (a published prefix
+ * is a cache);
  * a snapshot that is lost on disk drops out at its next attach (a miss).
  *
  * Single-threaded: the daemon's state lock, like the store.

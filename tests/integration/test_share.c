@@ -497,8 +497,9 @@ static void test_share_errors(void **state)
 
 	raw_up(&r, "t", &pid);
 	/* A freed sequence, a made-up one, a key of the wrong size. */
+	id = kvc_seq_id(s);
 	assert_int_equal(kvc_seq_free(a, s), 0);
-	assert_int_equal(raw_publish(&r, kvc_seq_id(s), junk, KVC_KEY_BYTES, P_TOK), -ENOENT);
+	assert_int_equal(raw_publish(&r, id, junk, KVC_KEY_BYTES, P_TOK), -ENOENT);
 	assert_int_equal(raw_publish(&r, 12345, junk, KVC_KEY_BYTES, P_TOK), -ENOENT);
 	assert_int_equal(raw_publish(&r, kvc_seq_id(x), junk, 5, P_TOK), -EINVAL);
 	/* Another connection's sequence (same tenant): not its to publish. */
