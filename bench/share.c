@@ -16,7 +16,7 @@
  * 1 + children sequences hold one prompt.  Reported: the parent's prefill
  * against a fork, kvd's resident memory (VmRSS from /proc) for the parent
  * and for the children, and what kvd charges for them all (ServerStats
- * bytes), which counts every holder in full.
+ * bytes), which counts each shared segment once.
  *
  * Checked: every child answers kvc_attend on every layer bit for bit as the
  * parent does; after 300 appended tokens, different for child 1 and the

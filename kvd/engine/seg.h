@@ -74,6 +74,10 @@ struct kvd_seg {
 					 * kvd_seg_ref adds one, kvd_seg_free drops one
 					 * and frees with the last.  The owner's thread
 					 * only (the daemon's loop). */
+	uint32_t chg_uid, chg_node;     /* the store's: who pays for it (once, whoever
+					 * holds it) and where it lives */
+	uint32_t wbusy;                 /* the tier's: a file write uses its header page
+					 * (a shared segment goes in one file at a time) */
 	double tables_ms;               /* time kvd_seg_build spent on the tables */
 	void *io;                       /* the io buffer: header page, then mem */
 	void *mem;                      /* io + KVD_SEG_IO_PAGE: kvd_seg_bytes() of payload */

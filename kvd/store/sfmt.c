@@ -80,6 +80,7 @@ static const char *kind_name(uint32_t kind)
 	case KVD_SFMT_LAYER: return "LAYER";
 	case KVD_SFMT_SEG: return "SEG";
 	case KVD_SFMT_END: return "END";
+	case KVD_SFMT_LOCAL: return "LOCAL";
 	}
 	return "?";
 }
@@ -360,6 +361,11 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
 	*codes = (uint16_t *)(p + 2 * rows);
 }
 
+uint64_t kvd_sfmt_local_bytes(const struct kvd_geom *g, uint32_t n)
+{
+	return 2 * A64((uint64_t)g->kv_heads * n * g->d * 2);
+}
+
 /* ---- headers ------------------------------------------------------------ */
 
 uint64_t kvd_sfmt_ext_payload(const struct kvd_sfmt_file *f, const struct kvd_sfmt_ext *e)
@@ -371,6 +377,8 @@ uint64_t kvd_sfmt_ext_payload(const struct kvd_sfmt_file *f, const struct kvd_sf
 		return kvd_sfmt_layer_bytes(&f->p->g, e->n, !!(e->flags & KVD_SFMT_LF_MEAN));
 	case KVD_SFMT_SEG:
 		return kvd_seg_bytes(&f->p->g, e->n);
+	case KVD_SFMT_LOCAL:
+		return kvd_sfmt_local_bytes(&f->p->g, e->n);
 	}
 	return 0;
 }
@@ -402,6 +410,10 @@ void kvd_sfmt_hdr_fill(struct kvd_sfmt_hdr *h, const struct kvd_sfmt_file *f,
 			h->flags = e->flags;
 		else if (g->kv_dtype == KVD_KV_INT8)
 			h->flags = KVD_SFMT_SF_INT8;
+		break;
+	case KVD_SFMT_LOCAL:
+		h->layer = e->layer;
+		h->n = e->n;
 		break;
 	case KVD_SFMT_END:
 		h->n = e->index;        /* the extents before it */
@@ -444,8 +456,10 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 	const char *kn = kind_name(h->kind);
 	uint64_t want;
 
-	if (h->kind < KVD_SFMT_PROFILE || h->kind > KVD_SFMT_END)
-		return fail(msg, msglen, "extent %u: unknown kind %u", h->index, h->kind);
+	if (h->kind < KVD_SFMT_PROFILE || h->kind > KVD_SFMT_LOCAL ||
+	    (h->kind == KVD_SFMT_LOCAL && h->version < 3))
+		return fail(msg, msglen, "extent %u: unknown kind %u for version %u", h->index, h->kind,
+			    h->version);
 	if (kvd_geom_check(&g) &&
 	    !(h->kind == KVD_SFMT_END && !h->kv_heads && !h->d && !h->K && !h->L))
 		return fail(msg, msglen,
@@ -503,6 +517,17 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 				    "SEG extent %u: payload_bytes %llu, a segment of %u tokens takes %llu",
 				    h->index, (unsigned long long)h->payload_bytes, h->n,
 				    (unsigned long long)want);
+		break;
+	case KVD_SFMT_LOCAL:
+		if (h->layer >= KVD_CTL_LAYERS_MAX || h->n < 1 || h->n > KVD_SFMT_LOCAL_MAX ||
+		    h->tok_begin || h->tok_end)
+			return fail(msg, msglen, "LOCAL extent %u: layer %u, %u rows out of range",
+				    h->index, h->layer, h->n);
+		want = kvd_sfmt_local_bytes(&g, h->n);
+		if (h->payload_bytes != want)
+			return fail(msg, msglen,
+				    "LOCAL extent %u: payload_bytes %llu, %u rows take %llu", h->index,
+				    (unsigned long long)h->payload_bytes, h->n, (unsigned long long)want);
 		break;
 	case KVD_SFMT_END:
 		if (h->payload_bytes || h->n != h->index)

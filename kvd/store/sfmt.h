@@ -9,8 +9,9 @@
  * Extent order in a file: PROFILE (the profile's fields and W, so the file
  * describes itself), then for every sparse layer in layer order one LAYER
  * extent (centering mean and the open tail) followed by that layer's SEG
- * extents, and last an END extent.  A file without a valid END is not
- * complete.
+ * extents, then one LOCAL extent per layer whose client rows kvd keeps (a
+ * published prefix's sinks, window and dense layers: kvd/store/share.h),
+ * and last an END extent.  A file without a valid END is not complete.
  *
  * Integrity: `crc` is CRC32C (ISA-L) of the payload; `hdr_crc` is CRC32C of
  * the header struct with hdr_crc zero, so it covers `crc` too and the two
@@ -38,7 +39,8 @@
  *            tok_end - tok_begin == n; flags within KVD_SFMT_SF_* (none in
  *            a version 1 file).
  *
- * Versions: 2 added int8 segments (KVD_SFMT_SF_INT8, the PROFILE record's
+ * Versions: 3 added LOCAL extents (files without them read unchanged);
+ * 2 added int8 segments (KVD_SFMT_SF_INT8, the PROFILE record's
  * kv_dtype).  Version 1 files, all bf16, read unchanged: their SEG flags and
  * the field that is now kv_dtype were 0.  kvd writes version 2.  The
  * PROFILE record's estimator took the first 4 of its reserved bytes without
@@ -46,6 +48,10 @@
  * what their profiles were.  A profile's estimator state (the heavy lists of
  * hybrid and adaptive) is scratch and is never written: a sequence comes
  * back from a file with empty lists.
+ *   LOCAL    version >= 3; layer < KVD_CTL_LAYERS_MAX; n in
+ *            1..KVD_SFMT_LOCAL_MAX rows; payload K then V, bf16
+ *            [kv_heads][n][d] each, each part 64-byte aligned
+ *            (kvd_sfmt_local_bytes).
  *   END      payload_bytes 0; n == index.
  * Fields a kind does not mention are not checked (seq, gen, profile_fp:
  * the reader compares them with what it expects).
@@ -63,7 +69,7 @@
 #include "store.h"
 
 #define KVD_SFMT_PAGE 4096u
-#define KVD_SFMT_VERSION 2u
+#define KVD_SFMT_VERSION 3u
 #define KVD_SFMT_VERSION_MIN 1u
 #define KVD_SFMT_MAGIC "KVDSPILL"       /* 8 bytes, no NUL on disk */
 
@@ -72,6 +78,7 @@ enum kvd_sfmt_kind {
 	KVD_SFMT_LAYER = 2,
 	KVD_SFMT_SEG = 3,
 	KVD_SFMT_END = 4,
+	KVD_SFMT_LOCAL = 5,             /* version 3: a layer's client rows (prefix sharing) */
 };
 
 #define KVD_SFMT_LF_MEAN 0x1            /* LAYER: the payload starts with the mean */
@@ -151,6 +158,9 @@ int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile
 			 char *msg, size_t msglen);
 
 uint64_t kvd_sfmt_layer_bytes(const struct kvd_geom *g, uint32_t n, int mean);
+/* A LOCAL payload of n rows: K at 0, V at half of it (each part the same size). */
+#define KVD_SFMT_LOCAL_MAX (1u << 24)
+uint64_t kvd_sfmt_local_bytes(const struct kvd_geom *g, uint32_t n);
 /* Pointers into a LAYER payload laid out for (g, n, mean); mean is NULL when
  * absent. */
 void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *payload,

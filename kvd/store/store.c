@@ -134,6 +134,41 @@ static void give(struct kvd_store *s, struct kvd_seqn *q, size_t n)
 	uncharge(s, q->uid, n);
 }
 
+/* Segments are charged once, to the uid of the sequence that made them
+ * (sealed or read back), and counted once in the store's total, however
+ * many sequences hold them; each holder counts them in its own bytes (what
+ * it uses) and segb.  seg_new: q made seg (its bytes were charged already);
+ * seg_hold: q takes one more reference on a segment someone else made;
+ * seg_put: q lets go, and the last holder's put frees and uncharges. */
+static void seg_new(struct kvd_store *s, struct kvd_seqn *q, struct kvd_seg *seg)
+{
+	seg->chg_uid = q->uid;
+	seg->chg_node = q->node;
+	q->bytes += seg->bytes;
+	q->segb += seg->bytes;
+	s->bytes += seg->bytes;
+	s->node_bytes[q->node] += seg->bytes;
+}
+
+static struct kvd_seg *seg_hold(struct kvd_seqn *q, struct kvd_seg *seg)
+{
+	q->bytes += seg->bytes;
+	q->segb += seg->bytes;
+	return kvd_seg_ref(seg);
+}
+
+static void seg_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_seg *seg)
+{
+	q->bytes -= seg->bytes;
+	q->segb -= seg->bytes;
+	if (seg->refs == 1) {
+		s->bytes -= seg->bytes;
+		s->node_bytes[seg->chg_node] -= seg->bytes;
+		uncharge(s, seg->chg_uid, seg->bytes);
+	}
+	kvd_seg_free(seg);
+}
+
 static void profile_free(struct prof *x)
 {
 	if (!x)
@@ -176,10 +211,14 @@ static int rows_alloc(const struct kvd_profile *p, uint16_t **k, uint16_t **v, u
 	return -ENOMEM;
 }
 
-static void layer_free(const struct kvd_profile *p, struct kvd_layer_state *l)
+/* Frees a layer's resident data; its segments through seg_put, the rest
+ * left in q->bytes for the caller to give back. */
+static void layer_free(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
 {
+	const struct kvd_profile *p = q->p;
+
 	for (uint32_t i = 0; i < l->nseg; i++)
-		kvd_seg_free(l->seg[i]);
+		seg_put(s, q, l->seg[i]);
 	free(l->seg);
 	free(l->mean);
 	free(l->heavy);
@@ -209,7 +248,7 @@ static void seq_destroy(struct kvd_store *s, struct kvd_seqn *q)
 
 	local_unref(s, p, q->loc);
 	for (uint32_t i = 0; i < p->layers; i++)
-		layer_free(p, &q->ly[i]);
+		layer_free(s, q, &q->ly[i]);
 	free(q->ly);
 	s->bytes -= q->bytes;
 	s->node_bytes[q->node] -= q->bytes;
@@ -779,11 +818,14 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 		give(s, q, sb);
 		return rc;
 	}
-	l->seg[l->nseg++] = seg;
+	/* From here the segment carries its charge (seg_new), not q. */
+	account(s, q, -(ptrdiff_t)sb);
 	if (seg->bytes != sb) {         /* kvd_seg_io_bytes is its size: never, but stay exact */
-		give(s, q, sb);
-		take(s, q, seg->bytes, 1);
+		uncharge(s, q->uid, sb);
+		charge(s, q->uid, seg->bytes, 1);
 	}
+	seg_new(s, q, seg);
+	l->seg[l->nseg++] = seg;
 	return 0;
 }
 
@@ -1049,6 +1091,10 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 		q->gen++;
 	}
 	q->gen++;
+	/* The client's rows put for a publish (or kept for an attach to
+	 * fetch) describe the sequence as it was: new rows make them stale. */
+	local_unref(s, p, q->loc);
+	q->loc = NULL;
 	rc = is_append ? append(s, q, l, k, v, codes, n) : prefill(s, q, l, last, k, v, codes, n);
 	if (rc)
 		snprintf(msg, msglen, "layer %u: %s", layer, s->why[0] ? s->why : kvd_strerror(rc));
@@ -1064,10 +1110,13 @@ void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q)
 		uint64_t tokens = l->tokens;
 		int sealed = l->sealed;
 
-		layer_free(q->p, l);
+		layer_free(s, q, l);
 		l->tokens = tokens;
 		l->sealed = sealed;
 	}
+	/* The file holds the client's rows too (a LOCAL extent per layer). */
+	local_unref(s, q->p, q->loc);
+	q->loc = NULL;
 	give(s, q, q->bytes);           /* the struct and layer array (q->fixed) stay */
 }
 
@@ -1119,8 +1168,9 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 	struct kvd_layer_state *l = &q->ly[layer];
 	int rc;
 
-	if ((rc = seg_room(s, q, l, 1)) || (rc = take(s, q, seg->bytes, 1)))
+	if ((rc = seg_room(s, q, l, 1)) || (rc = charge(s, q->uid, seg->bytes, 1)))
 		return rc;
+	seg_new(s, q, seg);
 	l->seg[l->nseg++] = seg;
 	return 0;
 }
@@ -1133,8 +1183,9 @@ int kvd_store_spillable(const struct kvd_seqn *q)
 	return 1;
 }
 
-/* What a fork of parent holds: every layer's mean, tail buffer, estimator
- * state, segment table and (shared, but charged to each holder) segments. */
+/* What a fork of parent is charged: every layer's mean, tail buffer,
+ * estimator state and segment table.  Not the segments: they stay charged
+ * once, to whoever made them. */
 static size_t fork_bytes(const struct kvd_seqn *parent)
 {
 	const struct kvd_profile *p = parent->p;
@@ -1145,8 +1196,6 @@ static size_t fork_bytes(const struct kvd_seqn *parent)
 
 		n += (l->mean ? mean_bytes(p) : 0) + (l->tail_k ? rows_bytes(p, p->seal_tokens) : 0) +
 		     (l->heavy ? heavy_bytes(p) : 0) + (size_t)l->segcap * sizeof(struct kvd_seg *);
-		for (uint32_t j = 0; j < l->nseg; j++)
-			n += l->seg[j]->bytes;
 	}
 	return n;
 }
@@ -1205,7 +1254,7 @@ int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t ui
 			goto oom;
 		b->segcap = a->segcap;
 		for (uint32_t j = 0; j < a->nseg; j++)
-			b->seg[b->nseg++] = kvd_seg_ref(a->seg[j]);
+			b->seg[b->nseg++] = seg_hold(q, a->seg[j]);
 		if (a->tail_k) {
 			if (rows_alloc(p, &b->tail_k, &b->tail_v, &b->tail_codes, p->seal_tokens,
 				       s->mem[q->node]))
@@ -1269,6 +1318,17 @@ const struct kvd_profile *kvd_store_seq_profile(const struct kvd_seqn *q)
 size_t kvd_store_seq_bytes(const struct kvd_seqn *q)
 {
 	return q->bytes;
+}
+
+size_t kvd_store_seq_freeable(const struct kvd_seqn *q)
+{
+	size_t n = q->bytes + (q->loc && q->loc->refs == 1 ? q->loc->bytes : 0);
+
+	for (uint32_t i = 0; i < q->p->layers; i++)
+		for (uint32_t j = 0; j < q->ly[i].nseg; j++)
+			if (q->ly[i].seg[j]->refs > 1)
+				n -= q->ly[i].seg[j]->bytes;
+	return n;
 }
 
 uint64_t kvd_store_seq_gen(const struct kvd_seqn *q)
@@ -1385,7 +1445,7 @@ static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct
 
 /* q's own blob, made (or unshared: a snapshot's rows never change) for a
  * put.  The struct is charged like its rows. */
-static int local_own(struct kvd_store *s, struct kvd_seqn *q)
+static int local_own(struct kvd_store *s, struct kvd_seqn *q, int force)
 {
 	const struct kvd_profile *p = q->p;
 	size_t n = sizeof(struct kvd_local) + p->layers * sizeof(struct kvd_local_layer);
@@ -1394,7 +1454,7 @@ static int local_own(struct kvd_store *s, struct kvd_seqn *q)
 
 	if (q->loc && q->loc->refs == 1)
 		return 0;
-	if ((rc = charge(s, q->uid, n, 0)))
+	if ((rc = charge(s, q->uid, n, force)))
 		return rc;
 	if (!(b = calloc(1, n))) {
 		uncharge(s, q->uid, n);
@@ -1410,8 +1470,27 @@ static int local_own(struct kvd_store *s, struct kvd_seqn *q)
 	return 0;
 }
 
+static int local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
+		     const uint16_t *k, const uint16_t *v, uint32_t n, int force, char *msg,
+		     size_t msglen);
+
 int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
 			const uint16_t *k, const uint16_t *v, uint32_t n, char *msg, size_t msglen)
+{
+	return local_put(s, q, layer, row0, k, v, n, 0, msg, msglen);
+}
+
+int kvd_store_install_local(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const uint16_t *k, const uint16_t *v, uint32_t n)
+{
+	if (layer >= q->p->layers || (q->loc && q->loc->ly[layer].n))
+		return -EINVAL;
+	return local_put(s, q, layer, 0, k, v, n, 1, NULL, 0);
+}
+
+static int local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
+		     const uint16_t *k, const uint16_t *v, uint32_t n, int force, char *msg,
+		     size_t msglen)
 {
 	const struct kvd_profile *p = q->p;
 	const size_t H = p->g.kv_heads, d = p->g.d;
@@ -1429,10 +1508,12 @@ int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 	if (need > UINT32_MAX / 2)
 		return say(msg, msglen, "%llu rows of layer %u", (unsigned long long)need, layer),
 		       -E2BIG;
-	if ((rc = local_own(s, q))) {
+	if ((rc = local_own(s, q, force))) {
 		say(msg, msglen, "%s", s->why);
 		return rc;
 	}
+	if (!force)             /* a restore puts back what the file holds */
+		q->gen++;
 	l = &q->loc->ly[layer];
 	if (row0 == 0)
 		l->n = 0;
@@ -1444,7 +1525,7 @@ int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 		while (cap < need)
 			cap *= 2;
 		more = local_layer_bytes(p, cap) - local_layer_bytes(p, l->cap);
-		if ((rc = charge(s, q->uid, more, 0))) {
+		if ((rc = charge(s, q->uid, more, force))) {
 			say(msg, msglen, "%s", s->why);
 			return rc;
 		}

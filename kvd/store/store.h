@@ -22,6 +22,10 @@
  * -ENOMEM at the memory limit, -EDQUOT at memory_per_uid, with a message
  * naming the limit.  Sequences count against KVD_RES_SEQUENCES, profiles
  * against KVD_RES_PROFILES.
+ * A sealed segment is charged once, to the uid of the sequence that sealed
+ * (or read) it, and stays charged until its last holder lets go: a fork,
+ * an attach or a snapshot holding it is not charged for it again, and the
+ * store's total counts it once (each holder's own bytes count it in full).
  * Everything is uncharged when freed or dropped.  Without limits nothing
  * is refused for the budget (the tier's pre-checks still apply), as before.
  *
@@ -232,6 +236,9 @@ uint32_t kvd_store_seq_uid(const struct kvd_seqn *q);
 const char *kvd_store_seq_tenant(const struct kvd_seqn *q);
 const struct kvd_profile *kvd_store_seq_profile(const struct kvd_seqn *q);
 size_t kvd_store_seq_bytes(const struct kvd_seqn *q);
+/* What dropping q would give back now: its bytes less the segments another
+ * sequence also holds. */
+size_t kvd_store_seq_freeable(const struct kvd_seqn *q);
 uint64_t kvd_store_seq_gen(const struct kvd_seqn *q);
 enum kvd_seq_state kvd_store_seq_state(const struct kvd_seqn *q);
 uint32_t kvd_store_seq_ready_layers(const struct kvd_seqn *q);
@@ -271,12 +278,24 @@ uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_
  * again), charged to the sequence's uid before anything is allocated; k, v
  * are [kv][n][d] and copied once.  A blob shared with a snapshot is never
  * changed: a put then starts a private one.  get copies rows out; -ERANGE
- * beyond what was put. */
+ * beyond what was put.  Rows entering the sequence (kvd_store_rows) drop
+ * them: they no longer describe it.  The tier writes them with the
+ * sequence (LOCAL extents) and drops them with its RAM. */
 int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
 			const uint16_t *k, const uint16_t *v, uint32_t n, char *msg, size_t msglen);
 uint32_t kvd_store_local_rows(const struct kvd_seqn *q, uint32_t layer);
 int kvd_store_local_get(const struct kvd_seqn *q, uint32_t layer, uint32_t row0, uint32_t n,
 			uint16_t *k, uint16_t *v);
+/* A layer's rows read back from a spill file (LOCAL extent): charged
+ * without a check (the tier reserved the room).  -EINVAL when the layer
+ * has rows already. */
+int kvd_store_install_local(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const uint16_t *k, const uint16_t *v, uint32_t n);
+/* A layer's rows read back from a spill file (LOCAL extent): charged
+ * without a check (the tier reserved the room).  -EINVAL when the layer
+ * has rows already. */
+int kvd_store_install_local(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const uint16_t *k, const uint16_t *v, uint32_t n);
 /* to takes from's rows: moved (from keeps none) or shared (a reference). */
 void kvd_store_local_give(struct kvd_store *s, struct kvd_seqn *from, struct kvd_seqn *to,
 			  int move);

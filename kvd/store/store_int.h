@@ -54,7 +54,11 @@ struct kvd_seqn {
 	const struct kvd_profile *p;
 	struct kvd_layer_state *ly;     /* [layers] */
 	size_t bytes;                   /* resident: segments and their tables, staging,
-					 * tail, means (0 on disk) */
+					 * tail, means (0 on disk); shared segments in
+					 * full, as if private */
+	size_t segb;                    /* the segments' part of bytes: each segment
+					 * is charged once, to its chg_uid, not to
+					 * every holder (kvd_store_seq_freeable) */
 	size_t fixed;                   /* the struct and its layer array: charged, and
 					 * kept when dropped, but not in bytes */
 	uint64_t gen;                   /* bumped by every change to the data */

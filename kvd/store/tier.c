@@ -45,6 +45,8 @@ struct rec {
 	uint8_t *mine;                  /* [next]: buf[i] is ours to free at the end:
 					 * MINE_PAGE or MINE_SEG (kvd_seg_io_alloc) */
 	struct ext *wext;               /* WRITE: the extents being written */
+	struct kvd_seg **wseg;          /* WRITE: the segments whose header pages it uses */
+	unsigned nwseg;
 	uint64_t reserved;              /* READ: budget held for what is not installed
 					 * (charged to uid's memory in kvd_limits) */
 	uint64_t spill_chg;             /* bytes of the file (being) written, charged to
@@ -246,6 +248,11 @@ static void job_release(struct kvd_tier *t, struct rec *r)
 		else
 			free(r->buf[i].p);
 	}
+	for (unsigned i = 0; i < r->nwseg; i++)
+		r->wseg[i]->wbusy = 0;
+	free(r->wseg);
+	r->wseg = NULL;
+	r->nwseg = 0;
 	free(r->buf);
 	free(r->mine);
 	free(r->wext);
@@ -278,12 +285,17 @@ static unsigned count_extents(const struct kvd_seqn *q)
 
 		if (l->mean || l->tail_n || l->nseg)
 			n += 1 + l->nseg;
+		if (q->loc && q->loc->ly[i].n)
+			n++;
 	}
 	return n;
 }
 
 /* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
- * END.  Segments are written from their own buffers (their header page);
+ * END; -EAGAIN while a segment of q is in another write (forks and
+ * attached prefixes share segments, and each file writes its own header
+ * into the segment's header page).  Segments are written from their own
+ * buffers (their header page);
  * profile, layer and end extents are copies, so later appends do not race
  * the write.  A layer's estimator state (l->heavy, hybrid and adaptive
  * profiles) is not written: it is scratch, dropped with the sequence's
@@ -298,7 +310,12 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	unsigned n = count_extents(q), i = 0;
 	struct kvd_sfmt_ext e;
 
-	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)))
+	for (uint32_t ly = 0; ly < p->layers; ly++)
+		for (uint32_t sgi = 0; sgi < q->ly[ly].nseg; sgi++)
+			if (q->ly[ly].seg[sgi]->wbusy)
+				return -EAGAIN;
+	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)) ||
+	    !(r->wseg = calloc(n, sizeof *r->wseg)))
 		goto nomem;
 
 	e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PROFILE, .index = i };
@@ -354,6 +371,8 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 		for (uint32_t sgi = 0; sgi < l->nseg; sgi++) {
 			struct kvd_seg *sg = l->seg[sgi];
 
+			sg->wbusy = 1;
+			r->wseg[r->nwseg++] = sg;
 			r->buf[i].p = sg->io;
 			r->buf[i].bytes = sg->bytes;
 			h = sg->io;
@@ -365,6 +384,34 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 						   h->tok_end };
 			i++;
 		}
+	}
+	/* The client rows kvd keeps for a published prefix: copies, like the
+	 * layers' (a later put or rows entering replace them, not change them). */
+	for (uint32_t ly = 0; q->loc && ly < p->layers; ly++) {
+		const struct kvd_local_layer *lo = &q->loc->ly[ly];
+		uint64_t half;
+
+		if (!lo->n)
+			continue;
+		e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_LOCAL, .index = i, .layer = ly,
+					   .n = lo->n };
+		r->buf[i].bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(&f, &e));
+		if (!(r->buf[i].p = page_alloc(r->buf[i].bytes)))
+			goto nomem;
+		r->mine[i] = 1;
+		memset(r->buf[i].p, 0, r->buf[i].bytes);
+		kvd_sfmt_hdr_fill(r->buf[i].p, &f, &e);
+		half = kvd_sfmt_local_bytes(g, lo->n) / 2;
+		for (size_t hh = 0; hh < g->kv_heads; hh++) {
+			size_t rowb = (size_t)lo->n * g->d * 2;
+			char *pl = (char *)r->buf[i].p + PAGE;
+
+			memcpy(pl + hh * rowb, lo->k + hh * lo->cap * g->d, rowb);
+			memcpy(pl + half + hh * rowb, lo->v + hh * lo->cap * g->d, rowb);
+		}
+		r->wext[i] = (struct ext){ .kind = KVD_SFMT_LOCAL, .layer = ly, .n = lo->n,
+					   .bytes = r->buf[i].bytes };
+		i++;
 	}
 	r->buf[i].bytes = PAGE;
 	if (!(r->buf[i].p = page_alloc(PAGE)))
@@ -403,7 +450,7 @@ static int evict(struct kvd_tier *t, struct rec *r)
 
 	if (q->state == KVD_SEQ_SPILLING) {
 		if (!r->evict_after) {
-			r->pend = q->bytes;
+			r->pend = kvd_store_seq_freeable(q);
 			t->pending += r->pend;
 		}
 		r->evict_after = 1;
@@ -455,7 +502,7 @@ static int evict(struct kvd_tier *t, struct rec *r)
 	r->io_t0 = now_ns();
 	r->evict_after = 1;
 	q->state = KVD_SEQ_SPILLING;
-	r->pend = q->bytes;
+	r->pend = kvd_store_seq_freeable(q);
 	t->pending += r->pend;
 	kvd_log(LOG_DEBUG, "sequence %016llx: writing %zu bytes out", (unsigned long long)q->id,
 		q->bytes);
@@ -655,6 +702,15 @@ static int install(struct kvd_tier *t, struct rec *r, unsigned i)
 			kvd_seg_free(sg);
 			return rc;
 		}
+		break;
+	}
+	case KVD_SFMT_LOCAL: {
+		uint64_t half = kvd_sfmt_local_bytes(g, e->n) / 2;
+
+		if (e->layer >= q->p->layers)
+			return -KVD_EFORMAT;
+		rc = kvd_store_install_local(t->st, q, e->layer, payload,
+					     (const uint16_t *)((char *)payload + half), e->n);
 		break;
 	}
 	case KVD_SFMT_END:
@@ -1210,6 +1266,13 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 		}
 		if (data)
 			last = h->layer;
+		if (h->kind == KVD_SFMT_LOCAL && h->layer >= p->layers) {
+			kvd_log(LOG_WARNING, "spill file of %016llx: LOCAL extent %u names layer %u of %u",
+				(unsigned long long)hdr[0].seq, i, h->layer, p->layers);
+			rec_free(t, r);
+			kvd_store_seq_free(t->st, q);
+			return -KVD_EFORMAT;
+		}
 		if (h->kind == KVD_SFMT_LAYER) {
 			q->ly[h->layer].tokens = h->tok_end;
 			q->ly[h->layer].sealed = !!(h->flags & KVD_SFMT_LF_SEALED);

@@ -21,8 +21,9 @@
  *                                the prefix still attaches; every byte but the
  *                                published snapshot's comes back
  *   test_share_spilled           a published prefix written out under the
- *                                memory budget is read back by the attach that
- *                                wants it and answers bit for bit
+ *                                memory budget (the client rows kept for it
+ *                                too) is read back by the attach that wants
+ *                                it and answers bit for bit
  *   test_share_race              three connections attach, extend, publish and
  *                                free concurrently (TSan): answers stay those of
  *                                the prefix, nothing leaks
@@ -737,7 +738,11 @@ static void test_share_spilled(void **state)
 	if (st.on_disk < 1)
 		fail_msg("nothing went to disk (%u sequences, %llu used of %llu)", n,
 			 (unsigned long long)st.used_bytes, (unsigned long long)st.mem_limit);
+	/* the snapshot went whole: its segments and the client rows beside it */
+	assert_int_equal(share_stats(a).shared_bytes, 0);
 	x = attach_ok(a, &src, P_TOK, P_TOK);
+	assert_true(share_stats(a).shared_bytes > 0);
+	/* the merged answers use the rows read back for the client's part */
 	answer_ok(a, x, &src, &att);
 	expect_same("attached from disk vs publisher", &att, &pub);
 	assert_true(stats(a).restores >= 1);

@@ -828,6 +828,60 @@ static void test_seg_restore_attention(void **state)
 
 /* ---- versions ----------------------------------------------------------- */
 
+/* Version 3 added LOCAL extents: the client rows of a published prefix, K
+ * then V of n rows; refused in an older header, with a size other than n
+ * rows', with no rows, with a token range, with flags. */
+static void test_local_extent(void **state)
+{
+	const struct kvd_geom g = { .q_heads = 4, .kv_heads = 2, .d = 16, .K = 4, .L = 3, .c = 1 };
+	struct kvd_profile geo = { .g = g };
+	const struct kvd_sfmt_file f = { .p = &geo, .seq = 1, .gen = 1, .profile_fp = 2,
+					 .tenant = "t" };
+	const struct kvd_sfmt_ext e = { .kind = KVD_SFMT_LOCAL, .index = 4, .layer = 0, .n = 70 };
+	struct kvd_sfmt_hdr h, bad;
+	uint64_t bytes = kvd_sfmt_local_bytes(&g, 70);
+	uint8_t *pl = calloc(1, bytes);
+
+	assert_non_null(pl);
+	/* K is 2 heads x 70 rows x 16 x 2 bytes = 4480, padded to 4480 (64 | 4480) */
+	assert_int_equal(bytes, 2 * 4480);
+	for (uint64_t i = 0; i < bytes; i++)
+		pl[i] = (uint8_t)(i * 7);
+	kvd_sfmt_hdr_fill(&h, &f, &e);
+	assert_int_equal(h.payload_bytes, bytes);
+	assert_int_equal(h.n, 70);
+	seal_and_check(&h, pl);
+	bad = h;
+	bad.version = 2;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "LOCAL in a version 2 file");
+	bad = h;
+	bad.n = 71;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "LOCAL rows disagree with payload_bytes");
+	bad = h;
+	bad.n = 0;
+	bad.payload_bytes = 0;
+	bad.extent_bytes = PAGE;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "LOCAL of no rows");
+	bad = h;
+	bad.tok_end = 70;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "LOCAL with a token range");
+	bad = h;
+	bad.flags = 1;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "LOCAL with flags");
+	pl[5] ^= 1;
+	{
+		char msg[256];
+
+		assert_int_equal(kvd_sfmt_check_payload(&h, pl, msg, sizeof msg), -KVD_EFORMAT);
+	}
+	free(pl);
+}
+
 /* Version 2 added int8 segments.  A version 1 file (bf16 only: no SEG flags,
  * a zero where the profile record now keeps kv_dtype) still reads; the int8
  * flag is refused in a version 1 header and unknown flags in any; a header
@@ -850,13 +904,13 @@ static void test_versions(void **state)
 	seg_random(&g16, 100, 3, &s16);
 	assert_true(kvd_seg_bytes(&g8, 100) < kvd_seg_bytes(&g16, 100));
 
-	/* what kvd writes: version 2, the flag from the geometry */
+	/* what kvd writes: version 3, the flag from the geometry */
 	kvd_sfmt_hdr_fill(&h, &f, &e);
 	assert_int_equal(h.payload_bytes, kvd_seg_bytes(&g8, 100));
 	assert_int_equal(h.tok_end, 100);
 	assert_int_equal(h.flags, KVD_SFMT_SF_INT8);
 	seal_and_check(&h, s8->mem);
-	assert_int_equal(h.version, 2);
+	assert_int_equal(h.version, 3);
 	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
 	assert_int_equal(kvd_sfmt_seg_dtype(&got), KVD_KV_INT8);
 
@@ -874,9 +928,9 @@ static void test_versions(void **state)
 	fix_hdr_crc(&bad);
 	expect_hdr_fail(&bad, "flag disagrees with payload_bytes");
 	bad = h;
-	bad.version = 3;
+	bad.version = 4;
 	fix_hdr_crc(&bad);
-	expect_hdr_fail(&bad, "version 3");
+	expect_hdr_fail(&bad, "version 4");
 	bad.version = 0;
 	fix_hdr_crc(&bad);
 	expect_hdr_fail(&bad, "version 0");
@@ -1250,6 +1304,7 @@ int main(void)
 		cmocka_unit_test(test_io_buffers),
 		cmocka_unit_test(test_seg_restore_attention),
 		cmocka_unit_test(test_versions),
+		cmocka_unit_test(test_local_extent),
 		cmocka_unit_test(test_seg_corruptions),
 		cmocka_unit_test(test_seg_full_buckets),
 		cmocka_unit_test(test_tiny_extents),

@@ -882,8 +882,10 @@ static int teardown(void **state)
 /* A fork shares its parent's sealed segments (the same objects, one more
  * reference each) and copies the tail and the mean; each side then seals
  * its own segments; freeing either first leaves the other whole; it is
- * charged as a private copy (so the uid's charge never falls short of what
- * it holds) and everything returns to zero.  Mid-prefill, over the uid's
+ * charged for what it copies, not for the segments it shares (those stay
+ * charged once, to their maker, until their last holder lets go, so the
+ * uid's charge never falls short of what is held) and everything returns
+ * to zero.  Mid-prefill, over the uid's
  * memory, or on disk, the fork is refused and nothing is left behind. */
 static void test_fork(void **state)
 {
@@ -915,8 +917,19 @@ static void test_fork(void **state)
 	assert_ptr_equal(kvd_store_seq_profile(f), p);
 	assert_int_equal(tokens_of(f), tokens_of(q));
 	assert_int_equal(kvd_store_seq_bytes(f), qb);
-	/* charged its bytes and its own struct */
-	assert_true(mem_total(l) - before > qb && mem_total(l) - before < qb + 4096);
+	/* charged its own struct, tail, means and tables: not the segments */
+	{
+		size_t segs = 0;
+
+		for (uint32_t j = 0; j < 2; j++)
+			for (uint32_t k = 0; k < kvd_store_view(q, j).nseg; k++)
+				segs += kvd_store_view(q, j).seg[k]->bytes;
+		assert_true(segs > 0);
+		assert_true(mem_total(l) - before > qb - segs &&
+			    mem_total(l) - before < qb - segs + 4096);
+		assert_int_equal(kvd_store_seq_freeable(f), qb - segs);
+	}
+	assert_int_equal(store_total(s), mem_total(l));
 	a = kvd_store_view(q, 0);
 	b = kvd_store_view(f, 0);
 	assert_int_equal(a.nseg, 3);
@@ -947,6 +960,8 @@ static void test_fork(void **state)
 	assert_int_equal(kvd_store_seq_fork(s, f, 9, "9:t", 3, &g, msg, sizeof msg), 0);
 	assert_int_equal(kvd_store_view(g, 1).seg[0]->refs, 3);
 	kvd_store_seq_free(s, q);
+	/* the segments q made stay charged while f and g hold them */
+	assert_int_equal(store_total(s), mem_total(l));
 	b = kvd_store_view(f, 0);
 	assert_int_equal(b.seg[0]->refs, 2);
 	seg_holds(&b, 0, 0, 256);
@@ -991,11 +1006,22 @@ static void test_fork_over_budget(void **state)
 	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
 	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
 	assert_int_equal(rows(s, q, 0, 0, 1, 1, 0, 600, msg, sizeof msg), 0);
+	/* the rest of the budget: empty sequences until one no longer fits,
+	 * so a fork (its struct and more) does not either */
+	struct kvd_seqn *fill[4096];
+	uint32_t nf = 0;
+
+	while (nf < 4096 &&
+	       !kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &fill[nf], msg, sizeof msg))
+		nf++;
+	assert_true(nf < 4096);
 	used = mem_total(l);
 	assert_int_equal(kvd_store_seq_fork(s, q, 9, "9:t", 2, &f, msg, sizeof msg), -EDQUOT);
 	assert_non_null(strstr(msg, "memory_per_uid"));
 	assert_int_equal(mem_total(l), used);
 	assert_int_equal(kvd_store_view(q, 0).seg[0]->refs, 1);
+	while (nf)
+		kvd_store_seq_free(s, fill[--nf]);
 	kvd_store_seq_free(s, q);
 	kvd_store_profile_unref(s, p);
 	assert_int_equal(mem_total(l), 0);
