@@ -312,8 +312,11 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 
 	for (uint32_t ly = 0; ly < p->layers; ly++)
 		for (uint32_t sgi = 0; sgi < q->ly[ly].nseg; sgi++)
-			if (q->ly[ly].seg[sgi]->wbusy)
+			if (q->ly[ly].seg[sgi]->wbusy) {
+				snprintf(t->why, sizeof t->why, "a segment it shares is being written "
+					 "out with another sequence: try again");
 				return -EAGAIN;
+			}
 	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)) ||
 	    !(r->wseg = calloc(n, sizeof *r->wseg)))
 		goto nomem;

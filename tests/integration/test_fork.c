@@ -964,6 +964,26 @@ static void test_fork_tier(void **state)
 	expect_same("parent restored after its child left", &ap2, &ap);
 	assert_int_equal(wait_state(c, par, KVC_SEQ_RESTORING).state, KVC_SEQ_RAM);
 
+	/* both written out at once while they share segments: a segment's
+	 * header page goes into one file at a time (the second SeqEvict says
+	 * -EAGAIN until the first write is done), and neither is lost */
+	ch = fork_of(c, par);
+	evict(c, par);
+	for (int i = 0; (rc = kvc_seq_evict(c, ch)) == -EAGAIN && i < 5000; i++)
+		usleep(1000);
+	if (rc)
+		fail_msg("evict of the child: %d %s", rc, kvc_last_error(c));
+	assert_int_equal(wait_state(c, par, KVC_SEQ_SPILLING).state, KVC_SEQ_DISK);
+	assert_int_equal(wait_state(c, ch, KVC_SEQ_SPILLING).state, KVC_SEQ_DISK);
+	answer_ok(c, ch, &src, &ac);
+	expect_same("child written out beside its parent", &ac, &ap);
+	answer_ok(c, par, &src, &ap2);
+	expect_same("parent written out beside its child", &ap2, &ap);
+	assert_int_equal(stats(c).lost, 0);
+	assert_int_equal(wait_state(c, ch, KVC_SEQ_RESTORING).state, KVC_SEQ_RAM);
+	assert_int_equal(kvc_seq_free(c, ch), 0);
+	assert_int_equal(wait_state(c, par, KVC_SEQ_RESTORING).state, KVC_SEQ_RAM);
+
 	/* a fork right behind an evict: the parent is still being written
 	 * (allowed), or already on disk (-EAGAIN); a child made while it was
 	 * written answers as it did, after the write dropped the parent.  A

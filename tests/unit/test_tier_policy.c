@@ -796,6 +796,104 @@ static void test_uid_share_evicts_own(void **state)
 	env_mem_per_uid = 0;
 }
 
+/* A fork shares its parent's segments, and a file write fills each
+ * segment's header page: while the parent's write is in flight the child
+ * cannot start its own (-EAGAIN, saying why), once it is reaped it can, and
+ * both come back bit for bit.  Charges: the child pays for what it copied,
+ * the shared segments stay charged once, and dropping the parent frees
+ * none of them. */
+static void test_shared_segments_write_in_turn(void **state)
+{
+	struct kvd_seqn *a, *b;
+	struct snap sa, sb;
+	struct kvd_limits_usage u0, u1;
+	char msg[200];
+	struct env e;
+
+	env_open(&e, 0, 0, 0, 1, "");
+	a = seq_full(&e, 70, NULL);
+	kvd_limits_uid_usage(e.l, UID, &u0);
+	assert_int_equal(kvd_store_seq_fork(e.s, a, UID, "1000:t", 2, &b, msg, sizeof msg), 0);
+	kvd_limits_uid_usage(e.l, UID, &u1);
+	assert_true(u1.n[KVD_RES_MEMORY] - u0.n[KVD_RES_MEMORY] < kvd_store_seq_bytes(a) / 2);
+	assert_int_equal(kvd_store_seq_bytes(b), kvd_store_seq_bytes(a));
+	assert_true(kvd_store_seq_freeable(a) < kvd_store_seq_bytes(a) / 2);
+	snap_take(a, &sa);
+	snap_take(b, &sb);
+
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, a, msg, sizeof msg), 0);
+	/* a's write is not reaped before the next call: b must wait for it */
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_evict(e.t, b, msg, sizeof msg), -EAGAIN);
+	assert_non_null(strstr(msg, "shares"));
+	WAIT_UNTIL(&e, kvd_store_seq_state(a) == KVD_SEQ_DISK);
+	/* a's segments are b's too: nothing of them was given back */
+	assert_int_equal(kvd_store_seq_bytes(b), sb.bytes);
+	assert_int_equal(kvd_tier_evict(e.t, b, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(b) == KVD_SEQ_DISK);
+	assert_int_equal(used(&e), stats(&e).used);
+	restore(&e, b);
+	restore(&e, a);
+	snap_equal(a, &sa);
+	snap_equal(b, &sb);
+	assert_int_equal(stats(&e).lost, 0);
+	snap_free(&sa);
+	snap_free(&sb);
+	env_close(&e);
+}
+
+/* The client rows a published prefix keeps (kvd_store_local_*) go to disk
+ * with their sequence and come back bit for bit, charged again; rows
+ * entering the sequence drop them. */
+static void test_local_rows_spill(void **state)
+{
+	struct kvd_seqn *q;
+	struct kvd_rng r = kvd_rng_make(80);
+	uint16_t k[KV * 70 * D], v[KV * 70 * D], k2[KV * 70 * D], v2[KV * 70 * D];
+	char msg[200];
+	struct env e;
+
+	fill_bf16(k, KV * 70 * D, &r, 0, 1);
+	fill_bf16(v, KV * 70 * D, &r, 0, 1);
+	env_open(&e, 0, 0, 0, 1, "");
+	q = seq_full(&e, 81, NULL);
+	/* a dense layer's 70 rows and a sparse layer's 68, in two puts */
+	assert_int_equal(kvd_store_local_put(e.s, q, 0, 0, k, v, 70, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_local_put(e.s, q, 2, 0, k, v, 40, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_local_put(e.s, q, 2, 40, k + KV * 40 * D, v + KV * 40 * D, 28,
+					     msg, sizeof msg), 0);
+	/* a gap: refused */
+	assert_int_equal(kvd_store_local_put(e.s, q, 2, 70, k, v, 8, msg, sizeof msg), -EINVAL);
+	uint64_t before = used(&e);
+
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q) == KVD_SEQ_DISK);
+	assert_int_equal(kvd_store_local_rows(q, 0), 0);
+	assert_true(used(&e) < before);
+	restore(&e, q);
+	assert_int_equal(used(&e), before);
+	assert_int_equal(kvd_store_local_rows(q, 0), 70);
+	assert_int_equal(kvd_store_local_rows(q, 1), 0);
+	assert_int_equal(kvd_store_local_rows(q, 2), 68);
+	assert_int_equal(kvd_store_local_get(q, 0, 0, 70, k2, v2), 0);
+	assert_memory_equal(k2, k, sizeof k);
+	assert_memory_equal(v2, v, sizeof v);
+	assert_int_equal(kvd_store_local_get(q, 2, 10, 30, k2, v2), 0);
+	for (uint32_t h = 0; h < KV; h++) {
+		assert_memory_equal(k2 + h * 30 * D, k + (h * 40 + 10) * D, 30 * D * 2);
+		assert_memory_equal(v2 + h * 30 * D, v + (h * 40 + 10) * D, 30 * D * 2);
+	}
+	assert_int_equal(kvd_store_local_get(q, 2, 40, 28, k2, v2), 0);
+	assert_memory_equal(k2, k + KV * 40 * D, KV * 28 * D * 2);
+	assert_int_equal(kvd_store_local_get(q, 2, 60, 9, k2, v2), -ERANGE);
+	/* an appended row makes them stale: gone */
+	assert_int_equal(rows(&e, q, 1, 1, 0, 1, 82, NULL, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_local_rows(q, 0), 0);
+	env_close(&e);
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -816,6 +914,8 @@ int main(void)
 		cmocka_unit_test(test_refused_when_nothing_can_go),
 		cmocka_unit_test(test_lost),
 		cmocka_unit_test(test_uid_share_evicts_own),
+		cmocka_unit_test(test_shared_segments_write_in_turn),
+		cmocka_unit_test(test_local_rows_spill),
 	};
 	int rc;
 
