@@ -83,7 +83,16 @@ static void request(const uint8_t *buf, size_t len)
 		break;
 	}
 	case KVD__REQUEST__BODY_SEQ_CREATE:
-		if (!r->seq_create->profile_id || r->seq_create->content_key.len > KVD_CTL_KEY_MAX)
+		if (!r->seq_create->profile_id || r->seq_create->content_key.len > KVD_CTL_KEY_MAX ||
+		    r->seq_create->n_attach_keys > KVD_CTL_ATTACH_KEYS_MAX ||
+		    (r->seq_create->n_attach_keys && r->seq_create->parent))
+			abort();
+		for (size_t i = 0; i < r->seq_create->n_attach_keys; i++)
+			if (r->seq_create->attach_keys[i].len != KVD_CTL_CONTENT_KEY)
+				abort();
+		break;
+	case KVD__REQUEST__BODY_SEQ_PUBLISH:
+		if (!r->seq_publish->seq || r->seq_publish->key.len != KVD_CTL_CONTENT_KEY)
 			abort();
 		break;
 	case KVD__REQUEST__BODY__NOT_SET:

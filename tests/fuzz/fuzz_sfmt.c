@@ -13,7 +13,7 @@
  *  - PROFILE: kvd_sfmt_profile_get agrees with kvd_sfmt_check_payload, the
  *    profile read hashes to the header's fingerprint, and putting it back
  *    gives the very same bytes;
- *  - LAYER: every part lies inside the payload (read end to end);
+ *  - LAYER, LOCAL: every part lies inside the payload (read end to end);
  *  - SEG: checked in a buffer of exactly its size (a read past it is an ASan
  *    report), then copied into an io buffer whose header page and padding
  *    are poisoned, adopted, and queried on every kv head with
@@ -79,6 +79,26 @@ static void profile(const struct kvd_sfmt_hdr *h, const uint8_t *pl, int ok)
 	free(back);
 	free(p.dense);
 	free(p.W);
+}
+
+/* A LOCAL extent as tier.c installs it: K [kv][n][d] at 0, V at half the
+ * payload, read end to end. */
+static void local(const struct kvd_sfmt_hdr *h, const uint8_t *pl)
+{
+	const struct kvd_geom g = { .q_heads = h->kv_heads, .kv_heads = h->kv_heads, .d = h->d,
+				    .K = h->K, .L = h->L, .c = 1 };
+	uint64_t half = kvd_sfmt_local_bytes(&g, h->n) / 2;
+	size_t rows = (size_t)h->kv_heads * h->n * h->d;
+	const uint16_t *k = (const uint16_t *)pl, *v = (const uint16_t *)(pl + half);
+	volatile uint32_t sink;
+	uint32_t acc = 0;
+
+	if (half * 2 != h->payload_bytes || rows * 2 > half)
+		abort();
+	for (size_t i = 0; i < rows; i++)
+		acc += k[i] ^ v[i];
+	sink = acc;
+	(void)sink;
 }
 
 static void layer(const struct kvd_sfmt_hdr *h, uint8_t *pl)
@@ -198,6 +218,9 @@ static void one(const uint8_t *buf, size_t len)
 		break;
 	case KVD_SFMT_LAYER:
 		layer(&h, pl);
+		break;
+	case KVD_SFMT_LOCAL:
+		local(&h, pl);
 		break;
 	case KVD_SFMT_SEG:
 		if (!rc)

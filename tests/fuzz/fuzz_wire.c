@@ -30,11 +30,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			abort();                /* every refusal says why */
 		return 0;
 	}
-	if (e.op == KVD_OP_PREFILL || e.op == KVD_OP_APPEND || e.op == KVD_OP_ATTEND) {
+	if (e.op == KVD_OP_PREFILL || e.op == KVD_OP_APPEND || e.op == KVD_OP_ATTEND ||
+	    e.op == KVD_OP_LOCAL) {
 		if (e.slot >= nslots || (uint64_t)e.off + e.len > slot_size)
 			abort();
 	}
-	if (e.op == KVD_OP_ATTEND) {
+	if (e.op == KVD_OP_LOCAL && (e.ntok == 0 || e.ntok > KVD_WIRE_MAX_NTOK ||
+				     ((e.flags & KVD_LF_GET) ? e.len != 0 : e.out_len != 0)))
+		abort();
+	if (e.op == KVD_OP_ATTEND || (e.op == KVD_OP_LOCAL && (e.flags & KVD_LF_GET))) {
 		if ((uint64_t)e.out_off + e.out_len > slot_size)
 			abort();
 		if (e.len && e.out_len && e.out_off < e.off + (uint64_t)e.len &&
@@ -56,6 +60,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	    (e.op == KVD_OP_PREFILL || e.op == KVD_OP_APPEND)) {
 		if (e.layer >= p.layers || p.dense[e.layer] ||
 		    e.len != kvd_rows_bytes(p.g.kv_heads, p.g.d, p.g.L, e.ntok, e.flags & KVD_RF_MEAN))
+			abort();
+	}
+	if (kvd_wire_payload(&e, &p, msg, sizeof msg) == 0 && e.op == KVD_OP_LOCAL) {
+		uint64_t want = kvd_local_layout(p.g.kv_heads, p.g.d, e.ntok,
+						 e.flags & KVD_LF_MEAN).bytes;
+
+		if (e.layer >= p.layers || ((e.flags & KVD_LF_MEAN) && p.dense[e.layer]) ||
+		    ((e.flags & KVD_LF_GET) ? e.out_len < want : e.len != want))
 			abort();
 	}
 	return 0;

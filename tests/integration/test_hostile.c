@@ -19,6 +19,12 @@
  *                               executor time than a uid with one
  *   test_big_profiles_no_stall  creating profiles with 16 MiB of W each must
  *                               not hold other clients' decode
+ *   test_share_per_uid          a uid flooding LOCAL rows is refused at
+ *                               memory_per_uid; one publishing prefix after
+ *                               prefix stays within sequences_per_uid (its
+ *                               own oldest snapshots make way); a third uid
+ *                               decoding meanwhile sees no error and never
+ *                               another's prefix
  *
  * Forked children never use cmocka's asserts (they would longjmp into the
  * child's copy of the runner): they report through exit codes and a shared
@@ -205,6 +211,11 @@ static int start_shm(void **state)
 static int start_ctl_cpu(void **state)
 {
 	return start_cfg("[limits]\ncontrol_cpu_per_uid = 5%\n", NULL);
+}
+
+static int start_share(void **state)
+{
+	return start_cfg("[limits]\nmemory_per_uid = 64M\nsequences_per_uid = 12\n", NULL);
 }
 
 static int start_conns(void **state)
@@ -1597,6 +1608,188 @@ static void test_big_profiles_no_stall(void **state)
 	munmap(sh, 4096);
 }
 
+/* ==== prefix sharing: LOCAL rows and snapshots per uid ==================== */
+
+struct share_dec {
+	atomic_int stop;
+	atomic_long answers, errors;
+	char msg[256];
+};
+
+/* uid 0's decoding client: answers until told to stop; any error counts. */
+static void *share_decoder(void *arg)
+{
+	struct share_dec *sd = arg;
+	struct kvc *c = kconnect("good", &P1, 4, 1 << 20);
+	struct kvd_synth w;
+	struct kvc_seq *s;
+	float o[8 * 128], lse[8];
+
+	if (!c || !(s = kprefill(c, &P1, 2048, 5, &w))) {
+		snprintf(sd->msg, sizeof sd->msg, "decoder setup: %s", c ? kvc_last_error(c) : "");
+		atomic_fetch_add(&sd->errors, 1);
+		kvc_close(c);
+		return NULL;
+	}
+	while (!atomic_load(&sd->stop)) {
+		if (kvc_attend(c, 1, &s, 1, w.q, o, lse)) {
+			snprintf(sd->msg, sizeof sd->msg, "attend: %s", kvc_last_error(c));
+			atomic_fetch_add(&sd->errors, 1);
+			break;
+		}
+		atomic_fetch_add(&sd->answers, 1);
+	}
+	kvd_synth_free(&w);
+	kvc_close(c);
+	return NULL;
+}
+
+/* As uid B: LOCAL puts of 1 MiB-slot chunks into one sequence until kvd
+ * refuses (-EDQUOT at memory_per_uid), through a raw ring. */
+static void share_local_flood(void)
+{
+	struct raw x;
+	uint32_t pid;
+	uint64_t seq;
+	Kvd__Profile p = mkprof("hostile-share", 3, 8, 2, 128, 4, 8, 1);
+	const uint32_t n = 1024;        /* 1 MiB of K and V at kv 2, d 128 */
+	const uint32_t len = (uint32_t)kvd_local_layout(2, 128, n, 0).bytes;
+	int rc;
+
+	become(UID_B);
+	if (raw_open(&x, D.sock, 0) || raw_hello(&x, "flood", "t", 4, 2 << 20) ||
+	    raw_profile_create(&x, &p, &pid) || raw_seq_create(&x, pid, 0, &seq))
+		kid_fail(2, "uid B setup: %s", x.msg);
+	memset(shm_slot(&x.r, 0), 0x3c, len);
+	for (uint32_t i = 0; i < 4096; i++) {
+		struct kvd_sqe e = { .op = KVD_OP_LOCAL, .layer = 0, .slot = 0, .seq = seq,
+				     .len = len, .ntok = n, .row0 = i * n };
+
+		rc = raw_ring(&x, &e);
+		if (rc == -EDQUOT) {
+			if (!strstr(x.msg, "memory_per_uid"))
+				kid_fail(3, "refusal without the limit's name: %s", x.msg);
+			if (i < 8)
+				kid_fail(4, "refused after %u MiB, the limit is 64", i);
+			_exit(0);
+		}
+		if (rc)
+			kid_fail(5, "LOCAL put %u: %d %s", i, rc, x.msg);
+	}
+	kid_fail(6, "8 GiB of LOCAL rows and no refusal");
+}
+
+/* As uid B: prefix after prefix of one growing sequence, published.  Past
+ * sequences_per_uid the uid's oldest snapshots make way, so publishes go on
+ * succeeding; one that still does not fit memory_per_uid (each snapshot
+ * keeps a dense layer's rows whole) is refused naming the limit, and the
+ * client goes on. */
+static void share_publish_flood(void)
+{
+	struct kvc *c;
+	struct kvd_synth w;
+	struct kvc_seq *s;
+	uint32_t chunk, tok[64 * 128];
+
+	become(UID_B);
+	if (!(c = kconnect("t", &P1, 4, 1 << 20)) || !(s = kprefill(c, &P1, 128, 6, &w)))
+		kid_fail(2, "uid B setup");
+	chunk = kvc_chunk_tokens(c);
+	if (chunk != 128)
+		kid_fail(3, "chunk_tokens %u, want 128 (seal_tokens)", chunk);
+	for (uint32_t i = 0; i < 64 * 128; i++)
+		tok[i] = i;
+	uint32_t ok = 0, refused = 0;
+
+	for (uint32_t i = 1; i <= 40; i++) {
+		uint8_t keys[64 * KVC_KEY_BYTES];
+		float k[2 * 128], v[2 * 128];
+		int nk;
+
+		if (i > 1)
+			for (uint32_t t = 0; t < chunk; t++)
+				for (uint32_t l = 0; l < P1.layers; l++) {
+					memcpy(k, w.k + (t % 128) * 128, sizeof k / 2);
+					memcpy(k + 128, w.k + (128 + t % 128) * 128, sizeof k / 2);
+					memcpy(v, k, sizeof v);
+					if (kvc_append(c, s, l, k, v))
+						kid_fail(4, "append: %s", kvc_last_error(c));
+				}
+		nk = kvc_content_keys(c, tok, i * chunk, keys);
+		if (nk != (int)i)
+			kid_fail(5, "keys %u: %d", i, nk);
+		int rc = kvc_seq_publish(c, s, keys + (i - 1) * KVC_KEY_BYTES);
+
+		if (rc == -EDQUOT && strstr(kvc_last_error(c), "memory_per_uid"))
+			refused++;
+		else if (rc)
+			kid_fail(6, "publish %u: %s", i, kvc_last_error(c));
+		else
+			ok++;
+	}
+	if (ok < 20)
+		kid_fail(7, "%u publishes of 40 went through (%u refused): too few", ok, refused);
+	_exit(0);
+}
+
+static void test_share_per_uid(void **state)
+{
+	struct share_dec sd = { 0 };
+	pthread_t th;
+	struct raw o;
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+	pid_t kid;
+
+	if (!need_root())
+		skip();
+	assert_int_equal(pthread_create(&th, NULL, share_decoder, &sd), 0);
+	while (!atomic_load(&sd.answers) && !atomic_load(&sd.errors))
+		daemon_sleep_ms(10);
+
+	if ((kid = spawn()) == 0)
+		share_local_flood();
+	expect_kid_ok(kid, 120, "uid B's LOCAL flood");
+	if ((kid = spawn()) == 0)
+		share_publish_flood();
+	expect_kid_ok(kid, 240, "uid B's publish flood");
+
+	atomic_store(&sd.stop, 1);
+	pthread_join(th, NULL);
+	fail_if_dead("after the floods");
+	print_message("  uid 0 decoded %ld steps meanwhile, %ld errors %s\n",
+		      atomic_load(&sd.answers), atomic_load(&sd.errors), sd.msg);
+	assert_int_equal(atomic_load(&sd.errors), 0);
+	assert_true(atomic_load(&sd.answers) > 0);
+
+	/* what uid B holds now: its snapshots, within its limits, and none of
+	 * them visible to uid 0 */
+	assert_int_equal(raw_open(&o, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&o, "observer", "good", 1, 64 << 10), 0);
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	assert_int_equal(raw_expect(&o, &rq, KVD__RESPONSE__BODY_SERVER_STATS, &r), 0);
+
+	const Kvd__ServerStats st = *r->server_stats;
+
+	for (size_t i = 0; i < st.n_uids; i++) {
+		const Kvd__UidUsage *u = st.uids[i];
+
+		if (u->uid != UID_B)
+			continue;
+		print_message("  uid B: %u sequences, %llu bytes\n", u->sequences,
+			      (unsigned long long)u->bytes);
+		assert_true(u->sequences <= 12);
+		assert_true(u->bytes <= 64ull << 20);
+	}
+	for (size_t i = 0; i < st.n_share; i++)
+		if (st.share[i]->ns == UID_B)
+			assert_true(st.share[i]->published > 0 && st.share[i]->published < 12);
+	kvd_ctl_free_response(r);
+	raw_close(&o);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1612,6 +1805,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_uid_fair_share, start_open, stop),
 		cmocka_unit_test_setup_teardown(test_big_profiles_no_stall, start_plain, stop),
 		cmocka_unit_test_setup_teardown(test_control_cpu_per_uid, start_ctl_cpu, stop),
+		cmocka_unit_test_setup_teardown(test_share_per_uid, start_share, stop),
 	};
 
 	kid_msg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);

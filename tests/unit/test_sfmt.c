@@ -851,6 +851,7 @@ static void test_local_extent(void **state)
 	assert_int_equal(h.payload_bytes, bytes);
 	assert_int_equal(h.n, 70);
 	seal_and_check(&h, pl);
+	seed_write("local", &h, pl);
 	bad = h;
 	bad.version = 2;
 	fix_hdr_crc(&bad);
