@@ -248,10 +248,19 @@ static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe
 	p = kvd_store_seq_profile(q);
 	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
 		return rc;
+	/* The rows live with the sequence's RAM (a file holds them while it is
+	 * on disk): resident first, every layer. */
+	if ((rc = kvd_tier_want(s->tier, q, UINT32_MAX, msg, msglen)))
+		return rc;
 	lay = kvd_local_layout(p->g.kv_heads, p->g.d, e->ntok, e->flags & KVD_LF_MEAN);
 	if (!(e->flags & KVD_LF_GET)) {
 		const char *base = slot_base(c, e);
+		size_t need = kvd_store_local_need(q, e->layer, e->row0, e->ntok);
 
+		/* Room first, as for rows: the budget may write others out
+		 * (-EINPROGRESS parks the entry until it has). */
+		if (need && (rc = kvd_tier_room_uid(s->tier, kvd_store_seq_uid(q), need, msg, msglen)))
+			return rc;
 		return kvd_store_local_put(s->store, q, e->layer, e->row0,
 					   (const uint16_t *)(base + lay.k),
 					   (const uint16_t *)(base + lay.v), e->ntok, msg, msglen);
@@ -261,8 +270,6 @@ static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe
 	if (e->flags & KVD_LF_MEAN) {
 		const float *mean;
 
-		if ((rc = kvd_tier_want(s->tier, q, e->layer, msg, msglen)))
-			return rc;
 		if (!(mean = kvd_store_layer_mean(q, e->layer))) {
 			snprintf(msg, msglen, "layer %u has no mean yet", e->layer);
 			return -ENODATA;

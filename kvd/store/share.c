@@ -10,6 +10,7 @@
 
 #define PUB_BUCKETS 4096
 #define KVD_SHARE_MAKE_WAY 4            /* snapshots one publish may drop */
+#define ROOM_SLACK (1u << 20)
 
 /* One published prefix.  Chained by (ns, profile, key); on the LRU list,
  * most recently published or attached first. */
@@ -202,7 +203,9 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 		return rc;
 	if (find(sh, ns, p->id, key))
 		return 0;
-	rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(q), msg, msglen);
+	/* The budget counts the store's bytes; the wall behind it also the
+	 * bookkeeping around them: ask for a little more than the fork. */
+	rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(q) + ROOM_SLACK, msg, msglen);
 	if (rc == -EINPROGRESS) {
 		say(msg, msglen, "making room for the snapshot: publish again");
 		return -EAGAIN;
@@ -287,7 +290,8 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 		}
 		/* The child is charged like a private copy: under the budget, the
 		 * tier writes older sequences out first. */
-		rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(x->snap), msg, msglen);
+		rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(x->snap) + ROOM_SLACK, msg,
+				       msglen);
 		if (rc == -EINPROGRESS) {
 			say(msg, msglen, "making room for the prefix: attach again");
 			return -EAGAIN;

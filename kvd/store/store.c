@@ -1557,6 +1557,24 @@ static int local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, ui
 	return 0;
 }
 
+size_t kvd_store_local_need(const struct kvd_seqn *q, uint32_t layer, uint32_t row0, uint32_t n)
+{
+	const struct kvd_profile *p = q->p;
+	const struct kvd_local_layer *l = q->loc && q->loc->refs == 1 ? &q->loc->ly[layer] : NULL;
+	uint32_t have = l ? l->cap : 0, cap = have ? have : 64;
+	uint64_t need = (uint64_t)row0 + n;
+	size_t more = q->loc && q->loc->refs == 1 ? 0 :
+		      sizeof(struct kvd_local) + p->layers * sizeof(struct kvd_local_layer);
+
+	if (layer >= p->layers || need > UINT32_MAX / 2)
+		return 0;
+	if (need <= have)
+		return more;
+	while (cap < need)
+		cap *= 2;
+	return more + local_layer_bytes(p, cap) - local_layer_bytes(p, have);
+}
+
 uint32_t kvd_store_local_rows(const struct kvd_seqn *q, uint32_t layer)
 {
 	return q->loc && layer < q->p->layers ? q->loc->ly[layer].n : 0;

@@ -284,6 +284,9 @@ uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_
 int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, uint32_t row0,
 			const uint16_t *k, const uint16_t *v, uint32_t n, char *msg, size_t msglen);
 uint32_t kvd_store_local_rows(const struct kvd_seqn *q, uint32_t layer);
+/* What kvd_store_local_put of rows [row0, row0+n) would charge (for the
+ * tier to make room first). */
+size_t kvd_store_local_need(const struct kvd_seqn *q, uint32_t layer, uint32_t row0, uint32_t n);
 int kvd_store_local_get(const struct kvd_seqn *q, uint32_t layer, uint32_t row0, uint32_t n,
 			uint16_t *k, uint16_t *v);
 /* A layer's rows read back from a spill file (LOCAL extent): charged

@@ -17,6 +17,8 @@
  *   test_share_isolation         another uid with the same tokens misses, and
  *                                its own publish does not reach uid 0; a second
  *                                tenant of the same uid hits
+ *   test_share_group             [sharing] groups: a uid of the group hits, one
+ *                                outside it misses
  *   test_share_free              publisher and attachers freed in any order:
  *                                the prefix still attaches; every byte but the
  *                                published snapshot's comes back
@@ -25,8 +27,10 @@
  *                                too) is read back by the attach that wants
  *                                it and answers bit for bit
  *   test_share_race              three connections attach, extend, publish and
- *                                free concurrently (TSan): answers stay those of
- *                                the prefix, nothing leaks
+ *                                free concurrently under a budget that sends
+ *                                snapshots and sequences to disk and back (TSan):
+ *                                answers stay those of the prefix, nothing is
+ *                                lost or leaks
  *
  * Forked children and threads never use cmocka's asserts: they report
  * through a message and the main thread fails. */
@@ -64,6 +68,7 @@
 #define X_TOK   300             /* each sequence's own part after it */
 #define NTOT    (P_TOK + X_TOK + 400)
 #define UID_B   65534
+#define UID_C   65533
 
 static const uint32_t dense_layers[] = { 0 };
 static const struct kvc_model model = {
@@ -112,6 +117,33 @@ static int start_spill(void **state)
 	return daemon_start4(&D_, "--spill-dir", spill, "--mem-limit", "56M") ? -1 : 0;
 }
 
+/* [sharing] groups: uid 0 and UID_B share a namespace; UID_C is alone. */
+static char cfg[128];
+
+static int start_group(void **state)
+{
+	FILE *f;
+
+	snprintf(cfg, sizeof cfg, "/tmp/kvd-share.%d.conf", (int)getpid());
+	if (!(f = fopen(cfg, "w")))
+		return -1;
+	fprintf(f, "[sharing]\ngroups = 0,%d\n", UID_B);
+	fclose(f);
+	return daemon_start4(&D_, "--config", cfg, NULL, NULL) ? -1 : 0;
+}
+
+/* The race runs under a budget with a spill directory: snapshots and the
+ * sequences attached from them go to disk and come back while it runs. */
+static int start_race(void **state)
+{
+	char tmpl[] = "/tmp/kvd-share-race.XXXXXX";
+
+	if (!mkdtemp(tmpl))
+		return -1;
+	snprintf(spill, sizeof spill, "%s", tmpl);
+	return daemon_start4(&D_, "--spill-dir", spill, "--mem-limit", "56M") ? -1 : 0;
+}
+
 static int stop(void **state)
 {
 	int rc = D_.pid > 0 ? daemon_stop(&D_) : -1;
@@ -119,6 +151,10 @@ static int stop(void **state)
 	if (spill[0]) {
 		clean_dir(spill);
 		spill[0] = 0;
+	}
+	if (cfg[0]) {
+		unlink(cfg);
+		cfg[0] = 0;
 	}
 	if (rc)
 		print_error("daemon_stop: %d (want 0: a clean drain)\n", rc);
@@ -578,44 +614,49 @@ static void test_share_errors(void **state)
 
 /* ==== 4. namespaces ========================================================= */
 
-/* As uid UID_B: the same tokens miss; its own publish succeeds.  0 or an
- * exit code with kid_msg. */
-static int other_uid_main(const struct src *src, char *kid_msg)
+/* As uid `uid`: attaching uid 0's prefix gets `want` tokens (0: a miss, in
+ * another namespace); a miss is then prefilled and published, and its own
+ * prefix it attaches.  0 or an exit code with kid_msg. */
+static int other_uid_main(const struct src *src, uint32_t uid, uint64_t want, char *kid_msg)
 {
 	struct kvc *c;
 	struct kvc_seq *s, *x;
 	uint64_t got;
 
-	if (setgroups(0, NULL) || setgid(UID_B) || setuid(UID_B)) {
-		snprintf(kid_msg, 4096, "cannot become uid %d: %s", UID_B, strerror(errno));
+	if (setgroups(0, NULL) || setgid(uid) || setuid(uid)) {
+		snprintf(kid_msg, 4096, "cannot become uid %u: %s", uid, strerror(errno));
 		return 90;
 	}
 	struct kvc_opts o = { .socket_path = D_.sock, .tenant = "t", .name = "other-uid",
 			      .slots = 8, .slot_size = 1 << 20 };
 
 	if (kvc_connect(&o, &c) || kvc_profile(c, &model)) {
-		snprintf(kid_msg, 4096, "uid %d cannot connect: %s", UID_B, kvc_last_error(c));
+		snprintf(kid_msg, 4096, "uid %u cannot connect: %s", uid, kvc_last_error(c));
 		return 2;
 	}
-	if (attach(c, src, P_TOK, &s, &got) || got != 0) {
-		snprintf(kid_msg, 4096, "uid %d: attach of uid 0's prefix: got %llu (%s)", UID_B,
-			 (unsigned long long)got, kvc_last_error(c));
+	if (attach(c, src, P_TOK, &s, &got) || got != want) {
+		snprintf(kid_msg, 4096, "uid %u: attach of uid 0's prefix: got %llu, want %llu (%s)",
+			 uid, (unsigned long long)got, (unsigned long long)want, kvc_last_error(c));
 		return 3;
 	}
+	if (want) {
+		kvc_close(c);
+		return 0;
+	}
 	if (extend(c, s, src, 0, P_TOK)) {
-		snprintf(kid_msg, 4096, "uid %d: prefill: %s", UID_B, kvc_last_error(c));
+		snprintf(kid_msg, 4096, "uid %u: prefill: %s", uid, kvc_last_error(c));
 		return 4;
 	}
 	uint8_t keys[(P_TOK / CHUNK) * KVC_KEY_BYTES];
 
 	if (kvc_content_keys(c, src->tok, P_TOK, keys) != P_TOK / CHUNK ||
 	    kvc_seq_publish(c, s, keys + (P_TOK / CHUNK - 1) * KVC_KEY_BYTES)) {
-		snprintf(kid_msg, 4096, "uid %d: publish: %s", UID_B, kvc_last_error(c));
+		snprintf(kid_msg, 4096, "uid %u: publish: %s", uid, kvc_last_error(c));
 		return 5;
 	}
 	/* Its own prefix it attaches. */
 	if (attach(c, src, P_TOK, &x, &got) || got != P_TOK) {
-		snprintf(kid_msg, 4096, "uid %d: attach of its own: %llu (%s)", UID_B,
+		snprintf(kid_msg, 4096, "uid %u: attach of its own: %llu (%s)", uid,
 			 (unsigned long long)got, kvc_last_error(c));
 		return 6;
 	}
@@ -623,34 +664,41 @@ static int other_uid_main(const struct src *src, char *kid_msg)
 	return 0;
 }
 
-static void test_share_isolation(void **state)
+/* Runs other_uid_main in a child as uid; skips without root. */
+static void as_uid(const struct src *src, uint32_t uid, uint64_t want)
 {
-	struct kvc *a = kconnect_ok("t", "owner");
-	struct src src;
-	struct kvc_seq *s, *x;
 	char *kid_msg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	pid_t kid;
 	int st;
 
 	assert_true(kid_msg != MAP_FAILED);
-	src_make(&src, 4);
-	s = private_seq(a, &src, P_TOK);
-	publish_ok(a, s, &src, P_TOK);
-	assert_int_equal(kvc_seq_free(a, s), 0);
-
 	chmod(D_.dir, 0755);
 	chmod(D_.sock, 0777);
 	kid = fork();
 	assert_true(kid >= 0);
 	if (kid == 0)
-		_exit(other_uid_main(&src, kid_msg));
+		_exit(other_uid_main(src, uid, want, kid_msg));
 	assert_int_equal(waitpid(kid, &st, 0), kid);
 	if (!WIFEXITED(st))
-		fail_msg("uid %d: killed by signal %d", UID_B, WTERMSIG(st));
+		fail_msg("uid %u: killed by signal %d", uid, WTERMSIG(st));
 	if (WEXITSTATUS(st) == 90)
 		skip();
 	if (WEXITSTATUS(st))
 		fail_msg("%s", kid_msg);
+	munmap(kid_msg, 4096);
+}
+
+static void test_share_isolation(void **state)
+{
+	struct kvc *a = kconnect_ok("t", "owner");
+	struct src src;
+	struct kvc_seq *s, *x;
+
+	src_make(&src, 4);
+	s = private_seq(a, &src, P_TOK);
+	publish_ok(a, s, &src, P_TOK);
+	assert_int_equal(kvc_seq_free(a, s), 0);
+	as_uid(&src, UID_B, 0);
 
 	/* uid 0 still gets its own prefix, not uid B's (both exist now). */
 	x = attach_ok(a, &src, P_TOK, P_TOK);
@@ -668,7 +716,24 @@ static void test_share_isolation(void **state)
 	assert_int_equal(kvc_seq_free(a, x), 0);
 	kvc_close(a);
 	src_free(&src);
-	munmap(kid_msg, 4096);
+}
+
+/* [sharing] groups = 0,UID_B: UID_B attaches uid 0's prefix (the group's
+ * namespace), UID_C, outside the group, misses. */
+static void test_share_group(void **state)
+{
+	struct kvc *a = kconnect_ok("t", "group-owner");
+	struct src src;
+	struct kvc_seq *s;
+
+	src_make(&src, 8);
+	s = private_seq(a, &src, P_TOK);
+	publish_ok(a, s, &src, P_TOK);
+	as_uid(&src, UID_B, P_TOK);
+	as_uid(&src, UID_C, 0);
+	assert_int_equal(kvc_seq_free(a, s), 0);
+	kvc_close(a);
+	src_free(&src);
 }
 
 /* ==== 5. free order ========================================================= */
@@ -761,7 +826,7 @@ struct worker {
 	const struct src *src;
 	const struct ans *want;
 	long rounds;
-	char msg[256];
+	char msg[512];
 };
 
 static void *worker_main(void *arg)
@@ -784,13 +849,37 @@ static void *worker_main(void *arg)
 			snprintf(w->msg, sizeof w->msg, "attach: %s", kvc_last_error(c));
 			break;
 		}
-		if (got == P_TOK) {
-			if (answer(c, x, w->src, &a))
-				snprintf(w->msg, sizeof w->msg, "attend: %s", kvc_last_error(c));
-			else if (memcmp(&a, w->want, sizeof a))
-				snprintf(w->msg, sizeof w->msg, "round %ld: answer differs", i);
-		} else if (got != P_TOK + CHUNK) {
+		if (answer(c, x, w->src, &a))
+			snprintf(w->msg, sizeof w->msg, "attend: %s", kvc_last_error(c));
+		else if (got == P_TOK && memcmp(&a, w->want, sizeof a))
+			snprintf(w->msg, sizeof w->msg, "round %ld: answer differs", i);
+		else if (got != P_TOK && got != P_TOK + CHUNK)
 			snprintf(w->msg, sizeof w->msg, "attach got %llu", (unsigned long long)got);
+		/* To disk and back while it shares segments with a snapshot (a
+		 * write of another holder in flight says -EAGAIN: ask again). */
+		int rc = -EAGAIN;
+
+		for (int k = 0; !w->msg[0] && rc == -EAGAIN && k < 2000; k++)
+			if ((rc = kvc_seq_evict(c, x)) == -EAGAIN)
+				usleep(1000);
+		if (rc && !w->msg[0])
+			snprintf(w->msg, sizeof w->msg, "evict: %s", kvc_last_error(c));
+		for (int k = 0; !w->msg[0] && k < 5000; k++) {
+			struct kvc_seq_stats ss;
+
+			if (kvc_seq_stats(c, x, &ss) || ss.state == KVC_SEQ_DISK)
+				break;
+			usleep(1000);
+		}
+		if (!w->msg[0]) {
+			struct ans b;
+
+			if (answer(c, x, w->src, &b))
+				snprintf(w->msg, sizeof w->msg, "attend after evict: %s",
+					 kvc_last_error(c));
+			else if (memcmp(&a, &b, sizeof a))
+				snprintf(w->msg, sizeof w->msg, "round %ld: answer differs after evict",
+					 i);
 		}
 		/* Grow it by a chunk and publish that too: attaches racing it
 		 * get either prefix. */
@@ -837,6 +926,10 @@ static void test_share_race(void **state)
 	/* Two snapshots remain (the prompt and the prompt + a chunk). */
 	assert_int_equal(share_stats(a).published, 2);
 	assert_int_equal(stats(a).sequences, st0.sequences + 2);
+	print_message("  %llu spills, %llu restores\n", (unsigned long long)stats(a).spills,
+		      (unsigned long long)stats(a).restores);
+	assert_true(stats(a).spills > 0);
+	assert_int_equal(stats(a).lost, 0);
 	kvc_close(a);
 	src_free(&src);
 }
@@ -848,9 +941,10 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_share_after_decode, start, stop),
 		cmocka_unit_test_setup_teardown(test_share_errors, start, stop),
 		cmocka_unit_test_setup_teardown(test_share_isolation, start, stop),
+		cmocka_unit_test_setup_teardown(test_share_group, start_group, stop),
 		cmocka_unit_test_setup_teardown(test_share_free, start, stop),
 		cmocka_unit_test_setup_teardown(test_share_spilled, start_spill, stop),
-		cmocka_unit_test_setup_teardown(test_share_race, start, stop),
+		cmocka_unit_test_setup_teardown(test_share_race, start_race, stop),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
