@@ -661,6 +661,8 @@ int kvc_share_stats(struct kvc *c, struct kvc_share_stats *st)
 
 uint64_t kvc_seq_tokens(const struct kvc_seq *s, uint32_t layer)
 {
+	if (s->gs)
+		return kvg_layer_tokens(s, layer);
 	return s->ly ? s->ly[layer].tokens : 0;
 }
 
@@ -669,10 +671,10 @@ int kvc_seq_publish(struct kvc *c, struct kvc_seq *s, const uint8_t *key)
 	uint64_t n;
 	int rc;
 
-	if (c->gpu)
-		return kvt_fail(c->t, -ENOTSUP, "publish: not on the CUDA backend yet");
 	if (s->reopened)
 		return kvt_fail(c->t, -EINVAL, "publish: a reopened sequence has no local part");
+	if (c->gpu)
+		return kvg_seq_publish(c->t, c->gpu, s, key);
 	n = s->ly[0].tokens;
 	for (uint32_t l = 0; l < c->m->layers; l++) {
 		if (!s->ly[l].prefilled)
@@ -701,8 +703,6 @@ int kvc_seq_attach(struct kvc *c, const uint8_t *keys, uint32_t nkeys, struct kv
 	struct kvc_seq *s;
 	int rc;
 
-	if (c->gpu)
-		return kvt_fail(c->t, -ENOTSUP, "attach: not on the CUDA backend yet");
 	if (!(rows = calloc(c->m->layers, sizeof *rows)))
 		return kvt_fail(c->t, -ENOMEM, "out of memory");
 	/* A prefix on disk is being read back: kvd says so, and asks again. */
@@ -720,6 +720,17 @@ int kvc_seq_attach(struct kvc *c, const uint8_t *keys, uint32_t nkeys, struct kv
 		free(rows);
 		kvt_seq_free(c->t, id);
 		return kvt_fail(c->t, -ENOMEM, "out of memory");
+	}
+	if (c->gpu) {
+		rc = n ? kvg_seq_attached(c->t, c->gpu, s, n, rows) : 0;
+		free(rows);
+		if (rc) {
+			kvc_seq_free(c, s);
+			return rc;
+		}
+		*tokens = n;
+		*out = s;
+		return 0;
 	}
 	for (uint32_t l = 0; n && l < c->m->layers; l++) {
 		struct kvc_layer *a = &s->ly[l];
@@ -756,11 +767,9 @@ int kvc_extend(struct kvc *c, struct kvc_seq *s, uint32_t layer, const float *k,
 	float *kr, *vr;
 	int rc = 0;
 
-	if (c->gpu)
-		return kvt_fail(c->t, -ENOTSUP, "extend: not on the CUDA backend yet");
 	if (!c->m || layer >= c->m->layers)
 		return kvt_fail(c->t, -EINVAL, "layer %u out of range", layer);
-	if (!s->ly[layer].prefilled)
+	if (c->gpu ? kvg_layer_prefilled(s, layer) == 0 : !s->ly[layer].prefilled)
 		return kvc_prefill(c, s, layer, k, v, n);
 	if (!(kr = malloc(2 * H * d * sizeof *kr)))
 		return kvt_fail(c->t, -ENOMEM, "out of memory");

@@ -192,8 +192,9 @@ int kvc_prefetch(struct kvc *c, struct kvc_seq *s);
  * never sees another's.  A publisher publishes a sequence as it is at a
  * chunk boundary; an attacher gets a sequence that is bit for bit that one
  * (kvd's part shared, not copied; the rows kept here fetched from kvd), and
- * continues it with kvc_extend or kvc_append.  CPU backend only for now:
- * the CUDA backend refuses these with -ENOTSUP. */
+ * continues it with kvc_extend or kvc_append.  On the CUDA backend the rows
+ * kept on the device travel through host memory (after the work already
+ * queued on the caller's stream); both calls are synchronous. */
 #define KVC_KEY_BYTES 16
 
 /* Tokens per chunk of this connection's profile; 0 before kvc_profile or

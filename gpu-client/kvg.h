@@ -54,6 +54,20 @@ void kvg_seq_free(struct kvt *t, struct kvg *g, struct kvg_seq *s);
 int kvg_seq_fork(struct kvt *t, struct kvg *g, const struct kvc_seq *parent,
 		 struct kvc_seq *child);
 
+/* Prefix sharing on the device (kvc_seq_publish, kvc_seq_attach): the
+ * client rows of every layer -- sinks and window ring of a sparse layer,
+ * all rows of a dense one -- go to kvd through host memory after the
+ * caller's queued work, or come from kvd onto the device; synchronous.
+ * publish: every layer prefilled, of one length (*tokens).  attach: s is a
+ * fresh kvc_seq of kvd's sequence `id` holding `tokens` tokens, rows[l]
+ * client rows in layer l. */
+int kvg_seq_publish(struct kvt *t, struct kvg *g, struct kvc_seq *s, const uint8_t *key);
+int kvg_seq_attached(struct kvt *t, struct kvg *g, struct kvc_seq *s, uint64_t tokens,
+		     const uint32_t *rows);
+/* A layer's length (prefill and appends), and whether it was prefilled. */
+uint64_t kvg_layer_tokens(const struct kvc_seq *s, uint32_t layer);
+int kvg_layer_prefilled(const struct kvc_seq *s, uint32_t layer);
+
 /* The host-pointer API on the CUDA backend: inputs are copied to the
  * device, the device path runs, outputs come back; synchronous as kvc.h
  * promises. */

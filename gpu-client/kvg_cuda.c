@@ -68,6 +68,7 @@ struct kvg_layer {
 	uint32_t cap;
 	struct kvg_ring ring;           /* dense: nsink 0, R = cap, head 0 */
 	int prefilled;                  /* 1 done; -1 started and failed: unusable */
+	uint64_t tokens;                /* the layer's length: here and in kvd */
 };
 
 struct kvg_seq {
@@ -156,6 +157,7 @@ int kvg_choose(const struct kvc_opts *o, char *msg, size_t len)
 }
 
 static int dev_enter(struct kvt *c, struct kvg *g, int *prev);
+static int settle(struct kvt *c, struct kvg *g);
 static void dev_leave(const struct kvg *g, int prev);
 
 static int open_dev(struct kvt *c, struct kvg *g)
@@ -493,6 +495,181 @@ out:
 	return rc;
 }
 
+/* ---- prefix sharing ---------------------------------------------------------- */
+
+uint64_t kvg_layer_tokens(const struct kvc_seq *s, uint32_t layer)
+{
+	return s->gs ? s->gs->ly[layer].tokens : 0;
+}
+
+int kvg_layer_prefilled(const struct kvc_seq *s, uint32_t layer)
+{
+	return s->gs ? s->gs->ly[layer].prefilled : 0;
+}
+
+/* Rows [0, n) of a layer in the order the CPU backend keeps them (sinks,
+ * then the window oldest first) into host hk, hv [H][n][d], on cs. */
+static int rows_to_host(struct kvt *c, struct kvg *g, const struct kvg_layer *ly, uint16_t *hk,
+			uint16_t *hv, uint32_t n)
+{
+	const size_t rowb = (size_t)g->d * 2, hp = (size_t)n * rowb, dp = (size_t)ly->cap * rowb;
+	const struct kvg_ring *r = &ly->ring;
+	uint32_t first = r->count < r->R - r->head ? r->count : r->R - r->head;
+
+	/* sinks, the ring from its head to the end of storage, its wrapped rest */
+	if (r->nsink)
+		CK(c, cudaMemcpy2DAsync(hk, hp, ly->k, dp, r->nsink * rowb, g->H,
+					cudaMemcpyDeviceToHost, g->cs));
+	if (r->nsink)
+		CK(c, cudaMemcpy2DAsync(hv, hp, ly->v, dp, r->nsink * rowb, g->H,
+					cudaMemcpyDeviceToHost, g->cs));
+	if (first) {
+		CK(c, cudaMemcpy2DAsync((char *)hk + r->nsink * rowb, hp,
+					(const char *)ly->k + (r->nsink + r->head) * rowb, dp,
+					first * rowb, g->H, cudaMemcpyDeviceToHost, g->cs));
+		CK(c, cudaMemcpy2DAsync((char *)hv + r->nsink * rowb, hp,
+					(const char *)ly->v + (r->nsink + r->head) * rowb, dp,
+					first * rowb, g->H, cudaMemcpyDeviceToHost, g->cs));
+	}
+	if (r->count > first) {
+		CK(c, cudaMemcpy2DAsync((char *)hk + (r->nsink + first) * rowb, hp,
+					(const char *)ly->k + r->nsink * rowb, dp,
+					(r->count - first) * rowb, g->H, cudaMemcpyDeviceToHost, g->cs));
+		CK(c, cudaMemcpy2DAsync((char *)hv + (r->nsink + first) * rowb, hp,
+					(const char *)ly->v + r->nsink * rowb, dp,
+					(r->count - first) * rowb, g->H, cudaMemcpyDeviceToHost, g->cs));
+	}
+	return 0;
+}
+
+int kvg_seq_publish(struct kvt *c, struct kvg *g, struct kvc_seq *s, const uint8_t *key)
+{
+	const struct kvg_seq *gs = s->gs;
+	uint16_t *hk = NULL, *hv = NULL;
+	uint64_t tokens;
+	int prev, rc;
+
+	if (!gs)
+		return kvt_fail(c, -EINVAL, "publish: nothing prefilled");
+	tokens = gs->ly[0].tokens;
+	for (uint32_t l = 0; l < g->layers; l++) {
+		if (gs->ly[l].prefilled <= 0)
+			return kvt_fail(c, -EINVAL, "publish: layer %u not prefilled", l);
+		if (gs->ly[l].tokens != tokens)
+			return kvt_fail(c, -EINVAL, "publish: layer %u has %llu tokens, layer 0 %llu", l,
+					(unsigned long long)gs->ly[l].tokens,
+					(unsigned long long)tokens);
+	}
+	if ((rc = dev_enter(c, g, &prev)))
+		return rc;
+	if ((rc = settle(c, g)))
+		goto out;
+	/* After whatever the caller's stream still does with the rows. */
+	CKR(c, rc, cudaStreamWaitEvent(g->cs, g->ev_user, 0));
+	for (uint32_t l = 0; !rc && l < g->layers; l++) {
+		const struct kvg_layer *ly = &gs->ly[l];
+		uint32_t n = ly->ring.nsink + ly->ring.count;
+		size_t bytes = (size_t)g->H * n * g->d * 2;
+
+		if (!n)
+			continue;
+		free(hk);
+		free(hv);
+		hk = malloc(bytes);
+		hv = malloc(bytes);
+		if (!hk || !hv) {
+			rc = kvt_fail(c, -ENOMEM, "out of memory");
+			break;
+		}
+		if ((rc = rows_to_host(c, g, ly, hk, hv, n)))
+			break;
+		CKR(c, rc, cudaStreamSynchronize(g->cs));
+		if (!rc)
+			rc = kvt_local_put(c, s->id, l, hk, hv, n, n);
+	}
+	free(hk);
+	free(hv);
+	if (!rc)
+		rc = kvt_seq_publish(c, s->id, key, tokens);
+out:
+	dev_leave(g, prev);
+	return rc;
+}
+
+int kvg_seq_attached(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint64_t tokens,
+		     const uint32_t *rows)
+{
+	const size_t rowb = (size_t)g->d * 2;
+	uint16_t *hk = NULL, *hv = NULL;
+	float *hm = NULL;
+	struct kvg_seq *gs;
+	int prev, rc;
+
+	if ((rc = dev_enter(c, g, &prev)))
+		return rc;
+	if ((rc = seq_state(c, g, s, &gs)))
+		goto out;
+	if (!(hm = malloc((size_t)g->H * g->d * sizeof *hm))) {
+		rc = kvt_fail(c, -ENOMEM, "out of memory");
+		goto out;
+	}
+	for (uint32_t l = 0; !rc && l < g->layers; l++) {
+		struct kvg_layer *ly = &gs->ly[l];
+		int dense = kvt_dense(c, l);
+		uint32_t n = rows[l], nsink = dense ? 0 : (uint32_t)(tokens < g->sink ? tokens : g->sink);
+		uint32_t cap = 64;
+
+		if (dense) {
+			while (cap < n + 1)
+				cap *= 2;
+		} else {
+			cap = g->cap_win;
+			if (n < nsink || n - nsink >= cap - nsink) {
+				rc = kvt_fail(c, -KVD_EPROTO, "attach: layer %u: %u rows for a window "
+					      "of %u", l, n, cap);
+				break;
+			}
+		}
+		ly->prefilled = -1;     /* until it is complete */
+		ly->cap = cap;
+		ly->ring = (struct kvg_ring){ nsink, cap - nsink, 0, n - nsink };
+		ly->tokens = tokens;
+		if ((rc = dalloc(c, g, (void **)&ly->k, (size_t)g->H * cap * rowb, g->cs)) ||
+		    (rc = dalloc(c, g, (void **)&ly->v, (size_t)g->H * cap * rowb, g->cs)) ||
+		    (!dense && (rc = dalloc(c, g, (void **)&ly->mean, (size_t)g->H * g->d * 4, g->cs))))
+			break;
+		free(hk);
+		free(hv);
+		hk = malloc((size_t)g->H * (n ? n : 1) * rowb);
+		hv = malloc((size_t)g->H * (n ? n : 1) * rowb);
+		if (!hk || !hv) {
+			rc = kvt_fail(c, -ENOMEM, "out of memory");
+			break;
+		}
+		if (n && (rc = kvt_local_get(c, s->id, l, dense ? NULL : hm, hk, hv, n, n)))
+			break;
+		if (n) {
+			CKR(c, rc, cudaMemcpy2DAsync(ly->k, cap * rowb, hk, n * rowb, n * rowb, g->H,
+						     cudaMemcpyHostToDevice, g->cs));
+			CKR(c, rc, cudaMemcpy2DAsync(ly->v, cap * rowb, hv, n * rowb, n * rowb, g->H,
+						     cudaMemcpyHostToDevice, g->cs));
+		}
+		if (!dense)
+			CKR(c, rc, cudaMemcpyAsync(ly->mean, hm, (size_t)g->H * g->d * 4,
+						   cudaMemcpyHostToDevice, g->cs));
+		/* the host buffers are reused: the copies must have read them */
+		CKR(c, rc, cudaStreamSynchronize(g->cs));
+		if (!rc)
+			ly->prefilled = 1;
+	}
+out:
+	free(hk);
+	free(hv);
+	free(hm);
+	dev_leave(g, prev);
+	return rc;
+}
+
 /* Accumulates the GPU times of an attend (opts.timing) from event set
  * `set`; without `block`, only once they have completed. */
 static void tim_collect(struct kvg *g, int set, int block)
@@ -675,6 +852,7 @@ static int prefill(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint32_t lay
 			return rc;
 		ly->cap = cap;
 		ly->ring = (struct kvg_ring){ 0, cap, 0, n };
+		ly->tokens = n;
 		CK(c, kvg_rows(k, v, dtype, g->H, n, g->d, 0, n, NULL, ly->k, ly->v, cap, 0, NULL,
 			       g->cs));
 		CK(c, cudaEventRecord(g->ev_cs, g->cs));
@@ -693,6 +871,7 @@ static int prefill(struct kvt *c, struct kvg *g, struct kvc_seq *s, uint32_t lay
 	hi = n - lo > g->window ? n - g->window : lo;
 	ly->cap = g->cap_win;
 	ly->ring = (struct kvg_ring){ nsink, g->cap_win - nsink, 0, n - hi };
+	ly->tokens = n;
 	if ((rc = dalloc(c, g, (void **)&ly->k, (size_t)g->H * ly->cap * g->d * 2, g->cs)) ||
 	    (rc = dalloc(c, g, (void **)&ly->v, (size_t)g->H * ly->cap * g->d * 2, g->cs)) ||
 	    (rc = dalloc(c, g, (void **)&ly->mean, (size_t)g->H * g->d * 4, g->cs)))
@@ -960,6 +1139,7 @@ static int append(struct kvt *c, struct kvg *g, uint32_t layer, struct kvc_seq *
 				.row = kvg_ring_tail(&ly->ring),
 			};
 			ly->ring.count++;
+			ly->tokens++;
 			if (!dense && kvg_ring_must_evict(&ly->ring, g->window))
 				g->evs[nev++] = j0 + j;
 		}

@@ -47,6 +47,27 @@ int kvg_seq_fork(struct kvt *t, struct kvg *g, const struct kvc_seq *parent,
 	return -ENOTSUP;
 }
 
+int kvg_seq_publish(struct kvt *t, struct kvg *g, struct kvc_seq *s, const uint8_t *key)
+{
+	return kvt_fail(t, -ENOTSUP, "built without CUDA");
+}
+
+int kvg_seq_attached(struct kvt *t, struct kvg *g, struct kvc_seq *s, uint64_t tokens,
+		     const uint32_t *rows)
+{
+	return kvt_fail(t, -ENOTSUP, "built without CUDA");
+}
+
+uint64_t kvg_layer_tokens(const struct kvc_seq *s, uint32_t layer)
+{
+	return 0;
+}
+
+int kvg_layer_prefilled(const struct kvc_seq *s, uint32_t layer)
+{
+	return 0;
+}
+
 int kvg_prefill_host(struct kvt *t, struct kvg *g, struct kvc_seq *s, uint32_t layer,
 		     const float *k, const float *v, uint32_t n)
 {

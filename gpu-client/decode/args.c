@@ -16,6 +16,11 @@ void dec_args_default(struct dec_args *a)
 	};
 }
 
+const char *dec_share_name(int share)
+{
+	return share == DEC_SHARE_ATTACH ? "attach" : share == DEC_SHARE_FORK ? "fork" : "none";
+}
+
 const char *dec_attn_name(int attn)
 {
 	return attn == DEC_GPU_DENSE ? "gpu-dense" : "kvd";
@@ -48,6 +53,10 @@ void dec_usage(FILE *f)
 	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default bf16)\n"
 	      "  --estimator magicpig|hybrid|adaptive   how kvd estimates attention over\n"
 	      "                        sealed segments in kvd mode (default magicpig)\n"
+	      "  --share none|attach|fork   kvd mode, --batch > 1: sequence 0 prefills the\n"
+	      "                        prompt and the others share it (attach: published under\n"
+	      "                        content keys and attached, --ctx a multiple of 256;\n"
+	      "                        fork: forked), or each prefills its own (default none)\n"
 	      "  --slots N --slot-size BYTES   the shared arena (default 16 x 4M)\n"
 	      "  --socket PATH         use a running kvd (default: start build/kvd in a\n"
 	      "                        temporary directory, next to this binary)\n"
@@ -159,6 +168,20 @@ int dec_args_parse(struct dec_args *a, int argc, char **argv, char *msg, size_t 
 			}
 			continue;
 		}
+		if (!strcmp(name, "--share")) {
+			if (val && !strcmp(val, "none"))
+				a->share = DEC_SHARE_NONE;
+			else if (val && !strcmp(val, "attach"))
+				a->share = DEC_SHARE_ATTACH;
+			else if (val && !strcmp(val, "fork"))
+				a->share = DEC_SHARE_FORK;
+			else {
+				snprintf(msg, len, "--share: none, attach or fork, not %s",
+					 val ? val : "nothing");
+				return -EINVAL;
+			}
+			continue;
+		}
 		if (!strcmp(name, "--socket")) {
 			if (!val || !*val) {
 				snprintf(msg, len, "--socket needs a path");
@@ -191,6 +214,14 @@ int dec_args_parse(struct dec_args *a, int argc, char **argv, char *msg, size_t 
 	}
 	if (a->slot_size % 4096) {
 		snprintf(msg, len, "--slot-size: a multiple of 4096");
+		return -EINVAL;
+	}
+	if (a->share && a->attn != DEC_KVD) {
+		snprintf(msg, len, "--share: kvd mode only");
+		return -EINVAL;
+	}
+	if (a->share == DEC_SHARE_ATTACH && a->ctx % 256) {
+		snprintf(msg, len, "--share attach: --ctx a multiple of 256 (the chunk)");
 		return -EINVAL;
 	}
 	if (a->attn == DEC_KVD && a->layers < 2) {

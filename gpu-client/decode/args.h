@@ -16,6 +16,8 @@ struct dec_args {
 	uint32_t K, L, c, sink, window; /* kvd mode */
 	uint32_t kv_dtype;              /* kvd mode: enum kvd_kv_dtype of the profile */
 	uint32_t estimator;             /* kvd mode: enum kvd_estimator of the profile */
+	int share;                      /* kvd mode: enum dec_share, how sequences 1.. get the
+					 * prompt of sequence 0 */
 	uint32_t slots;
 	uint64_t slot_size;
 	uint32_t kvd_threads;           /* 0: kvd's default */
@@ -23,6 +25,11 @@ struct dec_args {
 	int device, json, help;
 	uint64_t seed;
 };
+
+/* --share: every sequence prefills its own prompt (none), or sequence 0 does
+ * and the others attach it by content key (attach) or fork it (fork). */
+enum dec_share { DEC_SHARE_NONE = 0, DEC_SHARE_ATTACH = 1, DEC_SHARE_FORK = 2 };
+const char *dec_share_name(int share);
 
 void dec_args_default(struct dec_args *a);
 

@@ -172,6 +172,8 @@ int dec_run(const struct dec_args *a, struct dec_result *r)
 	int32_t *tok = NULL;
 	struct kvc *kc = NULL;
 	struct kvc_seq **seqs = NULL;
+	uint8_t *keys = NULL;           /* --share attach: the prompt's content keys */
+	uint32_t nkeys = 0;
 	struct srv srv = { 0 };
 	struct kvg_rows *rows = NULL;
 	struct kvg_put *put = NULL;
@@ -335,6 +337,28 @@ int dec_run(const struct dec_args *a, struct dec_result *r)
 			goto oom;
 		CK(cudaMalloc((void **)&kvbuf, pn * 4));
 		for (uint32_t b = 0; b < B; b++) {
+			if (b > 0 && a->share) {
+				double ts = now_ms();
+
+				if (b == 1) {
+					CK(cudaStreamSynchronize(st));
+					r->prefill0_s = (ts - t0) / 1e3;
+				}
+				if (a->share == DEC_SHARE_FORK) {
+					KV(kvc_seq_fork(kc, seqs[0], &seqs[b]));
+				} else {
+					uint64_t got;
+
+					KV(kvc_seq_attach(kc, keys, nkeys, &seqs[b], &got));
+					if (got != a->ctx) {
+						snprintf(r->err, sizeof r->err, "attach got %llu of %u tokens",
+							 (unsigned long long)got, a->ctx);
+						goto out;
+					}
+				}
+				r->share_s += (now_ms() - ts) / 1e3;
+				continue;
+			}
 			KV(kvc_seq_create(kc, &seqs[b]));
 			for (uint32_t l = 0; l < NL; l++) {
 				uint64_t sd = a->seed * 7 + 2 * ((size_t)l * B + b);
@@ -344,6 +368,27 @@ int dec_run(const struct dec_args *a, struct dec_result *r)
 				CK(mdl_fill_bf16(kvbuf, pn, sd, 0.0f, 2.0f, st));
 				CK(mdl_fill_bf16(kvbuf + pn, pn, sd + 1, 0.0f, 1.0f, st));
 				KV(kvc_prefill_dev(kc, seqs[b], l, kvbuf, kvbuf + pn, a->ctx, KVC_BF16, st));
+			}
+			if (b == 0 && a->share == DEC_SHARE_ATTACH && B > 1) {
+				/* the prompt's token ids are synthetic too: 0, 1, 2, ... */
+				uint32_t *ids = malloc((size_t)a->ctx * sizeof *ids);
+				int nk;
+
+				keys = malloc((size_t)(a->ctx / 256 + 1) * KVC_KEY_BYTES);
+				if (!ids || !keys) {
+					free(ids);
+					goto oom;
+				}
+				for (uint32_t t = 0; t < a->ctx; t++)
+					ids[t] = t;
+				nk = kvc_content_keys(kc, ids, a->ctx, keys);
+				free(ids);
+				if (nk <= 0) {
+					snprintf(r->err, sizeof r->err, "content keys: %s", kvc_last_error(kc));
+					goto out;
+				}
+				nkeys = (uint32_t)nk;
+				KV(kvc_seq_publish(kc, seqs[0], keys + (size_t)(nk - 1) * KVC_KEY_BYTES));
 			}
 		}
 		CK(cudaFree(kvbuf));
@@ -485,6 +530,7 @@ out:
 	if (st)
 		cudaStreamDestroy(st);
 	free(lw); free(kc_k); free(kc_v); free(seqs); free(rows); free(put); free(ev); free(step_ms);
+	free(keys);
 	return rc;
 }
 
@@ -494,7 +540,8 @@ void dec_print(FILE *f, const struct dec_args *a, const struct dec_result *r, in
 		fprintf(f,
 			"{\"bench\":\"decode\",\"attn\":\"%s\",\"device\":\"%s\",\"ctx\":%u,\"batch\":%u,"
 			"\"steps\":%u,\"layers\":%u,\"K\":%u,\"L\":%u,\"c\":%u,\"sink\":%u,\"window\":%u,"
-			"\"kv_dtype\":\"%s\",\"estimator\":\"%s\","
+			"\"kv_dtype\":\"%s\",\"estimator\":\"%s\",\"share\":\"%s\","
+			"\"prefill0_s\":%.3f,\"share_s\":%.3f,"
 			"\"prefill_synthetic\":true,\"prefill_s\":%.3f,\"tok_s\":%.2f,\"step_ms\":%.3f,"
 			"\"step_p50_ms\":%.3f,\"step_p99_ms\":%.3f,\"layers_ms\":%.3f,\"attn_ms\":%.3f,"
 			"\"head_ms\":%.3f,\"kvd_wait_ms\":%.3f,\"gpu_wait_ms\":%.3f,\"copies_ms\":%.3f,"
@@ -502,7 +549,8 @@ void dec_print(FILE *f, const struct dec_args *a, const struct dec_result *r, in
 			"\"host_kv_gb\":%.3f}\n",
 			r->mode, r->device, r->ctx, r->batch, r->steps, r->layers, a->K, a->L, a->c,
 			a->sink, a->window, kvd_kv_dtype_name(a->kv_dtype),
-			kvd_estimator_name(a->estimator), r->prefill_s, r->tok_s, r->step_ms, r->step_p50_ms,
+			kvd_estimator_name(a->estimator), dec_share_name(a->share), r->prefill0_s,
+			r->share_s, r->prefill_s, r->tok_s, r->step_ms, r->step_p50_ms,
 			r->step_p99_ms, r->layers_ms, r->attn_ms, r->head_ms, r->kvd_wait_ms,
 			r->gpu_wait_ms, r->copies_ms, r->window_ms, r->merge_ms, r->evict_ms,
 			r->gpu_kv_gb, r->host_kv_gb);
@@ -519,5 +567,9 @@ void dec_print(FILE *f, const struct dec_args *a, const struct dec_result *r, in
 			   "%.2f ms (GPU), window %.2f ms, merge %.2f ms, evictions %.2f ms\n",
 			kvd_kv_dtype_name(a->kv_dtype), kvd_estimator_name(a->estimator), r->kvd_wait_ms,
 			r->gpu_wait_ms, r->copies_ms, r->window_ms, r->merge_ms, r->evict_ms);
+	if (a->share)
+		fprintf(f, "  shared prompt (%s): sequence 0's prefill %.2f s, the other %u's %s %.3f s "
+			   "in all\n", dec_share_name(a->share), r->prefill0_s, r->batch - 1,
+			dec_share_name(a->share), r->share_s);
 	fprintf(f, "  KV: %.2f GB on the GPU, %.2f GB in kvd\n", r->gpu_kv_gb, r->host_kv_gb);
 }

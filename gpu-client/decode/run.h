@@ -15,6 +15,8 @@ struct dec_result {
 	const char *mode;
 	uint32_t ctx, batch, steps, layers;
 	double prefill_s;               /* synthetic prefill, every layer and sequence */
+	double prefill0_s;              /* --share: sequence 0's prefill (and publish) */
+	double share_s;                 /* --share: the other sequences' attaches or forks */
 	double tok_s;                   /* batch * steps / decode wall time */
 	double step_ms, step_p50_ms, step_p99_ms;
 	/* per step, averaged over the measured steps */

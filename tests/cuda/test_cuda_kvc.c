@@ -380,6 +380,64 @@ static void test_fork(void **state)
 	free(kt); free(vt); free(k0); free(v0);
 }
 
+/* Prefix sharing on the device: a sequence published at a chunk boundary
+ * (its rows, sinks and wrapped window ring, dense layer, read back from the
+ * device) and attached on another connection (the rows put back on the
+ * device) answers as its publisher; both extended alike, still alike. */
+static void test_attach(void **state)
+{
+	const struct kvc_model *m = &sampled;
+	struct kvc *g = open_dev(KVC_BACKEND_CUDA, m, 0), *g2 = open_dev(KVC_BACKEND_CUDA, m, 0);
+	struct kvd_synth w[LAYERS];
+	const uint32_t Hq = m->q_heads, H = m->kv_heads, d = m->head_dim;
+	const uint32_t chunk = 256, total = (N_TOK + STEPS + chunk - 1) / chunk * chunk;
+	const uint32_t extra = total - N_TOK, n = total + STEPS;
+	float *kt = xmalloc((size_t)H * d * 4), *vt = xmalloc((size_t)H * d * 4);
+	float *k0 = xmalloc((size_t)H * N_TOK * d * 4), *v0 = xmalloc((size_t)H * N_TOK * d * 4);
+	uint32_t *tok = xmalloc((size_t)n * sizeof *tok), *ids = xmalloc((size_t)n * 4);
+	uint8_t *keys = xmalloc((size_t)(n / chunk + 1) * KVC_KEY_BYTES);
+	struct kvc_seq *par, *ch;
+	uint64_t got;
+	int nk;
+
+	assert_int_equal(kvc_chunk_tokens(g), chunk);
+	for (uint32_t l = 0; l < LAYERS; l++)
+		assert_int_equal(kvd_synth_make(&w[l], (enum kvd_wl)(l % KVD_WL_COUNT), n, Hq, H, d,
+						90 + l), 0);
+	for (uint32_t i = 0; i < n; i++) {
+		tok[i] = N_TOK + i;     /* rows appended after the prefill */
+		ids[i] = i * 2654435761u;
+	}
+	build_seq(g, &par, w, tok, extra, k0, v0, kt, vt);
+	for (uint32_t l = 0; l < LAYERS; l++)
+		assert_int_equal(kvc_seq_tokens(par, l), total);
+	nk = kvc_content_keys(g, ids, total, keys);
+	assert_int_equal(nk, total / chunk);
+	if (kvc_seq_publish(g, par, keys + (size_t)(nk - 1) * KVC_KEY_BYTES))
+		fail_msg("publish: %s", kvc_last_error(g));
+	if (kvc_seq_attach(g2, keys, (uint32_t)nk, &ch, &got))
+		fail_msg("attach: %s", kvc_last_error(g2));
+	assert_int_equal(got, total);
+	assert_int_equal(kvc_seq_tokens(ch, 1), total);
+	same_answers(g, par, ch, w, 1);
+	/* the same next tokens on both: the child's ring continues as the
+	 * parent's does, evictions included */
+	for (uint32_t i = 0; i < STEPS; i++)
+		for (uint32_t l = 0; l < LAYERS; l++) {
+			token(&w[l], total + i, kt, vt);
+			if (kvc_append(g, par, l, kt, vt) || kvc_append(g2, ch, l, kt, vt))
+				fail_msg("append: %s / %s", kvc_last_error(g), kvc_last_error(g2));
+		}
+	same_answers(g, par, ch, w, 1);
+	assert_int_equal(kvc_seq_free(g2, ch), 0);
+	assert_int_equal(kvc_seq_free(g, par), 0);
+	for (uint32_t l = 0; l < LAYERS; l++)
+		kvd_synth_free(&w[l]);
+	kvc_close(g);
+	kvc_close(g2);
+	free(kt); free(vt); free(k0); free(v0); free(tok); free(ids); free(keys);
+}
+
 /* The device API: NS sequences decoded as a batch, K/V handed over as bf16
  * on a caller's stream, against the CPU backend fed the same (bf16-exact)
  * values one sequence at a time. */
@@ -509,6 +567,7 @@ int main(void)
 		cmocka_unit_test(test_host_api_sampled),
 		cmocka_unit_test(test_device_api_batch),
 		cmocka_unit_test(test_fork),
+		cmocka_unit_test(test_attach),
 		cmocka_unit_test(test_other_device),
 #ifdef KVG_EMU
 		cmocka_unit_test(test_failed_evictions),

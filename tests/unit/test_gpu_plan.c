@@ -417,6 +417,17 @@ static void test_decode_args(void **state)
 	assert_int_equal(parse(&a, msg, "--kv-dtype=fp8", NULL), -EINVAL);
 	assert_non_null(strstr(msg, "--kv-dtype: bf16 or int8, not fp8"));
 	assert_int_equal(parse(&a, msg, "--kv-dtype", NULL), -EINVAL);
+	assert_int_equal(a.share, DEC_SHARE_NONE);
+	assert_int_equal(parse(&a, msg, "--share", "attach", "--batch", "4", NULL), 0);
+	assert_int_equal(a.share, DEC_SHARE_ATTACH);
+	assert_int_equal(parse(&a, msg, "--share=fork", NULL), 0);
+	assert_int_equal(a.share, DEC_SHARE_FORK);
+	assert_int_equal(parse(&a, msg, "--share", "attach", "--ctx", "1000", NULL), -EINVAL);
+	assert_non_null(strstr(msg, "multiple of 256"));
+	assert_int_equal(parse(&a, msg, "--share", "fork", "--attn", "gpu-dense", NULL), -EINVAL);
+	assert_non_null(strstr(msg, "kvd mode only"));
+	assert_int_equal(parse(&a, msg, "--share", "copy", NULL), -EINVAL);
+	assert_non_null(strstr(msg, "none, attach or fork"));
 	assert_int_equal(a.estimator, KVD_EST_MAGICPIG);
 	assert_int_equal(parse(&a, msg, "--estimator", "hybrid", NULL), 0);
 	assert_int_equal(a.estimator, KVD_EST_HYBRID);
