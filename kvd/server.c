@@ -568,8 +568,11 @@ int kvd_server_run(struct kvd_server *s)
 	sd_notify(0, "STOPPING=1\nSTATUS=draining");
 	/* Drain: what clients already queued is answered, then everyone goes. */
 	kvd_exec_stop(s);
-	/* Published prefixes do not outlive kvd: their snapshots go now, files
+	/* Published prefixes outlive kvd only with --persist (their files stay,
+	 * written when they were published); else they go now, files
 	 * included, before the tier starts keeping files. */
+	if (s->cfg->persist)
+		kvd_tier_stopping(s->tier);
 	kvd_share_destroy(s->share);
 	s->share = NULL;
 	kvd_tier_stopping(s->tier);
@@ -717,6 +720,12 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 			kvd_log(LOG_ERR, "spill: %s", kvd_strerror(rc));
 			goto fail;
 		}
+		/* Before the load: published prefixes found on disk are filed
+		 * again as they are read. */
+		if ((rc = kvd_share_create(s->store, s->tier, &s->share))) {
+			kvd_log(LOG_ERR, "share: %s", kvd_strerror(rc));
+			goto fail;
+		}
 		rc = kvd_tier_load(s->tier);
 		if (rc < 0) {
 			kvd_log(LOG_ERR, "spill: cannot scan the spill directories: %s", kvd_strerror(rc));
@@ -726,10 +735,6 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 			kvd_log(LOG_INFO, "spill: %u director%s%s, %d sequence(s) found on disk",
 				tc.io.ndirs, tc.io.ndirs == 1 ? "y" : "ies",
 				tc.persist ? ", persistent" : "", rc);
-	}
-	if ((rc = kvd_share_create(s->store, s->tier, &s->share))) {
-		kvd_log(LOG_ERR, "share: %s", kvd_strerror(rc));
-		goto fail;
 	}
 
 	s->sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

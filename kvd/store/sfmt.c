@@ -81,6 +81,7 @@ static const char *kind_name(uint32_t kind)
 	case KVD_SFMT_SEG: return "SEG";
 	case KVD_SFMT_END: return "END";
 	case KVD_SFMT_LOCAL: return "LOCAL";
+	case KVD_SFMT_PUB: return "PUB";
 	}
 	return "?";
 }
@@ -361,6 +362,18 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
 	*codes = (uint16_t *)(p + 2 * rows);
 }
 
+void kvd_sfmt_pub_key_put(struct kvd_sfmt_hdr *h, const uint8_t *key)
+{
+	memcpy(&h->tok_begin, key, 8);
+	memcpy(&h->tok_end, key + 8, 8);
+}
+
+void kvd_sfmt_pub_key(const struct kvd_sfmt_hdr *h, uint8_t *key)
+{
+	memcpy(key, &h->tok_begin, 8);
+	memcpy(key + 8, &h->tok_end, 8);
+}
+
 uint64_t kvd_sfmt_local_bytes(const struct kvd_geom *g, uint32_t n)
 {
 	return 2 * A64((uint64_t)g->kv_heads * n * g->d * 2);
@@ -412,6 +425,7 @@ void kvd_sfmt_hdr_fill(struct kvd_sfmt_hdr *h, const struct kvd_sfmt_file *f,
 			h->flags = KVD_SFMT_SF_INT8;
 		break;
 	case KVD_SFMT_LOCAL:
+	case KVD_SFMT_PUB:
 		h->layer = e->layer;
 		h->n = e->n;
 		break;
@@ -456,8 +470,8 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 	const char *kn = kind_name(h->kind);
 	uint64_t want;
 
-	if (h->kind < KVD_SFMT_PROFILE || h->kind > KVD_SFMT_LOCAL ||
-	    (h->kind == KVD_SFMT_LOCAL && h->version < 3))
+	if (h->kind < KVD_SFMT_PROFILE || h->kind > KVD_SFMT_PUB ||
+	    (h->kind >= KVD_SFMT_LOCAL && h->version < 3))
 		return fail(msg, msglen, "extent %u: unknown kind %u for version %u", h->index, h->kind,
 			    h->version);
 	if (kvd_geom_check(&g) &&
@@ -528,6 +542,11 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 			return fail(msg, msglen,
 				    "LOCAL extent %u: payload_bytes %llu, %u rows take %llu", h->index,
 				    (unsigned long long)h->payload_bytes, h->n, (unsigned long long)want);
+		break;
+	case KVD_SFMT_PUB:
+		if (h->layer || !h->n || h->payload_bytes)
+			return fail(msg, msglen, "PUB extent %u: layer %u, %u tokens, payload_bytes %llu",
+				    h->index, h->layer, h->n, (unsigned long long)h->payload_bytes);
 		break;
 	case KVD_SFMT_END:
 		if (h->payload_bytes || h->n != h->index)

@@ -11,7 +11,8 @@
  * extent (centering mean and the open tail) followed by that layer's SEG
  * extents, then one LOCAL extent per layer whose client rows kvd keeps (a
  * published prefix's sinks, window and dense layers: kvd/store/share.h),
- * and last an END extent.  A file without a valid END is not complete.
+ * a PUB extent when the sequence is a published prefix, and last an END
+ * extent.  A file without a valid END is not complete.
  *
  * Integrity: `crc` is CRC32C (ISA-L) of the payload; `hdr_crc` is CRC32C of
  * the header struct with hdr_crc zero, so it covers `crc` too and the two
@@ -52,6 +53,10 @@
  *            1..KVD_SFMT_LOCAL_MAX rows; payload K then V, bf16
  *            [kv_heads][n][d] each, each part 64-byte aligned
  *            (kvd_sfmt_local_bytes).
+ *   PUB      version >= 3; no payload; layer 0, n >= 1 the prefix's tokens,
+ *            and the 16-byte content key it is published under in
+ *            tok_begin (bytes 0..7) and tok_end (8..15), little-endian
+ *            (kvd_sfmt_pub_key), all covered by hdr_crc.
  *   END      payload_bytes 0; n == index.
  * Fields a kind does not mention are not checked (seq, gen, profile_fp:
  * the reader compares them with what it expects).
@@ -79,6 +84,7 @@ enum kvd_sfmt_kind {
 	KVD_SFMT_SEG = 3,
 	KVD_SFMT_END = 4,
 	KVD_SFMT_LOCAL = 5,             /* version 3: a layer's client rows (prefix sharing) */
+	KVD_SFMT_PUB = 6,               /* version 3: the file is a published prefix */
 };
 
 #define KVD_SFMT_LF_MEAN 0x1            /* LAYER: the payload starts with the mean */
@@ -161,6 +167,9 @@ uint64_t kvd_sfmt_layer_bytes(const struct kvd_geom *g, uint32_t n, int mean);
 /* A LOCAL payload of n rows: K at 0, V at half of it (each part the same size). */
 #define KVD_SFMT_LOCAL_MAX (1u << 24)
 uint64_t kvd_sfmt_local_bytes(const struct kvd_geom *g, uint32_t n);
+/* A PUB extent's key: to the header's two fields, and back. */
+void kvd_sfmt_pub_key_put(struct kvd_sfmt_hdr *h, const uint8_t *key);
+void kvd_sfmt_pub_key(const struct kvd_sfmt_hdr *h, uint8_t *key);
 /* Pointers into a LAYER payload laid out for (g, n, mean); mean is NULL when
  * absent. */
 void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *payload,

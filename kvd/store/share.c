@@ -121,6 +121,50 @@ static void pub_drop(struct kvd_share *sh, struct pub *x)
 	free(x);
 }
 
+/* Files a snapshot under its key (publish, or found on disk at start-up). */
+static int pub_add(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *snap, const uint8_t *key,
+		   uint64_t tokens)
+{
+	const struct kvd_profile *p = kvd_store_seq_profile(snap);
+	struct ns_usage *u = usage_of(sh, ns);
+	struct pub *x = calloc(1, sizeof *x);
+	uint32_t b = bucket_of(ns, p->id, key);
+
+	if (!x || !u) {
+		free(x);
+		return -ENOMEM;
+	}
+	x->ns = ns;
+	x->pid = p->id;
+	memcpy(x->key, key, KVD_SHARE_KEY);
+	x->tokens = tokens;
+	x->snap = snap;
+	x->next = sh->bucket[b];
+	sh->bucket[b] = x;
+	lru_front(sh, x);
+	u->u.published++;
+	u->u.published_tokens += tokens;
+	return 0;
+}
+
+/* kvd_tier_load found a published prefix on disk (--persist). */
+static void loaded(void *arg, struct kvd_seqn *q)
+{
+	struct kvd_share *sh = arg;
+	struct kvd_limits *l = kvd_store_limits(sh->st);
+	uint32_t uid = kvd_store_seq_uid(q);
+	uint32_t ns = l ? kvd_limits_namespace(l, uid) : uid;
+	uint64_t tokens = 0;
+	const uint8_t *key = kvd_store_seq_pubkey(q, &tokens);
+	const struct kvd_profile *p = kvd_store_seq_profile(q);
+
+	/* A key filed twice (two files of one prefix) or that cannot be
+	 * filed: the extra one stays an ordinary sequence without an owner. */
+	if (!key || tokens % p->chunk_tokens || find(sh, ns, p->id, key) ||
+	    pub_add(sh, ns, q, key, tokens))
+		kvd_store_seq_unhide(q);
+}
+
 int kvd_share_create(struct kvd_store *st, struct kvd_tier *t, struct kvd_share **out)
 {
 	struct kvd_share *sh = calloc(1, sizeof *sh);
@@ -129,6 +173,7 @@ int kvd_share_create(struct kvd_store *st, struct kvd_tier *t, struct kvd_share 
 		return -ENOMEM;
 	sh->st = st;
 	sh->t = t;
+	kvd_tier_on_pub(t, loaded, sh);
 	*out = sh;
 	return 0;
 }
@@ -192,8 +237,6 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 	const struct kvd_profile *p = kvd_store_seq_profile(q);
 	const uint32_t uid = kvd_store_seq_uid(q);
 	struct kvd_seqn *snap;
-	struct ns_usage *u;
-	struct pub *x;
 	int rc;
 
 	/* The rows kvd holds are resident, so their counts are known. */
@@ -203,17 +246,17 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 		return rc;
 	if (find(sh, ns, p->id, key))
 		return 0;
+	if (tokens > UINT32_MAX) {
+		say(msg, msglen, "%llu tokens: at most %u can be published",
+		    (unsigned long long)tokens, UINT32_MAX);
+		return -EINVAL;
+	}
 	/* The budget counts the store's bytes; the wall behind it also the
 	 * bookkeeping around them: ask for a little more than the fork. */
 	rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(q) + ROOM_SLACK, msg, msglen);
 	if (rc == -EINPROGRESS) {
 		say(msg, msglen, "making room for the snapshot: publish again");
 		return -EAGAIN;
-	}
-	if (!(x = calloc(1, sizeof *x)) || !(u = usage_of(sh, ns))) {
-		free(x);
-		say(msg, msglen, "out of memory");
-		return -ENOMEM;
 	}
 	/* A snapshot is a fork with no owner.  At the uid's limits its older
 	 * snapshots make way (they are a cache), a few at most: a publish that
@@ -229,27 +272,20 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 			break;
 		pub_drop(sh, old);
 	}
-	if (rc) {
-		free(x);
+	if (rc)
+		return rc;
+	kvd_store_seq_hide(snap, key, tokens);
+	kvd_store_local_give(sh->st, q, snap, 1);
+	if ((rc = pub_add(sh, ns, snap, key, tokens))) {
+		kvd_tier_free(sh->t, snap);
+		say(msg, msglen, "out of memory");
 		return rc;
 	}
-	kvd_store_seq_hide(snap);
-	kvd_store_local_give(sh->st, q, snap, 1);
 	/* On the tier's LRU from now: a snapshot nobody attaches goes to disk
-	 * before the sequences in use. */
+	 * before the sequences in use.  Under --persist it is written at once,
+	 * so that a restart (even a crash) finds it. */
 	(void)kvd_tier_want(sh->t, snap, UINT32_MAX, NULL, 0);
-	x->ns = ns;
-	x->pid = p->id;
-	memcpy(x->key, key, KVD_SHARE_KEY);
-	x->tokens = tokens;
-	x->snap = snap;
-	uint32_t b = bucket_of(ns, p->id, key);
-
-	x->next = sh->bucket[b];
-	sh->bucket[b] = x;
-	lru_front(sh, x);
-	u->u.published++;
-	u->u.published_tokens += tokens;
+	(void)kvd_tier_write(sh->t, snap);
 	return 0;
 }
 

@@ -1616,12 +1616,27 @@ size_t kvd_store_local_bytes(const struct kvd_seqn *q)
 	return q->loc ? q->loc->bytes : 0;
 }
 
-void kvd_store_seq_hide(struct kvd_seqn *q)
+void kvd_store_seq_hide(struct kvd_seqn *q, const uint8_t *key, uint64_t tokens)
 {
 	q->hidden = 1;
+	memcpy(q->pubkey, key, sizeof q->pubkey);
+	q->pubtok = tokens;
 }
 
 int kvd_store_seq_hidden(const struct kvd_seqn *q)
 {
 	return q->hidden;
+}
+
+const uint8_t *kvd_store_seq_pubkey(const struct kvd_seqn *q, uint64_t *tokens)
+{
+	if (!q->hidden)
+		return NULL;
+	*tokens = q->pubtok;
+	return q->pubkey;
+}
+
+void kvd_store_seq_unhide(struct kvd_seqn *q)
+{
+	q->hidden = 0;
 }

@@ -304,9 +304,15 @@ void kvd_store_local_give(struct kvd_store *s, struct kvd_seqn *from, struct kvd
 			  int move);
 /* Bytes of q's rows blob (0 without one); shared blobs count in each. */
 size_t kvd_store_local_bytes(const struct kvd_seqn *q);
-/* A published snapshot: kvd_store_seq_get and claims no longer find it. */
-void kvd_store_seq_hide(struct kvd_seqn *q);
+/* A published snapshot, under key (16 bytes) with `tokens` tokens:
+ * kvd_store_seq_get and claims no longer find it; the tier writes the key
+ * into its file. */
+void kvd_store_seq_hide(struct kvd_seqn *q, const uint8_t *key, uint64_t tokens);
 int kvd_store_seq_hidden(const struct kvd_seqn *q);
+/* A hidden sequence's key (16 bytes) and tokens; NULL for any other. */
+const uint8_t *kvd_store_seq_pubkey(const struct kvd_seqn *q, uint64_t *tokens);
+/* No longer a snapshot: an ordinary sequence without an owner. */
+void kvd_store_seq_unhide(struct kvd_seqn *q);
 
 struct kvd_store_stats {
 	uint32_t sequences, profiles;

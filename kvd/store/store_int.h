@@ -68,6 +68,8 @@ struct kvd_seqn {
 	void *tier;                     /* kvd_tier's record, or NULL */
 	struct kvd_local *loc;          /* the client's rows, or NULL */
 	uint8_t hidden;                 /* a published snapshot: no client names it */
+	uint8_t pubkey[16];             /* hidden: the key it is published under, */
+	uint64_t pubtok;                /* and its tokens (written in its file: PUB) */
 	struct kvd_seqn *next;          /* hash chain */
 };
 

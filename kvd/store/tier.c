@@ -71,6 +71,8 @@ struct kvd_tier {
 	struct kvd_store *st;
 	struct kvd_spill *sp;
 	struct rec *head, *tail;        /* LRU */
+	void (*on_pub)(void *arg, struct kvd_seqn *q);  /* a published prefix found at load */
+	void *on_pub_arg;
 	uint64_t epoch;
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
 	struct unl *unls;
@@ -288,7 +290,7 @@ static unsigned count_extents(const struct kvd_seqn *q)
 		if (q->loc && q->loc->ly[i].n)
 			n++;
 	}
-	return n;
+	return n + q->hidden;
 }
 
 /* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
@@ -416,6 +418,22 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 					   .bytes = r->buf[i].bytes };
 		i++;
 	}
+	/* A published prefix says so, and under which key: --persist brings it
+	 * back as one. */
+	if (q->hidden) {
+		r->buf[i].bytes = PAGE;
+		if (!(r->buf[i].p = page_alloc(PAGE)))
+			goto nomem;
+		r->mine[i] = 1;
+		memset(r->buf[i].p, 0, PAGE);
+		e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PUB, .index = i,
+					   .n = (uint32_t)q->pubtok };
+		kvd_sfmt_hdr_fill(r->buf[i].p, &f, &e);
+		kvd_sfmt_pub_key_put(r->buf[i].p, q->pubkey);
+		r->wext[i] = (struct ext){ .kind = KVD_SFMT_PUB, .n = (uint32_t)q->pubtok,
+					   .bytes = PAGE };
+		i++;
+	}
 	r->buf[i].bytes = PAGE;
 	if (!(r->buf[i].p = page_alloc(PAGE)))
 		goto nomem;
@@ -446,11 +464,22 @@ static void drop(struct kvd_tier *t, struct rec *r)
 
 /* Starts evicting r: at once when its file is current, else a write-back
  * that drops it when done.  0, or why not. */
+static int write_out(struct kvd_tier *t, struct rec *r, int evict);
+
 static int evict(struct kvd_tier *t, struct rec *r)
+{
+	return write_out(t, r, 1);
+}
+
+/* Starts writing r's file: then drops it from RAM (evict), or keeps it
+ * resident with a current file (a published prefix, under persist). */
+static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 {
 	struct kvd_seqn *q = r->q;
 	int rc;
 
+	if (!evict && (q->state != KVD_SEQ_RAM || clean(r) || r->busy))
+		return 0;
 	if (q->state == KVD_SEQ_SPILLING) {
 		if (!r->evict_after) {
 			r->pend = kvd_store_seq_freeable(q);
@@ -503,13 +532,33 @@ static int evict(struct kvd_tier *t, struct rec *r)
 	}
 	r->busy = 1;
 	r->io_t0 = now_ns();
-	r->evict_after = 1;
+	r->evict_after = evict;
 	q->state = KVD_SEQ_SPILLING;
-	r->pend = kvd_store_seq_freeable(q);
-	t->pending += r->pend;
-	kvd_log(LOG_DEBUG, "sequence %016llx: writing %zu bytes out", (unsigned long long)q->id,
-		q->bytes);
+	if (evict) {
+		r->pend = kvd_store_seq_freeable(q);
+		t->pending += r->pend;
+	}
+	kvd_log(LOG_DEBUG, "sequence %016llx: writing %zu bytes out%s", (unsigned long long)q->id,
+		q->bytes, evict ? "" : " (it stays)");
 	return 0;
+}
+
+int kvd_tier_write(struct kvd_tier *t, struct kvd_seqn *q)
+{
+	struct rec *r;
+
+	if (!t->sp || !t->cfg.persist)
+		return 0;
+	if (!(r = rec_of(t, q)))
+		return -ENOMEM;
+	t->why[0] = 0;
+	return write_out(t, r, 0);
+}
+
+void kvd_tier_on_pub(struct kvd_tier *t, void (*fn)(void *arg, struct kvd_seqn *q), void *arg)
+{
+	t->on_pub = fn;
+	t->on_pub_arg = arg;
 }
 
 static void write_done(struct kvd_tier *t, struct rec *r)
@@ -1269,6 +1318,12 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 		}
 		if (data)
 			last = h->layer;
+		if (h->kind == KVD_SFMT_PUB) {
+			uint8_t key[16];
+
+			kvd_sfmt_pub_key(h, key);
+			kvd_store_seq_hide(q, key, h->n);
+		}
 		if (h->kind == KVD_SFMT_LOCAL && h->layer >= p->layers) {
 			kvd_log(LOG_WARNING, "spill file of %016llx: LOCAL extent %u names layer %u of %u",
 				(unsigned long long)hdr[0].seq, i, h->layer, p->layers);
@@ -1292,6 +1347,8 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 		r->spill_chg = disk_bytes;
 	q->gen = hdr[0].gen;
 	q->state = KVD_SEQ_DISK;
+	if (kvd_store_seq_hidden(q) && t->on_pub)
+		t->on_pub(t->on_pub_arg, q);
 	return 0;
 }
 

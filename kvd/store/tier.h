@@ -83,6 +83,14 @@ int kvd_tier_prefetch(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t 
 /* SeqEvict: write q out and drop it from RAM (0 once started). */
 int kvd_tier_evict(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msglen);
 
+/* With spill and persist, starts writing q's file if it has no current one,
+ * keeping q resident (a published prefix: a restart brings it back): 0 also
+ * when there is nothing to do; else why not (as SeqEvict). */
+int kvd_tier_write(struct kvd_tier *t, struct kvd_seqn *q);
+/* fn(arg, q) for every published prefix kvd_tier_load finds (a file with a
+ * PUB extent: q is hidden, its key set).  Before kvd_tier_load. */
+void kvd_tier_on_pub(struct kvd_tier *t, void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
+
 /* Frees q (after its I/O, if any, has been cancelled and has ended: until
  * then it is invisible to every tenant). */
 void kvd_tier_free(struct kvd_tier *t, struct kvd_seqn *q);

@@ -881,6 +881,40 @@ static void test_local_extent(void **state)
 		assert_int_equal(kvd_sfmt_check_payload(&h, pl, msg, sizeof msg), -KVD_EFORMAT);
 	}
 	free(pl);
+
+	/* PUB: the key and the tokens of a published prefix, in the header */
+	const struct kvd_sfmt_ext ep = { .kind = KVD_SFMT_PUB, .index = 5, .n = 768 };
+	uint8_t key[16], back[16];
+	struct kvd_sfmt_hdr got;
+	char msg[256];
+
+	for (int i = 0; i < 16; i++)
+		key[i] = (uint8_t)(0xa0 + i);
+	kvd_sfmt_hdr_fill(&h, &f, &ep);
+	kvd_sfmt_pub_key_put(&h, key);
+	assert_int_equal(h.payload_bytes, 0);
+	seal_and_check(&h, NULL);
+	seed_write("pub", &h, NULL);
+	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
+	kvd_sfmt_pub_key(&got, back);
+	assert_memory_equal(back, key, 16);
+	assert_int_equal(got.n, 768);
+	bad = h;
+	bad.tok_begin ^= 1;             /* the key is under hdr_crc */
+	expect_hdr_fail(&bad, "PUB key changed");
+	bad = h;
+	bad.n = 0;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "PUB of no tokens");
+	bad = h;
+	bad.version = 2;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "PUB in a version 2 file");
+	bad = h;
+	bad.payload_bytes = 64;
+	bad.extent_bytes = 2 * PAGE;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "PUB with a payload");
 }
 
 /* Version 2 added int8 segments.  A version 1 file (bf16 only: no SEG flags,
