@@ -43,6 +43,10 @@ void bench_sweep(struct kvd_pool *pool, struct bench_sweep *s);
 size_t bench_sweep_bytes(const struct bench_sweep *s);
 void bench_sweep_free(struct bench_sweep *s);
 
+/* A "Field:  N kB" line of /proc/PID/status ("VmRSS:", "RssAnon:"), in
+ * bytes.  0 or -errno / -ENOENT. */
+int bench_proc_kib(pid_t pid, const char *field, uint64_t *bytes);
+
 /* The CPU's model name from /proc/cpuinfo, or "unknown". */
 const char *bench_cpu_name(void);
 

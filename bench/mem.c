@@ -1,3 +1,4 @@
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -252,4 +253,28 @@ int bench_parse_u32(const char *s, uint32_t *out)
 		return -1;
 	*out = (uint32_t)v;
 	return 0;
+}
+
+int bench_proc_kib(pid_t pid, const char *field, uint64_t *bytes)
+{
+	char path[64], line[256];
+	size_t fl = strlen(field);
+	unsigned long long kb;
+	FILE *f;
+	int rc = -ENOENT;
+
+	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+	if (!(f = fopen(path, "r")))
+		return -errno;
+	while (fgets(line, sizeof line, f)) {
+		if (strncmp(line, field, fl))
+			continue;
+		if (sscanf(line + fl, "%llu", &kb) == 1) {
+			*bytes = (uint64_t)kb << 10;
+			rc = 0;
+		}
+		break;
+	}
+	fclose(f);
+	return rc;
 }

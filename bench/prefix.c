@@ -61,30 +61,6 @@ static struct kvc_model px_model(uint32_t layers)
 	return m;
 }
 
-/* kvd's RssAnon (/proc/PID/status), bytes. */
-static int rss_anon(pid_t pid, uint64_t *bytes)
-{
-	char path[64], line[256];
-	unsigned long long kb;
-	FILE *f;
-	int rc = -ENOENT;
-
-	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-	if (!(f = fopen(path, "r")))
-		return -errno;
-	while (fgets(line, sizeof line, f)) {
-		if (strncmp(line, "RssAnon:", 8))
-			continue;
-		if (sscanf(line + 8, "%llu", &kb) == 1) {
-			*bytes = (uint64_t)kb << 10;
-			rc = 0;
-		}
-		break;
-	}
-	fclose(f);
-	return rc;
-}
-
 /* Rows [t0, t0 + n) of the synthetic layer, as [kv][n][d], into k, v. */
 static void rows_of(const struct kvd_synth *w, uint32_t t0, uint32_t n, float *k, float *v)
 {
@@ -314,7 +290,7 @@ static void pr_mid(void *arg)
 	struct pr_run *run = a->run;
 
 	spin_until(&run->connected, a->op->clients);
-	rss_anon(run->kvd, &run->rss0);
+	bench_proc_kib(run->kvd, "RssAnon:", &run->rss0);
 	atomic_store(&run->go, 1);
 	/* A client that failed never says done: stop waiting once all exited
 	 * is the caller's; here, poll with a bound. */
@@ -327,7 +303,7 @@ static void pr_mid(void *arg)
 			break;
 		usleep(1000);
 	}
-	rss_anon(run->kvd, &run->rss1);
+	bench_proc_kib(run->kvd, "RssAnon:", &run->rss1);
 	atomic_store(&run->release, 1);
 }
 

@@ -165,31 +165,6 @@ static int scene_chat(const struct share_opts *op)
 	return rc;
 }
 
-/* kvd's resident set, VmRSS of /proc/PID/status, in bytes. */
-static int rss_of(pid_t pid, uint64_t *bytes)
-{
-	char path[64], line[256];
-	unsigned long long kb;
-	FILE *f;
-	int rc = -ENOENT;
-
-	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-	f = fopen(path, "r");
-	if (!f)
-		return -errno;
-	while (fgets(line, sizeof line, f)) {
-		if (strncmp(line, "VmRSS:", 6))
-			continue;
-		if (sscanf(line + 6, "%llu", &kb) == 1) {
-			*bytes = (uint64_t)kb << 10;
-			rc = 0;
-		}
-		break;
-	}
-	fclose(f);
-	return rc;
-}
-
 static int charged(struct share *x, uint64_t *bytes)
 {
 	struct kvc_stats st;
@@ -319,7 +294,7 @@ static int run(struct share *x)
 		goto fail_kvc;
 
 	what = "stats";
-	if ((rc = rss_of(x->srv.pid, &rss0)) || (rc = charged(x, &ch0)))
+	if ((rc = bench_proc_kib(x->srv.pid, "VmRSS:", &rss0)) || (rc = charged(x, &ch0)))
 		goto fail_rc;
 	what = "parent";
 	t = bench_now_ms();
@@ -327,7 +302,7 @@ static int run(struct share *x)
 		goto fail_kvc;
 	prefill_ms = bench_now_ms() - t;
 	what = "stats";
-	if ((rc = rss_of(x->srv.pid, &rss1)) || (rc = charged(x, &ch1)))
+	if ((rc = bench_proc_kib(x->srv.pid, "VmRSS:", &rss1)) || (rc = charged(x, &ch1)))
 		goto fail_rc;
 	what = "fork";
 	for (uint32_t i = 0; i < op->children; i++) {
@@ -339,7 +314,7 @@ static int run(struct share *x)
 	}
 	/* Before any ATTEND, whose scratch in kvd is not the sequences'. */
 	what = "stats";
-	if ((rc = rss_of(x->srv.pid, &rss2)) || (rc = charged(x, &ch2)))
+	if ((rc = bench_proc_kib(x->srv.pid, "VmRSS:", &rss2)) || (rc = charged(x, &ch2)))
 		goto fail_rc;
 
 	what = "attend";

@@ -786,22 +786,32 @@ int kvt_seq_evict(struct kvt *t, uint64_t id)
 	return rc;
 }
 
-int kvt_server_stats(struct kvt *t, struct kvc_stats *st)
+/* ServerStatsReq: the reply (free it with kvd_ctl_free_response), or NULL
+ * with *rc. */
+static Kvd__Response *server_stats(struct kvt *t, int *rc)
 {
 	Kvd__Request rq = KVD__REQUEST__INIT;
 	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
 	Kvd__Response *r;
-	int rc;
 
 	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
 	rq.server_stats = &sr;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, NULL, NULL, rc);
+	if (r && r->body_case != KVD__RESPONSE__BODY_SERVER_STATS) {
+		kvd_ctl_free_response(r);
+		*rc = kvt_fail(t, -KVD_EPROTO, "unexpected reply");
+		return NULL;
+	}
+	return r;
+}
+
+int kvt_server_stats(struct kvt *t, struct kvc_stats *st)
+{
+	int rc;
+	Kvd__Response *r = server_stats(t, &rc);
+
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_SERVER_STATS) {
-		kvd_ctl_free_response(r);
-		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
-	}
 	const Kvd__ServerStats *m = r->server_stats;
 
 	*st = (struct kvc_stats){
@@ -821,20 +831,11 @@ int kvt_server_stats(struct kvt *t, struct kvc_stats *st)
 
 int kvt_share_stats(struct kvt *t, struct kvc_share_stats *st)
 {
-	Kvd__Request rq = KVD__REQUEST__INIT;
-	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
-	Kvd__Response *r;
 	int rc;
+	Kvd__Response *r = server_stats(t, &rc);
 
-	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
-	rq.server_stats = &sr;
-	r = call(t, &rq, NULL, NULL, &rc);
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_SERVER_STATS) {
-		kvd_ctl_free_response(r);
-		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
-	}
 	memset(st, 0, sizeof *st);
 	for (size_t i = 0; i < r->server_stats->n_share; i++) {
 		const Kvd__ShareUsage *u = r->server_stats->share[i];

@@ -193,21 +193,29 @@ static const char *slot_base(const struct client *c, const struct kvd_sqe *e)
 	return (const char *)shm_slot(&c->r, e->slot) + e->off;
 }
 
+/* The client's own sequence e->seq, with e's sizes checked against its
+ * profile: 0, or -ENOENT / kvd_wire_payload's refusal. */
+static int own_seq(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
+		   struct kvd_seqn **q, const struct kvd_profile **p, char *msg, size_t msglen)
+{
+	if (!(*q = kvd_client_seq(s, c, e->seq))) {
+		snprintf(msg, msglen, "no sequence %llu of yours", (unsigned long long)e->seq);
+		return -ENOENT;
+	}
+	*p = kvd_store_seq_profile(*q);
+	return kvd_wire_payload(e, *p, msg, msglen);
+}
+
 static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
 		   size_t msglen)
 {
-	struct kvd_seqn *q = kvd_client_seq(s, c, e->seq);
+	struct kvd_seqn *q;
 	const struct kvd_profile *p;
 	const char *base;
 	struct kvd_rows_layout lay;
 	int rc;
 
-	if (!q) {
-		snprintf(msg, msglen, "no sequence %llu of yours", (unsigned long long)e->seq);
-		return -ENOENT;
-	}
-	p = kvd_store_seq_profile(q);
-	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
+	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
 		return rc;
 	/* The layer must be resident, and the rows need room: staging plus
 	 * the segment they seal into, about twice the payload. */
@@ -236,17 +244,12 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
 		    size_t msglen)
 {
-	struct kvd_seqn *q = kvd_client_seq(s, c, e->seq);
+	struct kvd_seqn *q;
 	const struct kvd_profile *p;
 	struct kvd_local_layout lay;
 	int rc;
 
-	if (!q) {
-		snprintf(msg, msglen, "no sequence %llu of yours", (unsigned long long)e->seq);
-		return -ENOENT;
-	}
-	p = kvd_store_seq_profile(q);
-	if ((rc = kvd_wire_payload(e, p, msg, msglen)))
+	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
 		return rc;
 	/* The rows live with the sequence's RAM (a file holds them while it is
 	 * on disk): resident first, every layer. */

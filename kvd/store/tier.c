@@ -293,6 +293,21 @@ static unsigned count_extents(const struct kvd_seqn *q)
 	return n + q->hidden;
 }
 
+/* Extent i of r's write: a header page alone (PUB, END). */
+static int header_ext(struct rec *r, unsigned i, const struct kvd_sfmt_file *f,
+		      const struct kvd_sfmt_ext *e)
+{
+	if (!(r->buf[i].p = page_alloc(PAGE)))
+		return -ENOMEM;
+	r->buf[i].bytes = PAGE;
+	r->mine[i] = 1;
+	memset(r->buf[i].p, 0, PAGE);
+	kvd_sfmt_hdr_fill(r->buf[i].p, f, e);
+	r->wext[i] = (struct ext){ .kind = e->kind, .n = ((struct kvd_sfmt_hdr *)r->buf[i].p)->n,
+				   .bytes = PAGE };
+	return 0;
+}
+
 /* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
  * END; -EAGAIN while a segment of q is in another write (forks and
  * attached prefixes share segments, and each file writes its own header
@@ -421,27 +436,16 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	/* A published prefix says so, and under which key: --persist brings it
 	 * back as one. */
 	if (q->hidden) {
-		r->buf[i].bytes = PAGE;
-		if (!(r->buf[i].p = page_alloc(PAGE)))
-			goto nomem;
-		r->mine[i] = 1;
-		memset(r->buf[i].p, 0, PAGE);
 		e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PUB, .index = i,
 					   .n = (uint32_t)q->pubtok };
-		kvd_sfmt_hdr_fill(r->buf[i].p, &f, &e);
+		if (header_ext(r, i, &f, &e))
+			goto nomem;
 		kvd_sfmt_pub_key_put(r->buf[i].p, q->pubkey);
-		r->wext[i] = (struct ext){ .kind = KVD_SFMT_PUB, .n = (uint32_t)q->pubtok,
-					   .bytes = PAGE };
 		i++;
 	}
-	r->buf[i].bytes = PAGE;
-	if (!(r->buf[i].p = page_alloc(PAGE)))
-		goto nomem;
-	r->mine[i] = 1;
-	memset(r->buf[i].p, 0, PAGE);
 	e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_END, .index = i };
-	kvd_sfmt_hdr_fill(r->buf[i].p, &f, &e);
-	r->wext[i] = (struct ext){ .kind = KVD_SFMT_END, .n = i, .bytes = PAGE };
+	if (header_ext(r, i, &f, &e))
+		goto nomem;
 	i++;
 
 	r->job = (struct kvd_spill_job){ .op = KVD_SPILL_WRITE, .seq = q->id, .gen = q->gen,

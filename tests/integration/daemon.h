@@ -10,6 +10,7 @@
 #ifndef KVD_TEST_DAEMON_H
 #define KVD_TEST_DAEMON_H
 
+#include <dirent.h>
 #include <errno.h>
 #include <limits.h>
 #include <signal.h>
@@ -146,6 +147,27 @@ static inline int daemon_stop(struct daemon *d)
 	unlink(conf);
 	rmdir(d->dir);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* Removes dir and everything below it (a test's spill directory). */
+static inline void daemon_rm_tree(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	char p[400];
+
+	if (!d)
+		return;
+	while ((e = readdir(d))) {
+		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
+			continue;
+		if ((size_t)snprintf(p, sizeof p, "%s/%s", dir, e->d_name) >= sizeof p)
+			continue;
+		if (unlink(p) && errno == EISDIR)
+			daemon_rm_tree(p);
+	}
+	closedir(d);
+	rmdir(dir);
 }
 
 #endif

@@ -101,25 +101,6 @@ static char spill[128];
 
 /* ---- the daemon ----------------------------------------------------------- */
 
-static void clean_dir(const char *dir)
-{
-	DIR *d = opendir(dir);
-	struct dirent *e;
-	char p[400];
-
-	if (!d)
-		return;
-	while ((e = readdir(d))) {
-		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-			continue;
-		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-		if (unlink(p) && errno == EISDIR)
-			clean_dir(p);
-	}
-	closedir(d);
-	rmdir(dir);
-}
-
 static int start(void **state)
 {
 	return daemon_start(&D_, NULL) ? -1 : 0;
@@ -141,7 +122,7 @@ static int stop(void **state)
 	int rc = D_.pid > 0 ? daemon_stop(&D_) : -1;
 
 	if (spill[0]) {
-		clean_dir(spill);
+		daemon_rm_tree(spill);
 		spill[0] = 0;
 	}
 	if (rc)

@@ -223,28 +223,9 @@ static int up(const char *a1, const char *a2)
 	return daemon_start4(&D, "--spill-dir", spill, a1, a2);
 }
 
-static void clean_dir(const char *dir)
-{
-	DIR *d = opendir(dir);
-	struct dirent *e;
-	char p[400];
-
-	if (!d)
-		return;
-	while ((e = readdir(d))) {
-		if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
-			continue;
-		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-		if (unlink(p) && errno == EISDIR)
-			clean_dir(p);
-	}
-	closedir(d);
-	rmdir(dir);
-}
-
 static void clean_spill(void)
 {
-	clean_dir(spill);
+	daemon_rm_tree(spill);
 	spill[0] = 0;
 }
 
