@@ -666,6 +666,21 @@ uint64_t kvc_seq_tokens(const struct kvc_seq *s, uint32_t layer)
 	return s->ly ? s->ly[layer].tokens : 0;
 }
 
+int kvc_seq_layer(const struct kvc_seq *s, uint32_t layer, uint64_t *start, uint64_t *end,
+		  const float **mean)
+{
+	const struct kvc_layer *l;
+
+	if (s->gs || !s->ly)
+		return -ENOTSUP;
+	l = &s->ly[layer];
+	*start = l->mean ? l->nsink : 0;
+	*end = l->mean ? l->tokens - (l->n - l->nsink) : 0;
+	if (mean)
+		*mean = l->mean;
+	return 0;
+}
+
 int kvc_seq_publish(struct kvc *c, struct kvc_seq *s, const uint8_t *key)
 {
 	uint64_t n;

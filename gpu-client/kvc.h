@@ -205,6 +205,14 @@ uint32_t kvc_chunk_tokens(const struct kvc *c);
 int kvc_content_keys(const struct kvc *c, const uint32_t *tokens, size_t n, uint8_t *keys);
 /* A layer's length: its tokens here and in kvd. */
 uint64_t kvc_seq_tokens(const struct kvc_seq *s, uint32_t layer);
+/* Where a layer's tokens are (CPU backend; -ENOTSUP on CUDA): [0, *start)
+ * kept here (the sinks), [*start, *end) in kvd, [*end, tokens) kept here
+ * (the window, and rows waiting to go); a dense layer: 0, 0.  *mean (may be
+ * NULL): the layer's centering mean [kv_heads][head_dim], NULL for a dense
+ * layer or before the prefill; valid until s changes.  For bindings that
+ * mirror a sequence (an attached one included). */
+int kvc_seq_layer(const struct kvc_seq *s, uint32_t layer, uint64_t *start, uint64_t *end,
+		  const float **mean);
 /* Publishes s as it is now under key, the key of its last chunk: every
  * layer prefilled and of the same length, a whole number of chunks.  kvd
  * keeps a copy-on-write snapshot (sharing its sealed segments) and a copy of

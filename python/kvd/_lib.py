@@ -124,6 +124,13 @@ _PROTOS = {
     "kvc_seq_evict": (_int, [_vp, _vp]),
     "kvc_prefetch": (_int, [_vp, _vp]),
     "kvc_timing": (_int, [_vp, ctypes.POINTER(KvcTiming), _int]),
+    "kvc_chunk_tokens": (_u32, [_vp]),
+    "kvc_content_keys": (_int, [_vp, ctypes.POINTER(_u32), ctypes.c_size_t, _vp]),
+    "kvc_seq_publish": (_int, [_vp, _vp, _vp]),
+    "kvc_seq_attach": (_int, [_vp, _vp, _u32, ctypes.POINTER(_vp), c_u64_p]),
+    "kvc_extend": (_int, [_vp, _vp, _u32, _vp, _vp, _u32]),
+    "kvc_seq_tokens": (_u64, [_vp, _u32]),
+    "kvc_seq_layer": (_int, [_vp, _u32, c_u64_p, c_u64_p, ctypes.POINTER(c_float_p)]),
 }
 
 _lock = threading.Lock()

@@ -330,6 +330,40 @@ class Client:
                        ctypes.byref(tokens))
             return Sequence(self, h, reopened=True), tokens.value
 
+    # ---- prefix sharing (docs/PROTOCOL.md "Prefix sharing") ----
+    def chunk_tokens(self):
+        """Tokens per content-key chunk of the profile (kvc_chunk_tokens)."""
+        with self._lock:
+            self._need_model()
+            return self._lib.kvc_chunk_tokens(self._handle())
+
+    def content_keys(self, token_ids):
+        """The content keys of the whole chunks of token_ids (kvc_content_keys):
+        a list of 16-byte bytes, key i naming chunks 0..i."""
+        ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.uint32).ravel())
+        with self._lock:
+            self._need_model()
+            chunk = self._lib.kvc_chunk_tokens(self._handle())
+            buf = ctypes.create_string_buffer(max(1, len(ids) // max(chunk, 1)) * 16)
+            n = self._call("kvc_content_keys",
+                           ids.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
+                           len(ids), buf)
+        return [buf.raw[16 * i:16 * (i + 1)] for i in range(n)]
+
+    def attach(self, token_ids):
+        """A new sequence holding the longest published prefix of token_ids
+        (kvc_seq_attach).  Returns (Sequence, tokens attached): 0 tokens is an
+        empty sequence to prefill.  Continue it with Sequence.extend."""
+        keys = b"".join(self.content_keys(token_ids))
+        with self._lock:
+            h = ctypes.c_void_p()
+            got = ctypes.c_uint64()
+            self._call("kvc_seq_attach", keys, len(keys) // 16, ctypes.byref(h),
+                       ctypes.byref(got))
+            s = Sequence(self, h)
+        s._sync()
+        return s, got.value
+
     # ---- attention ----
     def _attend(self, fname, layer, seqs, q, centered):
         m = self._need_model()
@@ -457,6 +491,44 @@ class Sequence:
             child = Sequence(c, h)
         child._layers = [copy.deepcopy(ly) for ly in self._layers]
         return child
+
+    def _sync(self):
+        """The mirror of every layer from libkvclient's own state."""
+        c = self._client
+        m = c.model
+        for layer in range(m.layers):
+            a, b = ctypes.c_uint64(), ctypes.c_uint64()
+            mean = _lib.c_float_p()
+            ly = self._layers[layer]
+            with c._lock:
+                ly.n = c._lib.kvc_seq_tokens(self._handle(), layer)
+                rc = c._lib.kvc_seq_layer(self._handle(), layer, ctypes.byref(a),
+                                          ctypes.byref(b), ctypes.byref(mean))
+            if rc < 0:
+                raise KvdError("kvc_seq_layer", rc, "not on this backend")
+            ly.start, ly.end = a.value, b.value
+            ly.mean = (np.ctypeslib.as_array(mean, shape=(m.kv_heads, m.head_dim)).copy()
+                       if mean else None)
+
+    def publish(self, token_ids):
+        """Publishes the sequence as it is now (kvc_seq_publish) under the key
+        of token_ids, its tokens so far: a whole number of chunks."""
+        keys = self._client.content_keys(token_ids)
+        if not keys or len(keys) * self._client.chunk_tokens() != len(token_ids):
+            raise ValueError("publish: %d token ids are not a whole number of chunks"
+                             % len(token_ids))
+        c = self._client
+        with c._lock:
+            c._call("kvc_seq_publish", self._handle(), keys[-1])
+
+    def extend(self, layer, k, v):
+        """n more tokens of one layer (kvc_extend): k, v float32
+        [kv_heads][n][head_dim]; a prefill when the layer has none yet."""
+        m, k, v = self._kv(layer, k, v, True)
+        c = self._client
+        with c._lock:
+            c._call("kvc_extend", self._handle(), layer, _ptr(k), _ptr(v), k.shape[1])
+        self._sync()
 
     @property
     def freed(self):

@@ -594,3 +594,52 @@ def test_fork(client):
     o2, l2 = child.attend(2, q, centered=False)
     assert np.array_equal(o2, got_b[0]) and np.array_equal(l2, got_b[1])
     child.free()
+
+
+def test_publish_attach(sock):
+    """Client.attach / Sequence.publish: a prompt published on one connection
+    is attached on another (every chunk named by its content key); the
+    attached sequence answers exactly what its publisher answers, and both
+    extended by the same tokens still do, as a private sequence given the
+    same calls does; a prompt nobody published is a miss (0 tokens)."""
+    rng = np.random.default_rng(31)
+    n0, more = 1024, 300                            # 8 chunks of 128
+    k, v = kv(rng, n0 + more)
+    ids = np.arange(n0 + more, dtype=np.uint32) * 7 + 1
+    q = rng.standard_normal((Q, D)).astype(np.float32)
+    with kvd.connect(sock, "py", "publisher") as a, kvd.connect(sock, "py2", "attacher") as b:
+        a.profile(NEAR_EXACT)
+        b.profile(NEAR_EXACT)
+        assert a.chunk_tokens() == 128
+        assert len(a.content_keys(ids[:n0])) == n0 // 128
+        assert a.content_keys(ids[:n0]) == b.content_keys(ids[:n0])
+        s = a.sequence()
+        for layer in range(3):
+            s.extend(layer, k[:, :n0], v[:, :n0])
+        with pytest.raises(ValueError):
+            s.publish(ids[:n0 - 5])
+        s.publish(ids[:n0])
+        x, got = b.attach(ids)
+        assert got == n0 and x.tokens(1) == n0
+        assert x.kvd_range(1) == s.kvd_range(1)
+        assert np.array_equal(x.mean(1), s.mean(1))
+        for layer in range(3):
+            want, have = s.attend(layer, q, centered=False), x.attend(layer, q, centered=False)
+            assert all(np.array_equal(p, r) for p, r in zip(want, have)), layer
+        for layer in range(3):
+            s.extend(layer, k[:, n0:], v[:, n0:])
+            x.extend(layer, k[:, n0:], v[:, n0:])
+        with a.sequence() as p:
+            for layer in range(3):
+                p.extend(layer, k[:, :n0], v[:, :n0])
+                p.extend(layer, k[:, n0:], v[:, n0:])
+            for layer in range(3):
+                want = p.attend(layer, q, centered=False)
+                for got_seq in (s, x):
+                    have = got_seq.attend(layer, q, centered=False)
+                    assert all(np.array_equal(w, h) for w, h in zip(want, have)), layer
+        y, got = b.attach(ids[::-1].copy())
+        assert got == 0 and y.tokens(1) == 0
+        y.free()
+        x.free()
+        s.free()
