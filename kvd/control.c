@@ -831,7 +831,7 @@ static void pick_seq(void *arg, struct kvd_seqn *q)
 	uint32_t uid = kvd_store_seq_uid(q);
 	uint64_t qid = kvd_store_seq_id(q);
 
-	if (!kvd_store_seq_tenant(q)[0] || !may_see(p->c, uid) ||
+	if (!kvd_store_seq_tenant(q)[0] || kvd_store_seq_hidden(q) || !may_see(p->c, uid) ||
 	    (p->m->filter_uid && uid != p->m->uid))
 		return;
 	p->total++;

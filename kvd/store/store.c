@@ -644,8 +644,9 @@ struct kvd_seqn *kvd_store_seq_any(struct kvd_store *s, uint64_t id)
 {
 	struct kvd_seqn *q = seq_find(s, id);
 
-	/* kvd_tier_free empties the tenant of one it frees later. */
-	return q && q->tenant[0] ? q : NULL;
+	/* kvd_tier_free empties the tenant of one it frees later.  A published
+	 * snapshot belongs to the share table: not even an admin frees it. */
+	return q && q->tenant[0] && !q->hidden ? q : NULL;
 }
 
 void kvd_store_profile_each(struct kvd_store *s,

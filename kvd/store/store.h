@@ -179,8 +179,9 @@ struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char 
 void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q);
 /* Calls fn on every sequence; fn may free the one it is given. */
 void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
-/* Any tenant's sequence (admin requests): NULL unless it exists and is not
- * being freed. */
+/* Any tenant's sequence (admin requests): NULL unless it exists, is not
+ * being freed and is not a published snapshot (kvd/store/share.h owns
+ * those). */
 struct kvd_seqn *kvd_store_seq_any(struct kvd_store *s, uint64_t id);
 /* Calls fn on every profile with its reference count; fn must not create,
  * reference or free profiles. */

@@ -768,10 +768,26 @@ static void test_share_free(void **state)
 	expect_same("second attach after the first was freed", &att, &pub);
 	assert_int_equal(kvc_seq_free(a, y), 0);
 
-	/* What stays is the published snapshot: one sequence, its bytes. */
+	/* What stays is the published snapshot: one sequence, its bytes; not
+	 * one an admin's listing shows (nor frees). */
 	st1 = stats(a);
 	sh = share_stats(a);
 	assert_int_equal(st1.sequences, st0.sequences + 1);
+	{
+		struct raw r;
+		uint32_t pid;
+		Kvd__Request rq = KVD__REQUEST__INIT;
+		Kvd__SeqListReq lr = KVD__SEQ_LIST_REQ__INIT;
+		Kvd__Response *resp = NULL;
+
+		raw_up(&r, "t", &pid);
+		rq.body_case = KVD__REQUEST__BODY_SEQ_LIST;
+		rq.seq_list = &lr;
+		assert_int_equal(raw_expect(&r, &rq, KVD__RESPONSE__BODY_SEQ_LIST, &resp), 0);
+		assert_int_equal(resp->seq_list->total, 0);
+		kvd_ctl_free_response(resp);
+		raw_close(&r);
+	}
 	assert_true(st1.bytes > st0.bytes);
 	/* its segments and tails, and the rows the client kept beside them */
 	assert_true(sh.shared_bytes > st1.bytes - st0.bytes);
