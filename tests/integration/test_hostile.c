@@ -1639,6 +1639,7 @@ static void *share_decoder(void *arg)
 		}
 		atomic_fetch_add(&sd->answers, 1);
 	}
+	kvc_seq_free(c, s);
 	kvd_synth_free(&w);
 	kvc_close(c);
 	return NULL;
