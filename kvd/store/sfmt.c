@@ -271,6 +271,10 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 	if (r->chunk_tokens && r->seal_tokens % r->chunk_tokens)
 		return fail(msg, msglen, "PROFILE chunk_tokens %u does not divide seal_tokens %u",
 			    r->chunk_tokens, r->seal_tokens);
+	/* Canonical: the default is written as 0, never as its value. */
+	if (r->chunk_tokens && r->chunk_tokens == kvd_ctl_chunk_default(r->seal_tokens))
+		return fail(msg, msglen, "PROFILE chunk_tokens %u is the default, written as 0",
+			    r->chunk_tokens);
 
 	/* All factors bounded above by now: no overflow. */
 	uint64_t want = KVD_SFMT_PROFILE_REC + A64(r->layers) + w_bytes(r->d, r->K, r->L);
