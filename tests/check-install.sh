@@ -45,7 +45,7 @@ fail() {
 $MAKE --no-print-directory install B="$B" DESTDIR="$dest" PREFIX=$prefix >"$tmp/install.log" 2>&1 ||
 	{ cat "$tmp/install.log"; fail "make install DESTDIR=$dest"; }
 
-for f in bin/kvd bin/kvctl lib/libkvclient.so.3.0.0 include/kvd/kvc.h \
+for f in bin/kvd bin/kvctl lib/libkvclient.so.3.1.0 include/kvd/kvc.h \
 	lib/pkgconfig/libkvclient.pc share/man/man1/kvctl.1 share/man/man8/kvd.8 \
 	share/doc/kvd/PROTOCOL.md share/doc/kvd/OPERATIONS.md \
 	lib/systemd/system/kvd.service lib/sysusers.d/kvd.conf lib/tmpfiles.d/kvd.conf; do
@@ -53,11 +53,11 @@ for f in bin/kvd bin/kvctl lib/libkvclient.so.3.0.0 include/kvd/kvc.h \
 done
 [ -f "$dest/etc/kvd/kvd.conf" ] || fail "/etc/kvd/kvd.conf not installed"
 [ -x "$dest$prefix/bin/kvd" ] && [ -x "$dest$prefix/bin/kvctl" ] || fail "binaries not executable"
-[ "$(readlink "$dest$prefix/lib/libkvclient.so.3")" = libkvclient.so.3.0.0 ] ||
-	fail "lib/libkvclient.so.3 is not a link to libkvclient.so.3.0.0"
+[ "$(readlink "$dest$prefix/lib/libkvclient.so.3")" = libkvclient.so.3.1.0 ] ||
+	fail "lib/libkvclient.so.3 is not a link to libkvclient.so.3.1.0"
 [ "$(readlink "$dest$prefix/lib/libkvclient.so")" = libkvclient.so.3 ] ||
 	fail "lib/libkvclient.so is not a link to libkvclient.so.3"
-soname=$(readelf -d "$dest$prefix/lib/libkvclient.so.3.0.0" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+soname=$(readelf -d "$dest$prefix/lib/libkvclient.so.3.1.0" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [ "$soname" = libkvclient.so.3 ] || fail "soname '$soname', want libkvclient.so.3"
 grep -q "^ExecStart=$prefix/bin/kvd --config /etc/kvd/kvd.conf\$" "$dest$prefix/lib/systemd/system/kvd.service" ||
 	fail "the installed unit's ExecStart is not $prefix/bin/kvd"
