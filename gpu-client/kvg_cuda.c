@@ -453,12 +453,40 @@ static int dcopy(struct kvt *c, struct kvg *g, void **dst, const void *src, size
 	return 0;
 }
 
+/* A layer's K or V storage copied: only the rows that hold tokens (the sinks
+ * and the ring's live span, maybe wrapped), since the rest was never written
+ * and a copy of it would read uninitialized device memory. */
+static int dcopy_rows(struct kvt *c, struct kvg *g, void **dst, const void *src,
+		      const struct kvg_layer *ly)
+{
+	const size_t rowb = (size_t)g->d * 2, pitch = (size_t)ly->cap * rowb;
+	const struct kvg_ring *r = &ly->ring;
+	uint32_t sinks = ly->tokens < r->nsink ? (uint32_t)ly->tokens : r->nsink;
+	uint32_t first = r->count < r->R - r->head ? r->count : r->R - r->head;
+	/* {storage row, rows}: sinks, ring head to the end, its wrapped rest */
+	const uint32_t span[3][2] = {
+		{ 0, sinks }, { r->nsink + r->head, first }, { r->nsink, r->count - first } };
+	int rc;
+
+	*dst = NULL;
+	if (!src)
+		return 0;
+	if ((rc = dalloc(c, g, dst, (size_t)g->H * pitch, g->cs)))
+		return rc;
+	for (int i = 0; i < 3; i++)
+		if (span[i][1])
+			CK(c, cudaMemcpy2DAsync((char *)*dst + span[i][0] * rowb, pitch,
+						(const char *)src + span[i][0] * rowb, pitch,
+						span[i][1] * rowb, g->H, cudaMemcpyDeviceToDevice,
+						g->cs));
+	return 0;
+}
+
 int kvg_seq_fork(struct kvt *c, struct kvg *g, const struct kvc_seq *parent,
 		 struct kvc_seq *child)
 {
 	const struct kvg_seq *a = parent->gs;
 	struct kvg_seq *b;
-	size_t rowb = (size_t)g->d * 2;
 	int prev, rc;
 
 	if (!a)
@@ -477,8 +505,8 @@ int kvg_seq_fork(struct kvt *c, struct kvg *g, const struct kvc_seq *parent,
 		*y = *x;
 		y->k = y->v = NULL;
 		y->mean = NULL;
-		if ((rc = dcopy(c, g, (void **)&y->k, x->k, (size_t)g->H * x->cap * rowb)) ||
-		    (rc = dcopy(c, g, (void **)&y->v, x->v, (size_t)g->H * x->cap * rowb)) ||
+		if ((rc = dcopy_rows(c, g, (void **)&y->k, x->k, x)) ||
+		    (rc = dcopy_rows(c, g, (void **)&y->v, x->v, x)) ||
 		    (rc = dcopy(c, g, (void **)&y->mean, x->mean, (size_t)g->H * g->d * 4)))
 			break;
 	}
