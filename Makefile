@@ -28,7 +28,7 @@ WARN    := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wno-unused-parameter -Wer
 CFLAGS  ?= -O2 -g
 # -fPIC: the same objects go into libkvclient.so.
 CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -I$(B)/proto
-LDLIBS  += -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
+LDLIBS  += -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 ifneq ($(SAN),)
 # KVD_INVARIANTS: a broken ALWAYS()/NEVER() aborts (kvd/invariant.h).
@@ -169,7 +169,7 @@ $(B)/libkvclient.so: $(CLIENT_OBJ) $(B)/libkvdcore.a gpu-client/libkvclient.map
 		-Wl,-soname,libkvclient.so.$(KVC_SOVERSION) \
 		$(CLIENT_OBJ) $(B)/libkvdcore.a $(LDLIBS) $(CUDA_LIBS) -o $@
 
-$(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
+$(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/obj/tests/unit/rcluster.o $(B)/libkvdcore.a
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) $(CUDA_LIBS) -o $@
 
@@ -219,7 +219,7 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -Ibuild/proto \
 	-fsanitize=fuzzer-no-link,address,undefined -DKVD_INVARIANTS
 FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
-FUZZ_LIBS := -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
+FUZZ_LIBS := -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 build/fuzz/obj/kvd/engine/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
 build/fuzz/obj/kvd/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
