@@ -1436,6 +1436,73 @@ static void quarantine(struct kvd_spill *sp, unsigned d, const char *nm, const c
 			sp->dir[d], to);
 }
 
+/* One file of directory d: read its headers, hand them to fn, act on its
+ * answer (kvd_spill_scan's rules).  0 when the file was kept. */
+static int scan_one(struct kvd_spill *sp, unsigned d, const char *nm, uint64_t seq,
+		    kvd_spill_scan_fn fn, void *arg)
+{
+	int dfd = sp->dirfd[d];
+	struct kvd_sfmt_hdr *hdr;
+	void *profile;
+	char msg[160];
+	unsigned n = 0;
+	int fd, rc;
+
+	fd = openat(dfd, nm, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) {
+		rc = -errno;
+		kvd_log(LOG_WARNING, "spill: %s/%s: %s; left alone", sp->dir[d], nm, strerror(errno));
+		return rc;
+	}
+	rc = scan_file(fd, seq, &hdr, &n, &profile, msg, sizeof msg);
+	if (rc == 0) {
+		struct stat st;
+		uint64_t bytes = fstat(fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+
+		rc = fn ? fn(arg, d, hdr, n, profile, hdr[0].payload_bytes, bytes) : 0;
+		if (rc == 0) {
+			atomic_fetch_add(&sp->disk, bytes);
+		} else if (rc > 0) {
+			unlinkat(dfd, nm, 0);
+		} else if (rc <= -KVD_EBASE) {
+			quarantine(sp, d, nm, "refused at load");
+		} else {
+			kvd_log(LOG_WARNING, "spill: %s/%s: load: %s; left in place, "
+				"not loaded this run", sp->dir[d], nm, kvd_strerror(rc));
+		}
+	} else if (rc <= -KVD_EBASE) {
+		/* The bytes themselves are wrong: reading it again will not
+		 * help. */
+		quarantine(sp, d, nm, msg);
+	} else {
+		/* EIO, ENOMEM, EINTR...: the disk or the machine had a bad
+		 * moment; the file may be fine.  It stays for the next start,
+		 * unknown to the engine until then. */
+		kvd_log(LOG_WARNING, "spill: %s/%s: %s; left in place, not loaded this run",
+			sp->dir[d], nm, msg);
+	}
+	free(hdr);
+	free(profile);
+	close(fd);
+	return rc ? (rc > 0 ? -ENOENT : rc) : 0;
+}
+
+int kvd_spill_scan_one(struct kvd_spill *sp, unsigned dir, uint64_t seq, kvd_spill_scan_fn fn,
+		       void *arg)
+{
+	char nm[32];
+
+	if (dir >= sp->cfg.ndirs)
+		return -EINVAL;
+	snprintf(nm, sizeof nm, "%016llx.kvs", (unsigned long long)seq);
+	return scan_one(sp, dir, nm, seq, fn, arg);
+}
+
+const char *kvd_spill_dir(const struct kvd_spill *sp, unsigned dir)
+{
+	return dir < sp->cfg.ndirs ? sp->dir[dir] : NULL;
+}
+
 int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *arg)
 {
 	int kept = 0;
@@ -1456,12 +1523,7 @@ int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *a
 		 * anything else in the directory is left alone in both modes. */
 		while ((de = readdir(dp))) {
 			const char *nm = de->d_name;
-			struct kvd_sfmt_hdr *hdr;
-			void *profile;
-			char msg[160];
-			unsigned n = 0;
 			uint64_t seq;
-			int fd, rc;
 
 			/* A writer that died before its rename: never a complete
 			 * file, so nothing to keep (likewise create's probe). */
@@ -1479,43 +1541,8 @@ int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *a
 				unlinkat(dfd, nm, 0);
 				continue;
 			}
-			fd = openat(dfd, nm, O_RDONLY | O_CLOEXEC);
-			if (fd < 0) {
-				kvd_log(LOG_WARNING, "spill: %s/%s: %s; left alone", sp->dir[d], nm,
-					strerror(errno));
-				continue;
-			}
-			rc = scan_file(fd, seq, &hdr, &n, &profile, msg, sizeof msg);
-			if (rc == 0) {
-				struct stat st;
-				uint64_t bytes = fstat(fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
-
-				rc = fn ? fn(arg, d, hdr, n, profile, hdr[0].payload_bytes, bytes) : 0;
-				if (rc == 0) {
-					atomic_fetch_add(&sp->disk, bytes);
-					kept++;
-				} else if (rc > 0) {
-					unlinkat(dfd, nm, 0);
-				} else if (rc <= -KVD_EBASE) {
-					quarantine(sp, d, nm, "refused at load");
-				} else {
-					kvd_log(LOG_WARNING, "spill: %s/%s: load: %s; left in place, "
-						"not loaded this run", sp->dir[d], nm, kvd_strerror(rc));
-				}
-			} else if (rc <= -KVD_EBASE) {
-				/* The bytes themselves are wrong: reading it again
-				 * will not help. */
-				quarantine(sp, d, nm, msg);
-			} else {
-				/* EIO, ENOMEM, EINTR...: the disk or the machine had
-				 * a bad moment; the file may be fine.  It stays for
-				 * the next start, unknown to the engine until then. */
-				kvd_log(LOG_WARNING, "spill: %s/%s: %s; left in place, not loaded this run",
-					sp->dir[d], nm, msg);
-			}
-			free(hdr);
-			free(profile);
-			close(fd);
+			if (scan_one(sp, d, nm, seq, fn, arg) == 0)
+				kept++;
 		}
 		closedir(dp);
 	}

@@ -168,6 +168,14 @@ typedef int (*kvd_spill_scan_fn)(void *arg, unsigned dir, const struct kvd_sfmt_
 				 uint64_t disk_bytes);
 int kvd_spill_scan(struct kvd_spill *sp, int keep, kvd_spill_scan_fn fn, void *arg);
 
+/* kvd_spill_scan for one file, <dir>/<seq>.kvs, put there by someone else
+ * (the remote tier): 0 when fn kept it, else negative (the file was
+ * deleted, quarantined or left, by fn's answer as above). */
+int kvd_spill_scan_one(struct kvd_spill *sp, unsigned dir, uint64_t seq, kvd_spill_scan_fn fn,
+		       void *arg);
+/* The path of spill directory dir, or NULL. */
+const char *kvd_spill_dir(const struct kvd_spill *sp, unsigned dir);
+
 /* Tests only: what kvd_spill_scan reads with (pread by default), so a test
  * can fail a read the way a disk does; the scan reads synchronously, outside
  * the fake backend.  Set it only while no scan runs. */

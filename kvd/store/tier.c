@@ -73,6 +73,9 @@ struct kvd_tier {
 	struct rec *head, *tail;        /* LRU */
 	void (*on_pub)(void *arg, struct kvd_seqn *q);  /* a published prefix found at load */
 	void *on_pub_arg;
+	void (*on_written)(void *arg, struct kvd_seqn *q, const char *path);
+	void *on_written_arg;
+	const char *adopt_tenant;       /* kvd_tier_adopt: the tenant load_one uses */
 	uint64_t epoch;
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
 	struct unl *unls;
@@ -551,12 +554,25 @@ int kvd_tier_write(struct kvd_tier *t, struct kvd_seqn *q)
 {
 	struct rec *r;
 
-	if (!t->sp || !t->cfg.persist)
+	if (!t->sp || !(t->cfg.persist || t->cfg.remote))
 		return 0;
 	if (!(r = rec_of(t, q)))
 		return -ENOMEM;
 	t->why[0] = 0;
 	return write_out(t, r, 0);
+}
+
+void kvd_tier_on_written(struct kvd_tier *t,
+			 void (*fn)(void *arg, struct kvd_seqn *q, const char *path), void *arg)
+{
+	t->on_written = fn;
+	t->on_written_arg = arg;
+}
+
+const char *kvd_tier_spill_dir(const struct kvd_tier *t, unsigned *dir)
+{
+	*dir = 0;
+	return t->sp ? kvd_spill_dir(t->sp, 0) : NULL;
 }
 
 void kvd_tier_on_pub(struct kvd_tier *t, void (*fn)(void *arg, struct kvd_seqn *q), void *arg)
@@ -605,9 +621,18 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 
 	r->evict_after = 0;
 	job_release(t, r);
-	if (r->has_file && r->file_gen != q->gen)
+	if (r->has_file && r->file_gen != q->gen) {
 		forget_file(t, r);      /* changed while being written */
-	else if (evict_now && !r->freeing) {
+		return;
+	}
+	if (j->res == 0 && t->on_written && kvd_store_seq_hidden(q) && !r->freeing) {
+		char path[4200];
+
+		snprintf(path, sizeof path, "%s/%016llx.kvs", kvd_spill_dir(t->sp, r->dir),
+			 (unsigned long long)q->id);
+		t->on_written(t->on_written_arg, q, path);
+	}
+	if (evict_now && !r->freeing) {
 		drop(t, r);
 		kvd_metrics_evict(t->cfg.metrics, 1);
 	}
@@ -1265,7 +1290,8 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 	/* With limits, the profile is made in the namespace of the uid in the
 	 * file's tenant and charged to it; the reference taken here is
 	 * dropped once the sequence holds its own. */
-	uint32_t uid = kvd_store_tenant_uid(hdr[0].tenant);
+	const char *tenant = t->adopt_tenant ? t->adopt_tenant : hdr[0].tenant;
+	uint32_t uid = kvd_store_tenant_uid(tenant);
 
 	msg[0] = 0;
 	if (lim(t))
@@ -1291,7 +1317,7 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 		 * the next start. */
 		return rc == -KVD_EFORMAT || rc == -EEXIST ? -KVD_EFORMAT : rc;
 	}
-	rc = kvd_store_seq_adopt(t->st, p, hdr[0].tenant, hdr[0].seq, 0, &q);
+	rc = kvd_store_seq_adopt(t->st, p, tenant, hdr[0].seq, 0, &q);
 	if (lim(t))
 		kvd_store_profile_unref(t->st, p);
 	if (rc) {
@@ -1354,6 +1380,18 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 	if (kvd_store_seq_hidden(q) && t->on_pub)
 		t->on_pub(t->on_pub_arg, q);
 	return 0;
+}
+
+int kvd_tier_adopt(struct kvd_tier *t, unsigned dir, uint64_t seq, const char *tenant)
+{
+	int rc;
+
+	if (!t->sp)
+		return -ENOENT;
+	t->adopt_tenant = tenant;
+	rc = kvd_spill_scan_one(t->sp, dir, seq, load_one, t);
+	t->adopt_tenant = NULL;
+	return rc;
 }
 
 int kvd_tier_load(struct kvd_tier *t)

@@ -37,6 +37,8 @@ struct kvd_tier_cfg {
 	uint64_t high, low;             /* watermarks in bytes, low < high <= limit */
 	int spill;                      /* 0: no spill directories (budget only) */
 	int persist;
+	int remote;                     /* published prefixes get a file at once, as
+					 * with persist (the remote tier sends it) */
 	struct kvd_spill_cfg io;
 	struct kvd_metrics *metrics;    /* I/O, evictions and losses are counted here (NULL: not) */
 };
@@ -93,6 +95,18 @@ void kvd_tier_on_pub(struct kvd_tier *t, void (*fn)(void *arg, struct kvd_seqn *
 
 /* Frees q (after its I/O, if any, has been cancelled and has ended: until
  * then it is invisible to every tenant). */
+/* fn(arg, q, path) once a hidden sequence (a published prefix) has a
+ * current file at path, written by kvd_tier_write. */
+void kvd_tier_on_written(struct kvd_tier *t,
+			 void (*fn)(void *arg, struct kvd_seqn *q, const char *path), void *arg);
+/* Takes in <spill dir `dir`>/<seq>.kvs, put there by the remote tier, as
+ * kvd_tier_load takes in files at start-up, but as `tenant`'s (the
+ * requester's) whatever the file says; a published prefix in it goes to
+ * the on_pub callback.  0, or negative with the file gone or set aside. */
+int kvd_tier_adopt(struct kvd_tier *t, unsigned dir, uint64_t seq, const char *tenant);
+/* The index of the spill directory fetched files go to, and its path
+ * (NULL without spill). */
+const char *kvd_tier_spill_dir(const struct kvd_tier *t, unsigned *dir);
 void kvd_tier_free(struct kvd_tier *t, struct kvd_seqn *q);
 unsigned kvd_tier_free_owner(struct kvd_tier *t, uint64_t owner);
 /* kvd is stopping: freeing sequences from now on keeps their files
