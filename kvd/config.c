@@ -83,6 +83,12 @@ void kvd_config_defaults(struct kvd_config *c)
 	c->shm_per_uid = 16ull << 30;
 	c->control_cpu_pct = 50;
 	strcpy(c->metrics_listen, KVD_CONFIG_METRICS);
+	strcpy(c->remote_prefix, "kvd");
+	c->remote_connect_ms = 500;
+	c->remote_timeout_ms = 2000;
+	c->remote_retry_ms = 5000;
+	c->remote_wait_ms = 1000;
+	c->remote_chunk = 4u << 20;
 }
 
 /* ---- values ------------------------------------------------------------- */
@@ -385,6 +391,69 @@ static int set_spill_fault(struct kvd_config *c, const char *v, char *why, size_
 	return 0;
 }
 
+static int set_remote_seeds(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	if (strlen(v) >= sizeof c->remote_seeds)
+		return fail(why, n, "longer than %zu bytes", sizeof c->remote_seeds - 1);
+	snprintf(c->remote_seeds, sizeof c->remote_seeds, "%s", v);
+	return 0;
+}
+
+static int set_remote_prefix(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	if (!*v || strlen(v) >= sizeof c->remote_prefix || strpbrk(v, "{} \t"))
+		return fail(why, n, "1..%zu bytes, no braces or spaces", sizeof c->remote_prefix - 1);
+	snprintf(c->remote_prefix, sizeof c->remote_prefix, "%s", v);
+	return 0;
+}
+
+static int set_ms(uint32_t *out, const char *v, uint64_t max, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_uint(v, max, &x, why, n))
+		return -EINVAL;
+	*out = (uint32_t)x;
+	return 0;
+}
+
+static int set_remote_connect(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_ms(&c->remote_connect_ms, v, 600000, why, n);
+}
+
+static int set_remote_timeout(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_ms(&c->remote_timeout_ms, v, 600000, why, n);
+}
+
+static int set_remote_retry(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_ms(&c->remote_retry_ms, v, 600000, why, n);
+}
+
+static int set_remote_replicas(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_ms(&c->remote_replicas, v, 16, why, n);
+}
+
+static int set_remote_wait(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return set_ms(&c->remote_wait_ms, v, 600000, why, n);
+}
+
+static int set_remote_chunk(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint64_t x;
+
+	if (parse_size(v, &x, why, n))
+		return -EINVAL;
+	if (x < 4096 || x > (512u << 20))
+		return fail(why, n, "out of range 4K..512M (Redis takes values up to 512 MiB)");
+	c->remote_chunk = (uint32_t)x;
+	return 0;
+}
+
 static const struct {
 	const char *name;
 	int level;
@@ -673,6 +742,14 @@ static const struct key {
 	{ "limits", "shm_per_uid", NULL, set_shm_per_uid, NULL, 0, 0 },
 	{ "limits", "control_cpu_per_uid", NULL, set_control_cpu, NULL, 0, 0 },
 	{ "sharing", "groups", NULL, set_groups, NULL, 0, 0 },
+	{ "remote", "seeds", NULL, set_remote_seeds, NULL, 0, 0 },
+	{ "remote", "prefix", NULL, set_remote_prefix, NULL, 0, 0 },
+	{ "remote", "connect_timeout_ms", NULL, set_remote_connect, NULL, 0, 0 },
+	{ "remote", "timeout_ms", NULL, set_remote_timeout, NULL, 0, 0 },
+	{ "remote", "retry_ms", NULL, set_remote_retry, NULL, 0, 0 },
+	{ "remote", "replicas", NULL, set_remote_replicas, NULL, 0, 0 },
+	{ "remote", "wait_timeout_ms", NULL, set_remote_wait, NULL, 0, 0 },
+	{ "remote", "chunk", NULL, set_remote_chunk, NULL, 0, 0 },
 	{ "metrics", "listen", "metrics-listen", set_metrics_listen, NULL, 0, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0, 0 },
 	{ "log", "file", "log-file", set_log_file, NULL, 0, 0 },
@@ -758,6 +835,8 @@ int kvd_config_check(const struct kvd_config *c, char *err, size_t errlen)
 			    c->mem_high);
 	if (c->persist && !c->spill_ndirs)
 		return fail(err, errlen, "persist needs a spill directory");
+	if (c->remote_seeds[0] && !c->spill_ndirs)
+		return fail(err, errlen, "[remote] needs a spill directory (prefixes pass through it)");
 	if (kvd_ctl_check_arena(c->slots, c->slot_size, &e))
 		return fail(err, errlen, "[transport] %s", e.msg);
 	return check_limits(c, err, errlen);

@@ -39,6 +39,15 @@
  *                control_cpu_per_uid = N%                (of one core: a uid's control
  *                                                          requests on kvd's loop; 50%)
  *   [sharing]    groups = UID,UID[,...] [UID,UID ...]    (uids sharing profiles; none)
+ *   [remote]     seeds = HOST:PORT[,HOST:PORT...]        (a Redis Cluster; none: no
+ *                                                          remote tier; needs [spill] dir)
+ *                prefix = NAME                           (of every key; "kvd")
+ *                connect_timeout_ms = N                  (500)
+ *                timeout_ms = N                          (per reply; 2000)
+ *                retry_ms = N                            (failover waits; 5000)
+ *                replicas = N                            (WAIT for N replicas; 0)
+ *                wait_timeout_ms = N                     (1000)
+ *                chunk = SIZE                            (bytes per value; 4M)
  *   [metrics]    listen = HOST:PORT    --metrics-listen ADDR (Prometheus text at
  *                                                          http://ADDR/metrics; "" = off;
  *                                                          default 127.0.0.1:9464; IPv6
@@ -108,6 +117,14 @@ struct kvd_config {
 	unsigned nshare, ngroups;
 	/* [metrics] listen: "HOST:PORT" of the Prometheus endpoint, "" off */
 	char metrics_listen[64];
+	char remote_seeds[512];         /* [remote] seeds; "": no remote tier */
+	char remote_prefix[64];         /* default "kvd" */
+	uint32_t remote_connect_ms;     /* default 500 */
+	uint32_t remote_timeout_ms;     /* per reply; default 2000 */
+	uint32_t remote_retry_ms;       /* failover; default 5000 */
+	uint32_t remote_replicas;       /* WAIT for; default 0 */
+	uint32_t remote_wait_ms;        /* default 1000 */
+	uint32_t remote_chunk;          /* bytes per value; default 4 MiB */
 	int metrics_listen_set;         /* given by the file or a flag, not the default */
 };
 

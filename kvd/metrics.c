@@ -23,6 +23,7 @@
 #include "kvd_ring.h"
 #include "log.h"
 #include "metrics.h"
+#include "remote.h"
 #include "server_int.h"
 #include "store.h"
 #include "tier.h"
@@ -121,6 +122,8 @@ struct snap {
 	uint64_t pending, runnable, parked;
 	uint64_t mem_limit, mem_high, mem_low, mem_used, mem_reserved;
 	uint64_t on_disk, disk_bytes, disconnects, refused;
+	int remote;                     /* the rest: only with a remote tier */
+	struct kvd_remote_stats rs;
 	struct snap_uid *uid;
 	size_t nuid, cap;
 };
@@ -332,6 +335,8 @@ void kvd_metrics_collect(struct kvd_metrics *m, struct kvd_server *s)
 	sn->disk_bytes = ts.disk_bytes;
 	sn->disconnects = s->disconnects;
 	sn->refused = s->refused;
+	if ((sn->remote = s->remote != NULL))
+		kvd_remote_stats(s->remote, &sn->rs);
 	sn->taken_ns = now_ns();
 
 	pthread_mutex_lock(&m->mu);
@@ -546,6 +551,32 @@ static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, 
 	       sn->on_disk);
 	scalar(b, "kvd_spill_disk_bytes", "gauge", "Bytes of spill files on disk, all uids.",
 	       sn->disk_bytes);
+	if (sn->remote) {
+		const struct kvd_remote_stats *r = &sn->rs;
+
+		scalar(b, "kvd_remote_puts_total", "counter",
+		       "Published prefixes written to the remote tier.", r->puts);
+		scalar(b, "kvd_remote_put_bytes_total", "counter",
+		       "Bytes of spill files written to the remote tier.", r->put_bytes);
+		scalar(b, "kvd_remote_durable_total", "counter",
+		       "Remote writes that WAIT saw reach the configured replicas.", r->durable);
+		scalar(b, "kvd_remote_not_durable_total", "counter",
+		       "Remote writes that WAIT did not see reach the configured replicas in time.",
+		       r->not_durable);
+		scalar(b, "kvd_remote_gets_total", "counter",
+		       "Remote lookups for attaches (a hit, a miss or an error each).", r->gets);
+		scalar(b, "kvd_remote_hits_total", "counter",
+		       "Remote lookups that brought a prefix back.", r->hits);
+		scalar(b, "kvd_remote_get_bytes_total", "counter",
+		       "Bytes of spill files read from the remote tier.", r->get_bytes);
+		scalar(b, "kvd_remote_corrupt_total", "counter",
+		       "Remote prefixes refused: missing chunks, wrong sizes or CRC32C.", r->corrupt);
+		scalar(b, "kvd_remote_errors_total", "counter",
+		       "Remote writes and lookups that failed on the cluster (down, timeouts).",
+		       r->put_errors + r->get_errors);
+		scalar(b, "kvd_remote_redirects_total", "counter",
+		       "MOVED and ASK redirects followed.", r->rcl.moved + r->rcl.ask);
+	}
 
 	head(b, "kvd_spill_writes_total", "counter",
 	     "Spill files written (write-backs), by result (cancelled: the sequence was freed "

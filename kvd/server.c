@@ -28,6 +28,7 @@
 #include "server.h"
 #include "server_int.h"
 #include "store.h"
+#include "remote.h"
 #include "share.h"
 #include "tier.h"
 
@@ -416,6 +417,14 @@ static void reap_dead(struct kvd_server *s)
 
 /* I/O results: restores progressed or room was made, so every waiting
  * client tries its entry again. */
+static void remote_done(void *arg, const struct kvd_remote_done *d)
+{
+	struct kvd_server *s = arg;
+
+	if (s->share)
+		kvd_share_remote_done(s->share, d);
+}
+
 static void tier_event(struct kvd_server *s)
 {
 	if (!kvd_tier_poll(s->tier))
@@ -515,6 +524,9 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 		case EV_METRICS:
 			kvd_metrics_collect(s->metrics, s);
 			break;
+		case EV_REMOTE:
+			kvd_remote_poll(s->remote, remote_done, s);
+			break;
 		}
 	}
 	if (!locked) {
@@ -571,6 +583,9 @@ int kvd_server_run(struct kvd_server *s)
 	/* Published prefixes outlive kvd only with --persist (their files stay,
 	 * written when they were published); else they go now, files
 	 * included, before the tier starts keeping files. */
+	kvd_share_set_remote(s->share, NULL);
+	kvd_remote_destroy(s->remote);
+	s->remote = NULL;
 	if (s->cfg->persist)
 		kvd_tier_stopping(s->tier);
 	kvd_share_destroy(s->share);
@@ -707,6 +722,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 		tc.low = cfg->mem_limit / 100 * cfg->mem_low;
 		tc.spill = cfg->spill_ndirs > 0;
 		tc.persist = cfg->persist;
+		tc.remote = cfg->remote_seeds[0] != 0;
 		for (unsigned i = 0; i < cfg->spill_ndirs; i++)
 			tc.io.dirs[i] = cfg->spill_dir[i];
 		tc.io.ndirs = cfg->spill_ndirs;
@@ -735,6 +751,27 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 			kvd_log(LOG_INFO, "spill: %u director%s%s, %d sequence(s) found on disk",
 				tc.io.ndirs, tc.io.ndirs == 1 ? "y" : "ies",
 				tc.persist ? ", persistent" : "", rc);
+		rc = 0;
+	}
+	if (cfg->remote_seeds[0]) {
+		struct kvd_remote_cfg rc_ = {
+			.rcl = { .seeds = cfg->remote_seeds, .connect_ms = cfg->remote_connect_ms,
+				 .io_ms = cfg->remote_timeout_ms, .retry_ms = cfg->remote_retry_ms },
+			.prefix = cfg->remote_prefix,
+			.chunk_bytes = cfg->remote_chunk,
+			.replicas = cfg->remote_replicas,
+			.wait_ms = cfg->remote_wait_ms,
+		};
+		char msg[160] = "";
+
+		rc_.dir = kvd_tier_spill_dir(s->tier, &rc_.dir_index);
+		if ((rc = kvd_remote_create(&rc_, &s->remote, msg, sizeof msg))) {
+			kvd_log(LOG_ERR, "[remote]: %s", msg[0] ? msg : kvd_strerror(rc));
+			goto fail;
+		}
+		kvd_share_set_remote(s->share, s->remote);
+		kvd_log(LOG_INFO, "remote: Redis Cluster at %s, keys %s:{...}%s", cfg->remote_seeds,
+			cfg->remote_prefix, cfg->remote_replicas ? ", WAIT for replicas" : "");
 	}
 
 	s->sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -784,6 +821,9 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	s->ev_tier.kind = EV_TIER;
 	if (kvd_tier_fd(s->tier) >= 0 && (rc = kvd_ep_add(s, kvd_tier_fd(s->tier), &s->ev_tier)))
 		goto fail;
+	s->ev_remote.kind = EV_REMOTE;
+	if (s->remote && (rc = kvd_ep_add(s, kvd_remote_fd(s->remote), &s->ev_remote)))
+		goto fail;
 	s->ev_metrics.kind = EV_METRICS;
 	if ((rc = kvd_ep_add(s, kvd_metrics_fd(s->metrics), &s->ev_metrics)))
 		goto fail;
@@ -828,6 +868,9 @@ void kvd_server_destroy(struct kvd_server *s)
 		close(s->sfd);
 	if (s->tfd >= 0)
 		close(s->tfd);
+	if (s->share)
+		kvd_share_set_remote(s->share, NULL);
+	kvd_remote_destroy(s->remote);
 	kvd_share_destroy(s->share);
 	kvd_tier_destroy(s->tier);
 	kvd_store_destroy(s->store);

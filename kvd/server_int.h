@@ -41,7 +41,7 @@
 #include "wire.h"
 
 /* What an epoll event's data points at. */
-enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_TIER, EV_METRICS };
+enum { EV_LISTEN = 1, EV_SIGNAL, EV_TIMER, EV_CTL, EV_TIER, EV_METRICS, EV_REMOTE };
 struct ev_tag {
 	int kind;
 	struct client *c;
@@ -121,6 +121,7 @@ struct kvd_server {
 	struct kvd_store *store;
 	struct kvd_tier *tier;
 	struct kvd_share *share;        /* published prefixes (kvd/store/share.h) */
+	struct kvd_remote *remote;      /* the remote tier, or NULL (kvd/store/remote.h) */
 	struct kvd_limits *limits;
 	struct client *clients;
 	uint32_t nclients;
@@ -129,7 +130,7 @@ struct kvd_server {
 	int stopping;
 	uint64_t watchdog_usec;
 	void *rxbuf;
-	struct ev_tag ev_listen, ev_signal, ev_timer, ev_tier, ev_metrics;
+	struct ev_tag ev_listen, ev_signal, ev_timer, ev_tier, ev_metrics, ev_remote;
 	/* Counters (atomics, any thread) and the gauge snapshot the loop
 	 * publishes for scrapes (kvd/metrics.h). */
 	struct kvd_metrics *metrics;

@@ -239,3 +239,17 @@ uint32_t kvd_limits_namespace(const struct kvd_limits *l, uint32_t uid)
 {
 	return kvd_limits_cfg_namespace(&l->cfg, uid);
 }
+
+void kvd_limits_ns_name(const struct kvd_limits *l, uint32_t ns, char *buf, size_t n)
+{
+	uint32_t min = UINT32_MAX;
+
+	if (!l || !(ns & KVD_NS_GROUP)) {
+		snprintf(buf, n, "u%u", (unsigned)ns);
+		return;
+	}
+	for (unsigned i = 0; i < l->cfg.nshare; i++)
+		if ((l->cfg.share_group[i] | KVD_NS_GROUP) == ns && l->cfg.share_uid[i] < min)
+			min = l->cfg.share_uid[i];
+	snprintf(buf, n, "g%u", (unsigned)min);
+}

@@ -93,6 +93,9 @@ unsigned kvd_limits_uids(const struct kvd_limits *l);
 const struct kvd_limits_cfg *kvd_limits_cfg(const struct kvd_limits *l);
 
 /* The profile namespace of uid (see KVD_NS_GROUP). */
+/* A name of namespace ns that is the same on every host configured alike:
+ * "u<uid>", or "g<smallest uid of the group>" (the remote tier's keys). */
+void kvd_limits_ns_name(const struct kvd_limits *l, uint32_t ns, char *buf, size_t n);
 uint32_t kvd_limits_namespace(const struct kvd_limits *l, uint32_t uid);
 /* The same from a cfg (kvd_config_namespace uses it). */
 uint32_t kvd_limits_cfg_namespace(const struct kvd_limits_cfg *cfg, uint32_t uid);

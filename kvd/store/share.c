@@ -3,14 +3,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "err.h"
+#include "log.h"
+#include "remote.h"
 #include "rng.h"
 #include "share.h"
+#include "uidlimits.h"
 
 #define PUB_BUCKETS 4096
 #define KVD_SHARE_MAKE_WAY 4            /* snapshots one publish may drop */
 #define ROOM_SLACK (1u << 20)
+#define FETCH_MAX 64                    /* remote lookups at once, all namespaces */
+#define FETCH_NS_MAX 8                  /* ... and of one namespace */
+#define FETCH_KEEP_NS 2000000000ull     /* a finished lookup answers retries this long */
+#define FETCH_STALE_NS 60000000000ull   /* a lookup never answered is given up */
 
 /* One published prefix.  Chained by (ns, profile, key); on the LRU list,
  * most recently published or attached first. */
@@ -19,6 +27,7 @@ struct pub {
 	uint8_t key[KVD_SHARE_KEY];
 	uint64_t tokens;
 	struct kvd_seqn *snap;
+	int sent;                       /* queued for the remote tier */
 	struct pub *next;               /* hash chain */
 	struct pub *lru_prev, *lru_next;
 };
@@ -28,9 +37,25 @@ struct ns_usage {
 	struct ns_usage *next;
 };
 
+/* A lookup in the remote tier for an attach: (ns, profile, its longest
+ * key).  The attach is answered -EAGAIN while it runs; once it has
+ * finished, retries take the local answer (the fetched prefix, if any, is
+ * filed by then) until it expires. */
+struct fetch {
+	uint32_t ns, pid;
+	uint8_t key[KVD_SHARE_KEY];
+	uint64_t cookie, t0, done_ns;   /* done_ns 0: running */
+	char tenant[KVD_NAME_MAX + 1];
+	struct fetch *next;
+};
+
 struct kvd_share {
 	struct kvd_store *st;
 	struct kvd_tier *t;
+	struct kvd_remote *rem;
+	struct fetch *fetches;
+	unsigned nfetch;
+	uint64_t cookie;
 	struct pub *bucket[PUB_BUCKETS];
 	struct pub *lru_head, *lru_tail;
 	struct ns_usage *usage;
@@ -184,6 +209,10 @@ void kvd_share_destroy(struct kvd_share *sh)
 		return;
 	while (sh->lru_head)
 		pub_drop(sh, sh->lru_head);
+	for (struct fetch *f = sh->fetches, *nf; f; f = nf) {
+		nf = f->next;
+		free(f);
+	}
 	for (struct ns_usage *u = sh->usage, *nx; u; u = nx) {
 		nx = u->next;
 		free(u);
@@ -289,6 +318,141 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 	return 0;
 }
 
+
+/* ---- the remote tier ------------------------------------------------------ */
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void ns_name(const struct kvd_share *sh, uint32_t ns, char *buf, size_t n)
+{
+	kvd_limits_ns_name(kvd_store_limits(sh->st), ns, buf, n);
+}
+
+/* A snapshot's file is written: send it once. */
+static void written(void *arg, struct kvd_seqn *q, const char *path)
+{
+	struct kvd_share *sh = arg;
+	char ns[KVD_REMOTE_NS_MAX];
+
+	for (struct pub *x = sh->lru_head; x; x = x->lru_next) {
+		if (x->snap != q)
+			continue;
+		if (x->sent)
+			return;
+		ns_name(sh, x->ns, ns, sizeof ns);
+		if (kvd_remote_put(sh->rem, ns, x->key, x->tokens, path) == 0)
+			x->sent = 1;
+		return;
+	}
+}
+
+void kvd_share_set_remote(struct kvd_share *sh, struct kvd_remote *rem)
+{
+	sh->rem = rem;
+	kvd_tier_on_written(sh->t, rem ? written : NULL, sh);
+}
+
+static void fetch_unlink(struct kvd_share *sh, struct fetch *f)
+{
+	struct fetch **pp = &sh->fetches;
+
+	while (*pp != f)
+		pp = &(*pp)->next;
+	*pp = f->next;
+	sh->nfetch--;
+	free(f);
+}
+
+void kvd_share_remote_done(struct kvd_share *sh, const struct kvd_remote_done *d)
+{
+	struct fetch *f;
+	char ns[KVD_REMOTE_NS_MAX];
+	int rc;
+
+	for (f = sh->fetches; f && f->cookie != d->cookie; f = f->next)
+		;
+	if (!f)
+		return;         /* given up on already */
+	f->done_ns = now_ns();
+	ns_name(sh, f->ns, ns, sizeof ns);
+	if (d->rc == 0) {
+		rc = kvd_tier_adopt(sh->t, d->dir, d->seq, f->tenant);
+		if (rc)
+			kvd_log(LOG_WARNING, "remote: prefix of namespace %s fetched as %016llx "
+				"was refused: %s; a miss", ns, (unsigned long long)d->seq,
+				kvd_strerror(rc));
+		else if (!find(sh, f->ns, f->pid, d->key))
+			kvd_log(LOG_WARNING, "remote: %016llx of namespace %s is not the prefix "
+				"asked for; a miss", (unsigned long long)d->seq, ns);
+		else
+			kvd_log(LOG_INFO, "remote: prefix of namespace %s fetched: %016llx, "
+				"%llu bytes", ns, (unsigned long long)d->seq,
+				(unsigned long long)d->bytes);
+	} else if (d->rc == -KVD_EFORMAT) {
+		kvd_log(LOG_WARNING, "remote: a prefix of namespace %s does not verify: %s; "
+			"a miss", ns, d->msg);
+	} else if (d->rc != -ENOENT && d->rc != -EEXIST) {
+		kvd_log(LOG_WARNING, "remote: lookup for namespace %s failed: %s; a miss", ns,
+			d->msg[0] ? d->msg : kvd_strerror(d->rc));
+	}
+}
+
+/* Before a local answer that is shorter than the longest key: ask the
+ * remote tier, once per (ns, profile, longest key) while its answer is
+ * fresh.  -EAGAIN while it runs; 0 to go on with the local answer. */
+static int remote_lookup(struct kvd_share *sh, uint32_t ns, const struct kvd_profile *p,
+			 const uint8_t *keys, uint32_t nkeys, int best, const char *tenant,
+			 char *msg, size_t msglen)
+{
+	const uint8_t *last = keys + (size_t)(nkeys - 1) * KVD_SHARE_KEY;
+	uint64_t now = now_ns();
+	unsigned of_ns = 0;
+	char name[KVD_REMOTE_NS_MAX];
+	struct fetch *f, *nf;
+
+	for (f = sh->fetches; f; f = nf) {
+		nf = f->next;
+		if ((f->done_ns && now - f->done_ns > FETCH_KEEP_NS) ||
+		    (!f->done_ns && now - f->t0 > FETCH_STALE_NS))
+			fetch_unlink(sh, f);
+	}
+	for (f = sh->fetches; f; f = f->next) {
+		if (f->ns == ns && f->pid == p->id && !memcmp(f->key, last, KVD_SHARE_KEY)) {
+			if (f->done_ns)
+				return 0;
+			say(msg, msglen, "looking for the prefix in the remote tier: attach again");
+			return -EAGAIN;
+		}
+		of_ns += f->ns == ns;
+	}
+	/* Past the bounds the remote tier is not asked: a miss, not a wait. */
+	if (sh->nfetch >= FETCH_MAX || of_ns >= FETCH_NS_MAX || !(f = calloc(1, sizeof *f)))
+		return 0;
+	f->ns = ns;
+	f->pid = p->id;
+	memcpy(f->key, last, KVD_SHARE_KEY);
+	f->cookie = ++sh->cookie;
+	f->t0 = now;
+	snprintf(f->tenant, sizeof f->tenant, "%s", tenant);
+	ns_name(sh, ns, name, sizeof name);
+	if (kvd_remote_get(sh->rem, name, keys + (size_t)(best + 1) * KVD_SHARE_KEY,
+			   nkeys - (uint32_t)(best + 1), f->cookie)) {
+		free(f);
+		return 0;
+	}
+	f->next = sh->fetches;
+	sh->fetches = f;
+	sh->nfetch++;
+	say(msg, msglen, "looking for the prefix in the remote tier: attach again");
+	return -EAGAIN;
+}
+
 int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile *p,
 		     const uint8_t *keys, uint32_t nkeys, uint32_t uid, const char *tenant,
 		     uint64_t owner, struct kvd_seqn **out, uint64_t *tokens, char *msg,
@@ -302,6 +466,19 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 	if (nkeys > KVD_SHARE_MAX_KEYS) {
 		say(msg, msglen, "%u keys, at most %u", nkeys, KVD_SHARE_MAX_KEYS);
 		return -E2BIG;
+	}
+	if (sh->rem && nkeys) {
+		int best = -1;
+
+		for (uint32_t i = nkeys; i-- > 0 && best < 0;) {
+			struct pub *x = find(sh, ns, p->id, keys + (size_t)i * KVD_SHARE_KEY);
+
+			if (x && x->tokens == (uint64_t)(i + 1) * p->chunk_tokens)
+				best = (int)i;
+		}
+		if (best < (int)nkeys - 1 &&
+		    (rc = remote_lookup(sh, ns, p, keys, nkeys, best, tenant, msg, msglen)))
+			return rc;
 	}
 	for (uint32_t i = nkeys; i-- > 0;) {
 		struct pub *x = find(sh, ns, p->id, keys + (size_t)i * KVD_SHARE_KEY);

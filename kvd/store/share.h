@@ -59,6 +59,15 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 		     uint64_t owner, struct kvd_seqn **out, uint64_t *tokens, char *msg,
 		     size_t msglen);
 
+/* The remote tier (remote.h), or NULL: published prefixes are sent there
+ * once their file is written, and an attach whose longest key is not
+ * published here asks it first (-EAGAIN meanwhile). */
+struct kvd_remote;
+struct kvd_remote_done;
+void kvd_share_set_remote(struct kvd_share *sh, struct kvd_remote *rem);
+/* A lookup finished (kvd_remote_poll): its file is taken in. */
+void kvd_share_remote_done(struct kvd_share *sh, const struct kvd_remote_done *d);
+
 struct kvd_share_usage {
 	uint32_t ns, published;
 	uint64_t published_tokens, hit_tokens, miss_tokens, shared_bytes, saved_bytes;

@@ -713,6 +713,77 @@ static void test_usage(void **state)
 	free(buf);
 }
 
+/* [remote]: defaults, every key, bad values, and the rule that it needs a
+ * spill directory; the namespace names its keys carry. */
+static void test_remote_keys(void **state)
+{
+	struct kvd_config c, before;
+	char err[512] = "", name[32];
+
+	kvd_config_defaults(&c);
+	assert_string_equal(c.remote_seeds, "");
+	assert_string_equal(c.remote_prefix, "kvd");
+	assert_int_equal(c.remote_timeout_ms, 2000);
+	assert_int_equal(c.remote_retry_ms, 5000);
+	assert_int_equal(c.remote_replicas, 0);
+	assert_int_equal(c.remote_chunk, 4u << 20);
+	write_conf("[spill]\ndir = /tmp/x\n[remote]\nseeds = 127.0.0.1:7000,[::1]:7001\n"
+		   "prefix = kv.d-1\nconnect_timeout_ms = 100\ntimeout_ms = 300\nretry_ms = 0\n"
+		   "replicas = 2\nwait_timeout_ms = 50\nchunk = 1M\n");
+	if (kvd_config_load_file(&c, path, err, sizeof err))
+		fail_msg("%s", err);
+	assert_string_equal(c.remote_seeds, "127.0.0.1:7000,[::1]:7001");
+	assert_string_equal(c.remote_prefix, "kv.d-1");
+	assert_int_equal(c.remote_connect_ms, 100);
+	assert_int_equal(c.remote_timeout_ms, 300);
+	assert_int_equal(c.remote_retry_ms, 0);
+	assert_int_equal(c.remote_replicas, 2);
+	assert_int_equal(c.remote_wait_ms, 50);
+	assert_int_equal(c.remote_chunk, 1u << 20);
+
+	const struct {
+		const char *text;
+		const char *want[2];
+	} bad[] = {
+		{ "[remote]\nseeds = 127.0.0.1:7000\n", { "[remote] needs a spill directory" } },
+		{ "[remote]\nprefix = a{b}\n", { "prefix", "no braces" } },
+		{ "[remote]\nprefix =\n", { "prefix", "1.." } },
+		{ "[remote]\nchunk = 1K\n", { "chunk", "4K..512M" } },
+		{ "[remote]\nchunk = 1G\n", { "chunk", "4K..512M" } },
+		{ "[remote]\nreplicas = 17\n", { "replicas" } },
+		{ "[remote]\ntimeout_ms = -1\n", { "timeout_ms" } },
+		{ "[remote]\nhosts = a\n", { "hosts", "unknown key" } },
+	};
+	kvd_config_defaults(&before);
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		c = before;
+		err[0] = 0;
+		write_conf(bad[i].text);
+		assert_int_equal(kvd_config_load_file(&c, path, err, sizeof err), -EINVAL);
+		for (int k = 0; k < 2 && bad[i].want[k]; k++) {
+			if (!strstr(err, bad[i].want[k]))
+				print_error("case %zu: want '%s' in '%s'\n", i, bad[i].want[k], err);
+			assert_non_null(strstr(err, bad[i].want[k]));
+		}
+	}
+
+	/* Namespace names: a uid's own, and a group's by its smallest uid. */
+	struct kvd_limits_cfg lc = { .nshare = 3, .share_uid = { 2001, 1000, 3000 },
+				     .share_group = { 0, 0, 1 } };
+	struct kvd_limits *l;
+
+	kvd_limits_ns_name(NULL, 1000, name, sizeof name);
+	assert_string_equal(name, "u1000");
+	assert_int_equal(kvd_limits_create(&lc, &l), 0);
+	kvd_limits_ns_name(l, kvd_limits_namespace(l, 2001), name, sizeof name);
+	assert_string_equal(name, "g1000");
+	kvd_limits_ns_name(l, kvd_limits_namespace(l, 3000), name, sizeof name);
+	assert_string_equal(name, "g3000");
+	kvd_limits_ns_name(l, kvd_limits_namespace(l, 42), name, sizeof name);
+	assert_string_equal(name, "u42");
+	kvd_limits_destroy(l);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -726,6 +797,7 @@ int main(void)
 		cmocka_unit_test(test_log_file),
 		cmocka_unit_test(test_spill_keys),
 		cmocka_unit_test(test_limits_keys),
+		cmocka_unit_test(test_remote_keys),
 		cmocka_unit_test(test_metrics_listen),
 		cmocka_unit_test(test_usage),
 	};

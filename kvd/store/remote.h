@@ -1,0 +1,107 @@
+/* kvd_remote: the remote tier, published prefixes kept in a Redis Cluster
+ * so that another host's kvd can attach them.
+ *
+ * What goes there is a published prefix's spill file, byte for byte (the
+ * same extents and CRC32C checks as on local disk), cut into values of
+ * chunk_bytes under one hash tag, so a prefix lives on one shard and comes
+ * back in one pipelined read:
+ *
+ *   <prefix>:{<ns>:<key as 32 hex digits>}:m     manifest (struct below)
+ *   <prefix>:{<ns>:<key as 32 hex digits>}:<i>   chunk i, i = 0..chunks-1
+ *
+ * <ns> names the namespace the same way on every host ("u1000" for a uid of
+ * its own, "g1000" for a sharing group, named by its smallest uid), so a
+ * lookup never leaves the caller's namespace.  Chunks are written before the
+ * manifest; a write is remote-durable once WAIT has seen `replicas`
+ * replicas acknowledge it.  A read takes the manifest, then every chunk,
+ * and checks the whole file's CRC32C against the manifest: a missing,
+ * partial or corrupt value is a miss (counted, with a log line from the
+ * caller), never a file handed on.  The file it writes into the spill
+ * directory is then checked again, extent by extent, as any spill file is.
+ *
+ * Threads: one of its own runs every cluster call (kvd_rcl blocks, with
+ * timeouts).  The event loop queues work with kvd_remote_put/get and reaps
+ * results with kvd_remote_poll when kvd_remote_fd() is readable; nothing
+ * else is shared.  A cluster that is down makes puts and gets fail (counted
+ * in errors); kvd goes on with RAM and disk.
+ */
+#ifndef KVD_REMOTE_H
+#define KVD_REMOTE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rcl.h"
+
+#define KVD_REMOTE_NS_MAX 24    /* bytes of a namespace name, NUL included */
+
+struct kvd_remote_cfg {
+	struct kvd_rcl_cfg rcl;
+	const char *prefix;             /* key prefix, no braces; NULL: "kvd" */
+	uint32_t chunk_bytes;           /* 0: 4 MiB */
+	unsigned replicas;              /* WAIT for this many; 0: no WAIT */
+	uint32_t wait_ms;               /* WAIT's timeout; 0: 1000 */
+	const char *dir;                /* where fetched files go: a spill directory */
+	unsigned dir_index;             /* its index among the spill directories */
+	uint64_t max_bytes;             /* a manifest naming more is refused; 0: 64 GiB */
+};
+
+/* The manifest value, little-endian as laid out. */
+struct kvd_remote_manifest {
+	char magic[8];                  /* "KVDRMT1\0" */
+	uint32_t chunks, chunk_bytes;
+	uint64_t bytes;                 /* the file's size */
+	uint64_t tokens;
+	uint8_t key[16];
+	uint32_t crc;                   /* CRC32C of the whole file */
+	uint32_t reserved;
+};
+
+struct kvd_remote_done {
+	uint64_t cookie;                /* as given to kvd_remote_get */
+	int rc;                         /* 0: a file was written; -ENOENT: none of the
+					 * keys is there; -KVD_EFORMAT: found but
+					 * corrupt, partial or oversized; -EEXIST: its
+					 * file is here already; else the cluster's
+					 * error */
+	uint32_t index;                 /* rc 0: which key of the request */
+	uint8_t key[16];                /* ... that key */
+	unsigned dir;                   /* the file's spill directory (cfg.dir_index) */
+	uint64_t seq;                   /* rc 0 or -EEXIST: the file's sequence */
+	uint64_t bytes;
+	char msg[160];
+};
+
+struct kvd_remote_stats {
+	uint64_t puts, put_bytes, put_errors, durable, not_durable;
+	uint64_t gets, hits, misses, corrupt, get_errors, get_bytes;
+	uint64_t queued;                /* jobs waiting or running now */
+	struct kvd_rcl_stats rcl;
+};
+
+struct kvd_remote;
+
+int kvd_remote_create(const struct kvd_remote_cfg *cfg, struct kvd_remote **out, char *msg,
+		      size_t msglen);
+/* Joins the thread after its current job (bounded by the cluster timeouts);
+ * queued jobs are dropped. */
+void kvd_remote_destroy(struct kvd_remote *r);
+int kvd_remote_fd(const struct kvd_remote *r);
+
+/* Queues the upload of the spill file at path (a published prefix) under
+ * (ns, key).  -ENOMEM, -EBUSY when too many jobs wait (it is skipped). */
+int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uint64_t tokens,
+		   const char *path);
+/* Queues a lookup of nkeys keys (key i names a prefix of i + 1 chunks): the
+ * longest one present is fetched into the directory.  -ENOMEM, -EBUSY. */
+int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, uint32_t nkeys,
+		   uint64_t cookie);
+/* Calls fn for every finished lookup; returns how many. */
+unsigned kvd_remote_poll(struct kvd_remote *r,
+			 void (*fn)(void *arg, const struct kvd_remote_done *d), void *arg);
+void kvd_remote_stats(struct kvd_remote *r, struct kvd_remote_stats *st);
+
+/* The key names of (ns, key): the hash-tagged stem, "<prefix>:{<ns>:<hex>}". */
+int kvd_remote_stem(const char *prefix, const char *ns, const uint8_t *key, char *buf, size_t n);
+
+#endif
