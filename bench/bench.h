@@ -87,4 +87,8 @@ int bench_load_main(int argc, char **argv);
  * resident memory for a prompt shared by forks. */
 int bench_share_main(int argc, char **argv);
 
+/* `kvbench remote` (bench/remote.c): kvd's Redis Cluster client against
+ * redis-benchmark, and a prefix restored from the cluster against a prefill. */
+int bench_remote_main(int argc, char **argv);
+
 #endif

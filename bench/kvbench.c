@@ -8,6 +8,8 @@
  *   kvbench demo                                  (attn at a small size, as a table)
  *   kvbench load [--json] ...                     (many clients, noisy neighbours: bench/load.c)
  *   kvbench share [--json] ...                    (sequence fork vs prefill, shared memory: bench/share.c)
+ *   kvbench remote [--json] ...                   (Redis Cluster tier: client vs redis-benchmark,
+ *                                                  restore vs prefill: bench/remote.c)
  *
  * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
  * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and
@@ -621,7 +623,9 @@ static void usage(void)
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n"
-		"       kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N] ...\n");
+		"       kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N] ...\n"
+		"       kvbench remote [--json] [--ctx N] [--layers N] [--value SIZE] [--pipeline N]\n"
+		"                      [--values N] [--seeds HOST:PORT,...]\n");
 	exit(2);
 }
 
@@ -928,6 +932,8 @@ int main(int argc, char **argv)
 		return bench_spill_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "share"))
 		return bench_share_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "remote"))
+		return bench_remote_main(argc - 2, argv + 2);
 	usage();
 	return 2;
 }
