@@ -21,8 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <hiredis/hiredis.h>
+#include <hiredis/sds.h>
 
 #include "rcl.h"
 
@@ -574,6 +576,104 @@ static int flush(struct kvd_rcl *c, unsigned u, char *msg, size_t msglen)
 
 /* One round: every pending op to its node, pipelined: appended per node,
  * every node's buffer written (so all work at once), then replies read. */
+/* Reads exactly n bytes for a reply: first what the reader holds, then
+ * from the socket (SO_RCVTIMEO is io_ms), never past the reply, so the
+ * next reply's bytes stay for the reader. */
+static int take(redisContext *x, char *to, size_t n)
+{
+	redisReader *rd = x->reader;
+	size_t have = rd->len - rd->pos, k = have < n ? have : n;
+
+	memcpy(to, rd->buf + rd->pos, k);
+	rd->pos += k;
+	if (rd->pos == rd->len || rd->pos >= 1024) {
+		sdsrange(rd->buf, (int)rd->pos, -1);
+		rd->pos = 0;
+		rd->len = sdslen(rd->buf);
+	}
+	for (size_t got = k; got < n;) {
+		ssize_t m = read(x->fd, to + got, n - got);
+
+		if (m < 0 && errno == EINTR)
+			continue;
+		if (m <= 0) {
+			errno = m == 0 ? ECONNRESET : errno == EAGAIN ? ETIMEDOUT : errno;
+			x->err = REDIS_ERR_IO;
+			snprintf(x->errstr, sizeof x->errstr, "%s", strerror(errno));
+			return -1;
+		}
+		got += (size_t)m;
+	}
+	return 0;
+}
+
+/* A reply; a GET's bulk string of up to megabytes read straight into dst
+ * (when it fits cap) or into a buffer of its own.  hiredis would read it
+ * 16 KiB at a time into a reader buffer grown a MiB at a time (a copy per
+ * MiB of value), then copy it once more into the reply.  Anything but a
+ * bulk string (nil, an error, MOVED, ASK), or a reader in the middle of
+ * something, goes to hiredis.  The reply is built as hiredis builds one
+ * (malloc'd: freeReplyObject frees it); a value put in dst leaves str NULL
+ * and len its length. */
+static int read_reply(redisContext *x, bool get, void *dst, size_t cap, redisReply **out)
+{
+	redisReader *rd = x->reader;
+	char *p, *nl, *end, crlf[2];
+
+	if (!get || rd->ridx != -1)
+		return redisGetReply(x, (void **)out);
+	for (;;) {
+		size_t avail = rd->len - rd->pos;
+
+		p = rd->buf + rd->pos;
+		if (avail && p[0] != '$')
+			return redisGetReply(x, (void **)out);
+		if (avail && (nl = memchr(p, '\n', avail)))
+			break;
+		if (avail > 32)
+			return redisGetReply(x, (void **)out);
+		if (redisBufferRead(x) != REDIS_OK)
+			return REDIS_ERR;
+	}
+	long long blen = strtoll(p + 1, &end, 10);
+
+	if (end != nl - 1 || *end != '\r' || blen < 0 || blen > (512ll << 20))
+		return redisGetReply(x, (void **)out);  /* nil, or hiredis's error */
+	size_t L = (size_t)blen;
+	redisReply *r = calloc(1, sizeof *r);
+	char *buf = dst && L <= cap ? NULL : malloc(L + 1);
+
+	if (!r || (!buf && !(dst && L <= cap))) {
+		free(r);
+		free(buf);
+		x->err = REDIS_ERR_OOM;
+		snprintf(x->errstr, sizeof x->errstr, "out of memory");
+		errno = ENOMEM;
+		return REDIS_ERR;
+	}
+	rd->pos += (size_t)(nl + 1 - p);
+	if (take(x, buf ? buf : dst, L) || take(x, crlf, 2)) {
+		free(r);
+		free(buf);
+		return REDIS_ERR;
+	}
+	if (crlf[0] != '\r' || crlf[1] != '\n') {
+		free(r);
+		free(buf);
+		x->err = REDIS_ERR_PROTOCOL;
+		snprintf(x->errstr, sizeof x->errstr, "bulk string not ended by CRLF");
+		errno = EPROTO;
+		return REDIS_ERR;
+	}
+	if (buf)
+		buf[L] = 0;
+	r->type = REDIS_REPLY_STRING;
+	r->str = buf;
+	r->len = L;
+	*out = r;
+	return REDIS_OK;
+}
+
 static void round_run(struct kvd_rcl *c, struct kvd_rcl_op *ops, struct opst *s, unsigned n,
 		      bool *moved, bool *wait, bool *answered, char *msg, size_t msglen)
 {
@@ -647,7 +747,9 @@ static void round_run(struct kvd_rcl *c, struct kvd_rcl_op *ops, struct opst *s,
 			/* ASKING's own reply says nothing the command's will not. */
 			if (s[i].asking && redisGetReply(c->nodes[u].ctx, (void **)&rep) == REDIS_OK)
 				freeReplyObject(rep);
-			if (!c->nodes[u].ctx->err && redisGetReply(c->nodes[u].ctx, (void **)&rep) == REDIS_OK) {
+			if (!c->nodes[u].ctx->err &&
+			    read_reply(c->nodes[u].ctx, ops[i].kind == KVD_RCL_GET, ops[i].dst,
+				       ops[i].cap, &rep) == REDIS_OK) {
 				*answered = true;
 				s[i].node = -1;
 				s[i].asking = false;

@@ -41,13 +41,16 @@ struct kvd_rcl_cfg {
 enum kvd_rcl_kind { KVD_RCL_GET, KVD_RCL_SET, KVD_RCL_DEL, KVD_RCL_EXISTS };
 
 /* One command of a batch.  The caller fills the inputs; kvd_rcl_run fills
- * rc and, for GET, data/len (malloc'd, the caller frees; NULL on a miss). */
+ * rc and, for GET, len and data (malloc'd, the caller frees; NULL on a
+ * miss, or when the value went into dst). */
 struct kvd_rcl_op {
 	enum kvd_rcl_kind kind;
 	const void *key;
 	size_t klen;
 	const void *val;                /* SET */
 	size_t vlen;
+	void *dst;                      /* GET: the value goes here when it fits cap */
+	size_t cap;                     /* (then data stays NULL, len is its length) */
 	int rc;                         /* 0; -ENOENT: GET/EXISTS of a missing key,
 					 * DEL of none; or an error as above */
 	void *data;                     /* GET */
