@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "err.h"
@@ -357,9 +358,18 @@ static int store_file(struct kvd_remote *r, const void *buf, uint64_t len,
 	return rc;
 }
 
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
 static void do_get(struct kvd_remote *r, struct job *j)
 {
 	struct kvd_remote_done d = { .cookie = j->cookie };
+	double t0 = now_ms(), t1;
 	uint64_t len = 0;
 	void *buf = NULL;
 	int rc = find_longest(r, j, &d);
@@ -369,8 +379,11 @@ static void do_get(struct kvd_remote *r, struct job *j)
 		d.index = (uint32_t)rc;
 		memcpy(d.key, j->keys + 16 * (size_t)d.index, 16);
 		rc = fetch(r, j, d.index, &buf, &len, &d);
+		t1 = now_ms();
+		d.fetch_ms = t1 - t0;
 		if (!rc)
 			rc = store_file(r, buf, len, &d);
+		d.file_ms = now_ms() - t1;
 		free(buf);
 	}
 	d.rc = rc;

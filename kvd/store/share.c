@@ -392,8 +392,9 @@ void kvd_share_remote_done(struct kvd_share *sh, const struct kvd_remote_done *d
 				"asked for; a miss", (unsigned long long)d->seq, ns);
 		else
 			kvd_log(LOG_INFO, "remote: prefix of namespace %s fetched: %016llx, "
-				"%llu bytes", ns, (unsigned long long)d->seq,
-				(unsigned long long)d->bytes);
+				"%llu bytes (cluster %.0f ms, file %.0f ms)", ns,
+				(unsigned long long)d->seq, (unsigned long long)d->bytes,
+				d->fetch_ms, d->file_ms);
 	} else if (d->rc == -KVD_EFORMAT) {
 		kvd_log(LOG_WARNING, "remote: a prefix of namespace %s does not verify: %s; "
 			"a miss", ns, d->msg);
