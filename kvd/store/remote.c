@@ -18,6 +18,7 @@
 #include "sfmt.h"
 
 #define JOBS_MAX 256                    /* queued; more are refused (-EBUSY) */
+#define PUTS_MAX 128                    /* of them uploads: lookups always find room */
 #define STEM_MAX 128                    /* bytes of a stem: prefix 63, ns 23, key 32 */
 #define KEY_MAX 160                     /* bytes of a key name: a stem and a suffix */
 
@@ -53,7 +54,7 @@ struct kvd_remote {
 	pthread_mutex_t lock;           /* guards everything below */
 	pthread_cond_t cv;
 	struct job *head, **tail;
-	unsigned queued;
+	unsigned queued, puts;
 	struct done *dhead, **dtail;
 	int stop;
 	struct kvd_remote_stats st;
@@ -419,7 +420,9 @@ static void *run(void *arg)
 		if (!(r->head = j->next))
 			r->tail = &r->head;
 		pthread_mutex_unlock(&r->lock);
-		if (j->kind == J_PUT)
+		int put = j->kind == J_PUT;
+
+		if (put)
 			do_put(r, j);
 		else
 			do_get(r, j);
@@ -428,6 +431,7 @@ static void *run(void *arg)
 		free(j);
 		pthread_mutex_lock(&r->lock);
 		r->queued--;
+		r->puts -= put;
 		kvd_rcl_stats(r->rcl, &r->rs);
 	}
 	pthread_mutex_unlock(&r->lock);
@@ -519,11 +523,12 @@ int kvd_remote_fd(const struct kvd_remote *r)
 static int queue(struct kvd_remote *r, struct job *j)
 {
 	pthread_mutex_lock(&r->lock);
-	if (r->queued >= JOBS_MAX) {
+	if (r->queued >= JOBS_MAX || (j->kind == J_PUT && r->puts >= PUTS_MAX)) {
 		pthread_mutex_unlock(&r->lock);
 		return -EBUSY;
 	}
 	r->queued++;
+	r->puts += j->kind == J_PUT;
 	j->next = NULL;
 	*r->tail = j;
 	r->tail = &j->next;
@@ -549,6 +554,7 @@ int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uin
 	if ((rc = queue(r, j))) {
 		free(j->path);
 		free(j);
+		count(r, &r->st.put_errors, 1);
 	}
 	return rc;
 }

@@ -90,7 +90,9 @@ void kvd_remote_destroy(struct kvd_remote *r);
 int kvd_remote_fd(const struct kvd_remote *r);
 
 /* Queues the upload of the spill file at path (a published prefix) under
- * (ns, key).  -ENOMEM, -EBUSY when too many jobs wait (it is skipped). */
+ * (ns, key).  -ENOMEM, -EBUSY when too many jobs wait (it is skipped and
+ * counted in put_errors; uploads may take half the queue, lookups the
+ * rest). */
 int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uint64_t tokens,
 		   const char *path);
 /* Queues a lookup of nkeys keys (key i names a prefix of i + 1 chunks): the
