@@ -571,6 +571,9 @@ static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, 
 		       "Bytes of spill files read from the remote tier.", r->get_bytes);
 		scalar(b, "kvd_remote_corrupt_total", "counter",
 		       "Remote prefixes refused: missing chunks, wrong sizes or CRC32C.", r->corrupt);
+		scalar(b, "kvd_remote_too_big_total", "counter",
+		       "Remote prefixes larger than the requesting uid may hold, not fetched.",
+		       r->too_big);
 		scalar(b, "kvd_remote_errors_total", "counter",
 		       "Remote writes and lookups that failed on the cluster (down, timeouts).",
 		       r->put_errors + r->get_errors);

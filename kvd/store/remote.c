@@ -37,6 +37,7 @@ struct job {
 	char *path;
 	uint8_t *keys;                  /* GET */
 	uint32_t nkeys;
+	uint64_t max_bytes;
 	uint64_t cookie;
 };
 
@@ -270,6 +271,11 @@ static int fetch(struct kvd_remote *r, struct job *j, uint32_t i, void **buf, ui
 	    !m.chunk_bytes || !m.bytes || m.bytes > r->cfg.max_bytes ||
 	    m.chunks != (m.bytes + m.chunk_bytes - 1) / m.chunk_bytes)
 		return corrupt(d, "manifest does not verify", stem);
+	if (j->max_bytes && m.bytes > j->max_bytes) {
+		snprintf(d->msg, sizeof d->msg, "%.60s: %" PRIu64 " bytes, more than the "
+			 "requester may hold (%" PRIu64 ")", stem, m.bytes, j->max_bytes);
+		return -EFBIG;
+	}
 	ops = calloc(m.chunks, sizeof *ops);
 	names = calloc(m.chunks, KEY_MAX);
 	if (!ops || !names || !(*buf = malloc(m.bytes))) {
@@ -398,6 +404,8 @@ static void do_get(struct kvd_remote *r, struct job *j)
 		r->st.misses++;
 	} else if (rc == -KVD_EFORMAT) {
 		r->st.corrupt++;
+	} else if (rc == -EFBIG) {
+		r->st.too_big++;
 	} else {
 		r->st.get_errors++;
 	}
@@ -560,7 +568,7 @@ int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uin
 }
 
 int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, uint32_t nkeys,
-		   uint64_t cookie)
+		   uint64_t max_bytes, uint64_t cookie)
 {
 	struct job *j = calloc(1, sizeof *j);
 	int rc;
@@ -573,6 +581,7 @@ int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, ui
 	snprintf(j->ns, sizeof j->ns, "%s", ns);
 	memcpy(j->keys, keys, 16 * (size_t)nkeys);
 	j->nkeys = nkeys;
+	j->max_bytes = max_bytes;
 	j->cookie = cookie;
 	if ((rc = queue(r, j))) {
 		free(j->keys);

@@ -61,9 +61,10 @@ struct kvd_remote_done {
 	uint64_t cookie;                /* as given to kvd_remote_get */
 	int rc;                         /* 0: a file was written; -ENOENT: none of the
 					 * keys is there; -KVD_EFORMAT: found but
-					 * corrupt, partial or oversized; -EEXIST: its
-					 * file is here already; else the cluster's
-					 * error */
+					 * corrupt, partial or oversized; -EFBIG:
+					 * larger than the lookup's max_bytes;
+					 * -EEXIST: its file is here already; else
+					 * the cluster's error */
 	uint32_t index;                 /* rc 0: which key of the request */
 	uint8_t key[16];                /* ... that key */
 	unsigned dir;                   /* the file's spill directory (cfg.dir_index) */
@@ -75,7 +76,7 @@ struct kvd_remote_done {
 
 struct kvd_remote_stats {
 	uint64_t puts, put_bytes, put_errors, durable, not_durable;
-	uint64_t gets, hits, misses, corrupt, get_errors, get_bytes;
+	uint64_t gets, hits, misses, corrupt, too_big, get_errors, get_bytes;
 	uint64_t queued;                /* jobs waiting or running now */
 	struct kvd_rcl_stats rcl;
 };
@@ -96,9 +97,12 @@ int kvd_remote_fd(const struct kvd_remote *r);
 int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uint64_t tokens,
 		   const char *path);
 /* Queues a lookup of nkeys keys (key i names a prefix of i + 1 chunks): the
- * longest one present is fetched into the directory.  -ENOMEM, -EBUSY. */
+ * longest one present is fetched into the directory, unless its manifest
+ * names more than max_bytes (0: cfg.max_bytes), which is refused before
+ * anything is read or allocated for it (-EFBIG): the caller bounds what
+ * one requester can make the thread hold and write.  -ENOMEM, -EBUSY. */
 int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, uint32_t nkeys,
-		   uint64_t cookie);
+		   uint64_t max_bytes, uint64_t cookie);
 /* Calls fn for every finished lookup; returns how many. */
 unsigned kvd_remote_poll(struct kvd_remote *r,
 			 void (*fn)(void *arg, const struct kvd_remote_done *d), void *arg);

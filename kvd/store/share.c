@@ -398,18 +398,55 @@ void kvd_share_remote_done(struct kvd_share *sh, const struct kvd_remote_done *d
 	} else if (d->rc == -KVD_EFORMAT) {
 		kvd_log(LOG_WARNING, "remote: a prefix of namespace %s does not verify: %s; "
 			"a miss", ns, d->msg);
+	} else if (d->rc == -EFBIG) {
+		kvd_log(LOG_WARNING, "remote: a prefix of namespace %s is too large for the uid that "
+			"asked: %s; a miss", ns, d->msg);
 	} else if (d->rc != -ENOENT && d->rc != -EEXIST) {
 		kvd_log(LOG_WARNING, "remote: lookup for namespace %s failed: %s; a miss", ns,
 			d->msg[0] ? d->msg : kvd_strerror(d->rc));
 	}
 }
 
+static uint64_t min_nz(uint64_t a, uint64_t b)
+{
+	return !a || (b && b < a) ? b : a;
+}
+
+static uint64_t room(uint64_t limit, uint64_t used)
+{
+	return !limit ? 0 : limit > used ? limit - used : 1;
+}
+
+/* The most a lookup for uid may fetch: a prefix larger than the uid may
+ * hold in memory, or than the spill room it has left (the fetched file is
+ * charged to it), could never be attached by it, so the remote thread
+ * refuses it from its manifest before it allocates or writes anything.
+ * 0: no limits. */
+static uint64_t fetch_cap(const struct kvd_share *sh, uint32_t uid)
+{
+	struct kvd_limits *l = kvd_store_limits(sh->st);
+	struct kvd_limits_usage u, all;
+	const struct kvd_limits_cfg *c;
+	uint64_t cap = 0;
+
+	if (!l)
+		return 0;
+	c = kvd_limits_cfg(l);
+	kvd_limits_uid_usage(l, uid, &u);
+	kvd_limits_total(l, &all);
+	cap = min_nz(cap, c->per_uid[KVD_RES_MEMORY]);
+	cap = min_nz(cap, c->cap[KVD_RES_MEMORY]);
+	cap = min_nz(cap, room(c->per_uid[KVD_RES_SPILL], u.n[KVD_RES_SPILL]));
+	cap = min_nz(cap, room(c->cap[KVD_RES_SPILL], all.n[KVD_RES_SPILL]));
+	return cap;
+}
+
 /* Before a local answer that is shorter than the longest key: ask the
  * remote tier, once per (ns, profile, longest key) while its answer is
  * fresh.  -EAGAIN while it runs; 0 to go on with the local answer. */
 static int remote_lookup(struct kvd_share *sh, uint32_t ns, const struct kvd_profile *p,
-			 const uint8_t *keys, uint32_t nkeys, int best, const char *tenant,
-			 char *msg, size_t msglen)
+			 const uint8_t *keys, uint32_t nkeys, int best, uint32_t uid,
+			 const char *tenant, char *msg, size_t msglen)
 {
 	const uint8_t *last = keys + (size_t)(nkeys - 1) * KVD_SHARE_KEY;
 	uint64_t now = now_ns();
@@ -443,7 +480,7 @@ static int remote_lookup(struct kvd_share *sh, uint32_t ns, const struct kvd_pro
 	snprintf(f->tenant, sizeof f->tenant, "%s", tenant);
 	ns_name(sh, ns, name, sizeof name);
 	if (kvd_remote_get(sh->rem, name, keys + (size_t)(best + 1) * KVD_SHARE_KEY,
-			   nkeys - (uint32_t)(best + 1), f->cookie)) {
+			   nkeys - (uint32_t)(best + 1), fetch_cap(sh, uid), f->cookie)) {
 		free(f);
 		return 0;
 	}
@@ -478,7 +515,7 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 				best = (int)i;
 		}
 		if (best < (int)nkeys - 1 &&
-		    (rc = remote_lookup(sh, ns, p, keys, nkeys, best, tenant, msg, msglen)))
+		    (rc = remote_lookup(sh, ns, p, keys, nkeys, best, uid, tenant, msg, msglen)))
 			return rc;
 	}
 	for (uint32_t i = nkeys; i-- > 0;) {

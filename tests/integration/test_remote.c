@@ -4,6 +4,10 @@
  *   test_remote_attach     A publishes a 16k-token prefix; B, which never
  *                          saw it, attaches it by key and answers bit for
  *                          bit as A's sequence does
+ *   test_remote_too_big    a third daemon whose memory_per_uid is below the
+ *                          prefix's size: its attach is a clean miss,
+ *                          refused from the manifest (nothing fetched, no
+ *                          file written)
  *   test_remote_ask        the prefix's slot half migrated to another master
  *                          while B reads it (ASK): the attach completes and
  *                          answers as A
@@ -27,6 +31,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <dirent.h>
 #include <grp.h>
 #include <limits.h>
 #include <hiredis/hiredis.h>
@@ -64,7 +69,7 @@ static char spill_a[64], spill_b[64], cfg_a[96], cfg_b[96], seeds[512];
 
 /* ---- the cluster and the daemons ------------------------------------------ */
 
-static int write_cfg(char *path, size_t n, const char *spill, const char *tag)
+static int write_cfg(char *path, size_t n, const char *spill, const char *tag, const char *extra)
 {
 	FILE *f;
 
@@ -72,7 +77,7 @@ static int write_cfg(char *path, size_t n, const char *spill, const char *tag)
 	if (!(f = fopen(path, "w")))
 		return -1;
 	fprintf(f, "[spill]\ndir = %s\n[remote]\nseeds = %s\nreplicas = 1\nwait_timeout_ms = 3000\n"
-		"timeout_ms = 1000\nretry_ms = 12000\nchunk = 1M\n", spill, seeds);
+		"timeout_ms = 1000\nretry_ms = 12000\nchunk = 1M\n%s", spill, seeds, extra);
 	fclose(f);
 	return 0;
 }
@@ -90,7 +95,8 @@ static int setup(void **state)
 		return -1;
 	snprintf(spill_a, sizeof spill_a, "%s", ta);
 	snprintf(spill_b, sizeof spill_b, "%s", tb);
-	if (write_cfg(cfg_a, sizeof cfg_a, spill_a, "a") || write_cfg(cfg_b, sizeof cfg_b, spill_b, "b"))
+	if (write_cfg(cfg_a, sizeof cfg_a, spill_a, "a", "") ||
+	    write_cfg(cfg_b, sizeof cfg_b, spill_b, "b", ""))
 		return -1;
 	if (daemon_start4(&A, "--config", cfg_a, NULL, NULL) ||
 	    daemon_start4(&B, "--config", cfg_b, NULL, NULL))
@@ -316,6 +322,53 @@ static void test_remote_attach(void **state)
 	src_free(&src);
 	kvc_close(a);
 	kvc_close(b);
+}
+
+static int files_in(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	int n = 0;
+
+	assert_non_null(d);
+	while ((e = readdir(d)))
+		n += strstr(e->d_name, ".kvs") != NULL;
+	closedir(d);
+	return n;
+}
+
+static void test_remote_too_big(void **state)
+{
+	char dir[] = "/tmp/kvd-remote-c.XXXXXX", cfg[96];
+	struct daemon C;
+	struct src src;
+	uint64_t got;
+
+	/* The prompt of test_remote_attach is about 60 MB as a file. */
+	assert_non_null(mkdtemp(dir));
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "c", "[limits]\nmemory_per_uid = 16M\n"), 0);
+	assert_int_equal(daemon_start4(&C, "--config", cfg, NULL, NULL), 0);
+	struct kvc *c = kconnect_ok(&C, "c");
+
+	src_make(&src, 1);
+	struct kvc_seq *x = attach_on(c, &src, P_TOK, &got);
+
+	assert_int_equal(got, 0);
+	assert_int_equal(metric(&C, "kvd_remote_too_big_total"), 1);
+	assert_int_equal(metric(&C, "kvd_remote_hits_total"), 0);
+	assert_int_equal(metric(&C, "kvd_remote_get_bytes_total"), 0);
+	assert_int_equal(files_in(dir), 0);
+	/* Asked again, the same answer from the lookup's memory or a new one. */
+	assert_int_equal(kvc_seq_free(c, x), 0);
+	x = attach_on(c, &src, P_TOK, &got);
+	assert_int_equal(got, 0);
+	assert_int_equal(files_in(dir), 0);
+	assert_int_equal(kvc_seq_free(c, x), 0);
+	kvc_close(c);
+	src_free(&src);
+	assert_int_equal(daemon_stop(&C), 0);
+	daemon_rm_tree(dir);
+	unlink(cfg);
 }
 
 static void test_remote_ask(void **state)
@@ -604,6 +657,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test(test_remote_attach),
+		cmocka_unit_test(test_remote_too_big),
 		cmocka_unit_test(test_remote_ask),
 		cmocka_unit_test(test_remote_corrupt),
 		cmocka_unit_test(test_remote_failover),
