@@ -77,6 +77,7 @@ void kvd_config_defaults(struct kvd_config *c)
 	c->profiles_per_uid = 16;
 	c->memory_per_uid_pct = 100;
 	c->spill_per_uid_pct = 100;
+	c->remote_per_uid_pct = 100;
 	/* A default region (16 slots of 4 MiB) is 64 MiB: 16 GiB is 256 such
 	 * connections of one uid, or one of the largest arena Hello allows. */
 	c->shm = 64ull << 30;
@@ -454,6 +455,16 @@ static int set_remote_chunk(struct kvd_config *c, const char *v, char *why, size
 	return 0;
 }
 
+static int set_remote_limit(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_size(v, &c->remote_limit, why, n) ? -EINVAL : 0;
+}
+
+static int set_remote_evicted(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_bool(v, &c->remote_evicted, why, n) ? -EINVAL : 0;
+}
+
 static const struct {
 	const char *name;
 	int level;
@@ -538,6 +549,11 @@ static int set_memory_per_uid(struct kvd_config *c, const char *v, char *why, si
 static int set_spill_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
 {
 	return parse_share(v, &c->spill_per_uid, &c->spill_per_uid_pct, why, n);
+}
+
+static int set_remote_per_uid(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	return parse_share(v, &c->remote_per_uid, &c->remote_per_uid_pct, why, n);
 }
 
 static int set_shm_bytes(uint64_t *out, const char *v, char *why, size_t n)
@@ -653,6 +669,12 @@ uint64_t kvd_config_spill_per_uid(const struct kvd_config *c)
 	return c->spill_per_uid_pct ? pct_of(c->spill_limit, c->spill_per_uid_pct) : c->spill_per_uid;
 }
 
+uint64_t kvd_config_remote_per_uid(const struct kvd_config *c)
+{
+	return c->remote_per_uid_pct ? pct_of(c->remote_limit, c->remote_per_uid_pct)
+				     : c->remote_per_uid;
+}
+
 void kvd_config_limits(const struct kvd_config *c, struct kvd_limits_cfg *out)
 {
 	memset(out, 0, sizeof *out);
@@ -673,6 +695,10 @@ void kvd_config_limits(const struct kvd_config *c, struct kvd_limits_cfg *out)
 		out->per_uid[KVD_RES_MEMORY] = 0;
 	if (out->per_uid[KVD_RES_SPILL] == out->cap[KVD_RES_SPILL])
 		out->per_uid[KVD_RES_SPILL] = 0;
+	out->cap[KVD_RES_REMOTE] = c->remote_limit;
+	out->per_uid[KVD_RES_REMOTE] = kvd_config_remote_per_uid(c);
+	if (out->per_uid[KVD_RES_REMOTE] == out->cap[KVD_RES_REMOTE])
+		out->per_uid[KVD_RES_REMOTE] = 0;
 	memcpy(out->share_uid, c->share_uid, sizeof out->share_uid);
 	memcpy(out->share_group, c->share_group, sizeof out->share_group);
 	out->nshare = c->nshare;
@@ -750,6 +776,9 @@ static const struct key {
 	{ "remote", "replicas", NULL, set_remote_replicas, NULL, 0, 0 },
 	{ "remote", "wait_timeout_ms", NULL, set_remote_wait, NULL, 0, 0 },
 	{ "remote", "chunk", NULL, set_remote_chunk, NULL, 0, 0 },
+	{ "remote", "evicted", NULL, set_remote_evicted, NULL, 0, 0 },
+	{ "remote", "limit", NULL, set_remote_limit, NULL, 0, 0 },
+	{ "limits", "remote_per_uid", NULL, set_remote_per_uid, NULL, 0, 0 },
 	{ "metrics", "listen", "metrics-listen", set_metrics_listen, NULL, 0, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0, 0 },
 	{ "log", "file", "log-file", set_log_file, NULL, 0, 0 },
@@ -796,9 +825,16 @@ static int check_limits(const struct kvd_config *c, char *err, size_t errlen)
 			    "(lower it, or raise shm)", (unsigned long long)c->shm_per_uid,
 			    (unsigned long long)c->shm);
 	if (c->memory_per_uid_pct > 100 || c->spill_per_uid_pct > 100 ||
+	    c->remote_per_uid_pct > 100 ||
 	    (!c->memory_per_uid_pct && c->memory_per_uid < KVD_CONFIG_MEM_MIN) ||
-	    (!c->spill_per_uid_pct && c->spill_per_uid < KVD_CONFIG_MEM_MIN))
-		return fail(err, errlen, "[limits] memory_per_uid or spill_per_uid out of range");
+	    (!c->spill_per_uid_pct && c->spill_per_uid < KVD_CONFIG_MEM_MIN) ||
+	    (!c->remote_per_uid_pct && c->remote_per_uid < KVD_CONFIG_MEM_MIN))
+		return fail(err, errlen, "[limits] memory_per_uid, spill_per_uid or remote_per_uid "
+			    "out of range");
+	if (!c->remote_per_uid_pct && c->remote_limit && c->remote_per_uid > c->remote_limit)
+		return fail(err, errlen, "[limits] remote_per_uid %llu bytes is above [remote] limit "
+			    "%llu", (unsigned long long)c->remote_per_uid,
+			    (unsigned long long)c->remote_limit);
 	if (!c->memory_per_uid_pct && c->mem_limit && c->memory_per_uid > c->mem_limit)
 		return fail(err, errlen, "[limits] memory_per_uid %llu bytes is above [memory] limit %llu",
 			    (unsigned long long)c->memory_per_uid, (unsigned long long)c->mem_limit);

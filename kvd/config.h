@@ -34,6 +34,7 @@
  *                profiles_per_uid = N                    (created by one uid; 16)
  *                memory_per_uid = SIZE | N%              (N% of [memory] limit; 100%)
  *                spill_per_uid = SIZE | N%               (N% of [spill] limit; 100%)
+ *                remote_per_uid = SIZE | N%              (N% of [remote] limit; 100%)
  *                shm = SIZE                              (all clients' shared memory; 64G)
  *                shm_per_uid = SIZE                      (of one uid's connections; 16G)
  *                control_cpu_per_uid = N%                (of one core: a uid's control
@@ -48,6 +49,11 @@
  *                replicas = N                            (WAIT for N replicas; 0)
  *                wait_timeout_ms = N                     (1000)
  *                chunk = SIZE                            (bytes per value; 4M)
+ *                limit = SIZE                            (bytes of evicted sequences'
+ *                                                          copies; 0: no cap)
+ *                evicted = BOOL                          (evicted sequences' files go
+ *                                                          there too, and local files
+ *                                                          of those make spill room; no)
  *   [metrics]    listen = HOST:PORT    --metrics-listen ADDR (Prometheus text at
  *                                                          http://ADDR/metrics; "" = off;
  *                                                          default 127.0.0.1:9464; IPv6
@@ -125,6 +131,10 @@ struct kvd_config {
 	uint32_t remote_replicas;       /* WAIT for; default 0 */
 	uint32_t remote_wait_ms;        /* default 1000 */
 	uint32_t remote_chunk;          /* bytes per value; default 4 MiB */
+	int remote_evicted;             /* [remote] evicted; default 0 */
+	uint64_t remote_limit;          /* [remote] limit: bytes of those copies; 0: no cap */
+	uint64_t remote_per_uid;        /* bytes, when remote_per_uid_pct is 0 */
+	uint32_t remote_per_uid_pct;    /* % of remote_limit; default 100 */
 	int metrics_listen_set;         /* given by the file or a flag, not the default */
 };
 
@@ -169,6 +179,7 @@ void kvd_config_usage(FILE *f, const char *argv0);
  * the global limit); 0: no per-uid cap. */
 uint64_t kvd_config_memory_per_uid(const struct kvd_config *c);
 uint64_t kvd_config_spill_per_uid(const struct kvd_config *c);
+uint64_t kvd_config_remote_per_uid(const struct kvd_config *c);
 /* The caps and sharing groups for kvd_limits_create(): counts from
  * [limits], memory from [memory] limit and memory_per_uid, spill from
  * [spill] limit and spill_per_uid. */

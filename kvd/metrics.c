@@ -124,6 +124,7 @@ struct snap {
 	uint64_t on_disk, disk_bytes, disconnects, refused;
 	int remote;                     /* the rest: only with a remote tier */
 	struct kvd_remote_stats rs;
+	uint64_t rem_puts, rem_drops, rem_fetches, rem_only;
 	struct snap_uid *uid;
 	size_t nuid, cap;
 };
@@ -337,6 +338,10 @@ void kvd_metrics_collect(struct kvd_metrics *m, struct kvd_server *s)
 	sn->refused = s->refused;
 	if ((sn->remote = s->remote != NULL))
 		kvd_remote_stats(s->remote, &sn->rs);
+	sn->rem_puts = ts.rem_puts;
+	sn->rem_drops = ts.rem_drops;
+	sn->rem_fetches = ts.rem_fetches;
+	sn->rem_only = ts.rem_only;
 	sn->taken_ns = now_ns();
 
 	pthread_mutex_lock(&m->mu);
@@ -486,6 +491,8 @@ static const struct {
 	  "tails, bookkeeping), profiles with W, restore reservations." },
 	{ "kvd_spilled_bytes", KVD_RES_SPILL, "Bytes of the uid's spill files on disk." },
 	{ "kvd_shm_bytes", KVD_RES_SHM, "Shared-memory regions (rings and slot arena) of the uid's connections." },
+	{ "kvd_remote_bytes", KVD_RES_REMOTE,
+	  "Bytes of the uid's evicted sequences' copies in the remote tier." },
 };
 
 static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, struct buf *b)
@@ -579,6 +586,19 @@ static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, 
 		       r->put_errors + r->get_errors);
 		scalar(b, "kvd_remote_redirects_total", "counter",
 		       "MOVED and ASK redirects followed.", r->rcl.moved + r->rcl.ask);
+		scalar(b, "kvd_remote_deletes_total", "counter",
+		       "Copies deleted from the remote tier (freed or stopping sequences).", r->dels);
+		scalar(b, "kvd_remote_evicted_puts_total", "counter",
+		       "Evicted sequences' files the remote tier confirmed ([remote] evicted).",
+		       sn->rem_puts);
+		scalar(b, "kvd_remote_local_drops_total", "counter",
+		       "Local spill files dropped for spill room, their copy in the remote tier.",
+		       sn->rem_drops);
+		scalar(b, "kvd_remote_evicted_fetches_total", "counter",
+		       "Evicted sequences' files fetched back from the remote tier for a restore.",
+		       sn->rem_fetches);
+		scalar(b, "kvd_sequences_remote_only", "gauge",
+		       "Sequences on disk whose file is only in the remote tier.", sn->rem_only);
 	}
 
 	head(b, "kvd_spill_writes_total", "counter",

@@ -421,8 +421,17 @@ static void remote_done(void *arg, const struct kvd_remote_done *d)
 {
 	struct kvd_server *s = arg;
 
-	if (s->share)
+	if (d->who == KVD_REMOTE_FOR_TIER) {
+		kvd_tier_remote_done(s->tier, d);
+		/* A fetched file lets a parked restore go on. */
+		if (d->op == KVD_REMOTE_GET) {
+			for (struct client *c = s->clients; c; c = c->next)
+				c->parked = 0;
+			kvd_exec_notify(s);
+		}
+	} else if (s->share) {
 		kvd_share_remote_done(s->share, d);
+	}
 }
 
 static void tier_event(struct kvd_server *s)
@@ -584,6 +593,13 @@ int kvd_server_run(struct kvd_server *s)
 	 * written when they were published); else they go now, files
 	 * included, before the tier starts keeping files. */
 	kvd_share_set_remote(s->share, NULL);
+	/* Evicted sequences' copies are of this lifetime: they go too (a few
+	 * seconds at most; a crash leaves them, see OPERATIONS.md). */
+	if (s->remote) {
+		kvd_tier_remote_forget_all(s->tier);
+		kvd_remote_flush(s->remote, 5000);
+	}
+	kvd_tier_set_remote(s->tier, NULL);
 	kvd_remote_destroy(s->remote);
 	s->remote = NULL;
 	if (s->cfg->persist)
@@ -770,8 +786,11 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 			goto fail;
 		}
 		kvd_share_set_remote(s->share, s->remote);
-		kvd_log(LOG_INFO, "remote: Redis Cluster at %s, keys %s:{...}%s", cfg->remote_seeds,
-			cfg->remote_prefix, cfg->remote_replicas ? ", WAIT for replicas" : "");
+		if (cfg->remote_evicted)
+			kvd_tier_set_remote(s->tier, s->remote);
+		kvd_log(LOG_INFO, "remote: Redis Cluster at %s, keys %s:{...}%s%s", cfg->remote_seeds,
+			cfg->remote_prefix, cfg->remote_replicas ? ", WAIT for replicas" : "",
+			cfg->remote_evicted ? ", evicted sequences too" : "");
 	}
 
 	s->sfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -870,6 +889,8 @@ void kvd_server_destroy(struct kvd_server *s)
 		close(s->tfd);
 	if (s->share)
 		kvd_share_set_remote(s->share, NULL);
+	if (s->tier)
+		kvd_tier_set_remote(s->tier, NULL);
 	kvd_remote_destroy(s->remote);
 	kvd_share_destroy(s->share);
 	kvd_tier_destroy(s->tier);

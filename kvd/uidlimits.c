@@ -23,16 +23,17 @@ struct kvd_limits {
 };
 
 static const char *const names[KVD_RES_N] = { "connections", "sequences", "profiles", "memory",
-					       "spill", "shm" };
+					       "spill", "shm", "remote" };
 
 const char *kvd_limits_key(enum kvd_res r, int per_uid)
 {
 	static const char *const global[KVD_RES_N] = { "limits.connections", "limits.sequences",
 						       "limits.profiles", "memory.limit",
-						       "spill.limit", "limits.shm" };
+						       "spill.limit", "limits.shm", "remote.limit" };
 	static const char *const uid[KVD_RES_N] = {
 		"limits.connections_per_uid", "limits.sequences_per_uid", "limits.profiles_per_uid",
-		"limits.memory_per_uid", "limits.spill_per_uid", "limits.shm_per_uid" };
+		"limits.memory_per_uid", "limits.spill_per_uid", "limits.shm_per_uid",
+		"limits.remote_per_uid" };
 
 	return (unsigned)r < KVD_RES_N ? (per_uid ? uid[r] : global[r]) : "?";
 }
@@ -112,7 +113,7 @@ static void put_if_idle(struct kvd_limits *l, struct uent *e)
 /* "64.0 MiB (67108864 bytes)" for byte counts, the number for counts. */
 static const char *amount(char *buf, size_t n, enum kvd_res r, uint64_t v)
 {
-	if (r != KVD_RES_MEMORY && r != KVD_RES_SPILL && r != KVD_RES_SHM)
+	if (r != KVD_RES_MEMORY && r != KVD_RES_SPILL && r != KVD_RES_SHM && r != KVD_RES_REMOTE)
 		snprintf(buf, n, "%llu", (unsigned long long)v);
 	else if (v >= (1u << 20))
 		snprintf(buf, n, "%.1f MiB (%llu bytes)", (double)v / (1 << 20), (unsigned long long)v);
@@ -149,7 +150,7 @@ int kvd_limits_charge(struct kvd_limits *l, uint32_t uid, enum kvd_res r, uint64
 			snprintf(msg, msglen, "%s: %s in use of %s, uid %u needs %s%s",
 				 kvd_limits_key(r, 0), amount(a, sizeof a, r, tot),
 				 amount(b, sizeof b, r, gcap), uid, amount(c, sizeof c, r, n),
-				 r == KVD_RES_SPILL ? "" : " more");
+				 r == KVD_RES_SPILL || r == KVD_RES_REMOTE ? "" : " more");
 		return r == KVD_RES_MEMORY ? -ENOMEM : -ENOSPC;
 	}
 	if (kvd_limits_force(l, uid, r, n)) {

@@ -1,6 +1,6 @@
 /* kvd_limits (kvd/uidlimits.h: "limits.h" would shadow <limits.h>, as kvd/
  * is on the include path): what each uid uses (connections, sequences, profiles,
- * resident bytes, spill bytes, shared-memory bytes) and the caps the configuration puts on it
+ * resident bytes, spill bytes, shared-memory bytes, remote-tier bytes) and the caps the configuration puts on it
  * ([limits] and [memory]/[spill] limit in kvd.conf), plus the sharing
  * groups that map uids to profile namespaces ([sharing] groups).
  *
@@ -36,6 +36,7 @@ enum kvd_res {
 	KVD_RES_MEMORY,                 /* resident bytes (and restore reservations) */
 	KVD_RES_SPILL,                  /* bytes of spill files on disk */
 	KVD_RES_SHM,                    /* bytes of the connections' shared-memory regions */
+	KVD_RES_REMOTE,                 /* bytes of evicted sequences' copies in the remote tier */
 	KVD_RES_N
 };
 

@@ -26,18 +26,19 @@ static const char MAGIC[8] = "KVDRMT1";
 
 _Static_assert(sizeof(struct kvd_remote_manifest) == 56, "manifest layout");
 
-enum { J_PUT, J_GET };
+enum { J_PUT, J_GET, J_DEL };
 
 struct job {
 	struct job *next;
 	int kind;
 	char ns[KVD_REMOTE_NS_MAX];
-	uint8_t key[16];                /* PUT */
+	uint8_t key[16];                /* PUT, DEL */
 	uint64_t tokens;
 	char *path;
 	uint8_t *keys;                  /* GET */
 	uint32_t nkeys;
 	uint64_t max_bytes;
+	int who;
 	uint64_t cookie;
 };
 
@@ -116,19 +117,31 @@ out:
 	return rc;
 }
 
-/* Chunks first, the manifest last, in one pipeline on the shard of the tag. */
+static void post(struct kvd_remote *r, const struct kvd_remote_done *d);
+
+/* Chunks first, the manifest last, in one pipeline on the shard of the tag;
+ * with a cookie, the result is reported (which file generation went). */
 static void do_put(struct kvd_remote *r, struct job *j)
 {
-	char stem[STEM_MAX], msg[160];
+	struct kvd_remote_done d = { .op = KVD_REMOTE_PUT, .who = j->who, .cookie = j->cookie };
+	struct kvd_sfmt_hdr h;
+	char stem[STEM_MAX], *msg = d.msg;
+	const size_t msglen = sizeof d.msg;
 	uint64_t len = 0;
 	void *buf;
 	int rc = read_file(j->path, &buf, &len);
 
 	if (rc) {
-		/* A snapshot dropped since: its file went with it. */
+		/* A sequence dropped or rewritten since: its file went with it. */
 		count(r, &r->st.put_errors, 1);
-		return;
+		snprintf(msg, msglen, "%.100s: %s", j->path, strerror(-rc));
+		goto report;
 	}
+	if (kvd_sfmt_check_hdr(buf, len, &h, msg, msglen) == 0) {
+		d.seq = h.seq;
+		d.gen = h.gen;
+	}
+	d.bytes = len;
 	uint32_t cb = r->cfg.chunk_bytes, nch = (uint32_t)((len + cb - 1) / cb);
 	struct kvd_remote_manifest m = { .chunks = nch, .chunk_bytes = cb, .bytes = len,
 					 .tokens = j->tokens,
@@ -140,6 +153,7 @@ static void do_put(struct kvd_remote *r, struct job *j)
 	memcpy(m.key, j->key, 16);
 	if (!ops || !names || kvd_remote_stem(r->prefix, j->ns, j->key, stem, sizeof stem) < 0) {
 		count(r, &r->st.put_errors, 1);
+		rc = -ENOMEM;
 		goto out;
 	}
 	for (uint32_t i = 0; i <= nch; i++) {
@@ -158,7 +172,7 @@ static void do_put(struct kvd_remote *r, struct job *j)
 		ops[i].key = names[i];
 		ops[i].klen = strlen(names[i]);
 	}
-	rc = kvd_rcl_run(r->rcl, ops, nch + 1, msg, sizeof msg);
+	rc = kvd_rcl_run(r->rcl, ops, nch + 1, msg, msglen);
 	for (uint32_t i = 0; !rc && i <= nch; i++)
 		rc = ops[i].rc;
 	if (rc) {
@@ -171,14 +185,64 @@ static void do_put(struct kvd_remote *r, struct job *j)
 	pthread_mutex_unlock(&r->lock);
 	if (r->cfg.replicas) {
 		int acks = kvd_rcl_wait(r->rcl, names[nch], strlen(names[nch]), r->cfg.replicas,
-					r->cfg.wait_ms, msg, sizeof msg);
+					r->cfg.wait_ms, msg, msglen);
 
-		count(r, acks >= (int)r->cfg.replicas ? &r->st.durable : &r->st.not_durable, 1);
+		d.durable = acks >= (int)r->cfg.replicas;
+		count(r, d.durable ? &r->st.durable : &r->st.not_durable, 1);
 	}
 out:
 	free(names);
 	free(ops);
 	free(buf);
+report:
+	d.rc = rc;
+	if (j->cookie)
+		post(r, &d);
+}
+
+/* The manifest first, then every chunk it names, in pipelines of at most
+ * DEL_BATCH keys: a reader that finds no manifest finds nothing. */
+#define DEL_BATCH 256
+static void do_del(struct kvd_remote *r, struct job *j)
+{
+	char stem[STEM_MAX], msg[160], mname[KEY_MAX];
+	char (*names)[KEY_MAX] = calloc(DEL_BATCH, KEY_MAX);
+	struct kvd_rcl_op mo = { .kind = KVD_RCL_GET }, *ops = calloc(DEL_BATCH, sizeof *ops);
+	struct kvd_remote_manifest m;
+	uint64_t n = 0;
+	int rc;
+
+	if (!names || !ops || kvd_remote_stem(r->prefix, j->ns, j->key, stem, sizeof stem) < 0)
+		goto out;
+	snprintf(mname, sizeof mname, "%s:m", stem);
+	mo.key = mname;
+	mo.klen = strlen(mname);
+	if (kvd_rcl_run(r->rcl, &mo, 1, msg, sizeof msg) || mo.rc)
+		goto out;       /* nothing there, or the cluster is away */
+	if (mo.len == sizeof m) {
+		memcpy(&m, mo.data, sizeof m);
+		if (!memcmp(m.magic, MAGIC, sizeof MAGIC) && m.chunk_bytes &&
+		    m.chunks == (m.bytes + m.chunk_bytes - 1) / m.chunk_bytes)
+			n = m.chunks;
+	}
+	ops[0] = (struct kvd_rcl_op){ .kind = KVD_RCL_DEL, .key = mname, .klen = strlen(mname) };
+	rc = kvd_rcl_run(r->rcl, ops, 1, msg, sizeof msg);
+	for (uint64_t c = 0; !rc && c < n; c += DEL_BATCH) {
+		uint32_t k = n - c < DEL_BATCH ? (uint32_t)(n - c) : DEL_BATCH;
+
+		for (uint32_t i = 0; i < k; i++) {
+			snprintf(names[i], KEY_MAX, "%s:%" PRIu64, stem, c + i);
+			ops[i] = (struct kvd_rcl_op){ .kind = KVD_RCL_DEL, .key = names[i],
+						      .klen = strlen(names[i]) };
+		}
+		rc = kvd_rcl_run(r->rcl, ops, k, msg, sizeof msg);
+	}
+	if (!rc)
+		count(r, &r->st.dels, 1);
+out:
+	free(mo.data);
+	free(names);
+	free(ops);
 }
 
 static void post(struct kvd_remote *r, const struct kvd_remote_done *d)
@@ -375,7 +439,7 @@ static double now_ms(void)
 
 static void do_get(struct kvd_remote *r, struct job *j)
 {
-	struct kvd_remote_done d = { .cookie = j->cookie };
+	struct kvd_remote_done d = { .op = KVD_REMOTE_GET, .who = j->who, .cookie = j->cookie };
 	double t0 = now_ms(), t1;
 	uint64_t len = 0;
 	void *buf = NULL;
@@ -428,10 +492,12 @@ static void *run(void *arg)
 		if (!(r->head = j->next))
 			r->tail = &r->head;
 		pthread_mutex_unlock(&r->lock);
-		int put = j->kind == J_PUT;
+		int put = j->kind != J_GET;
 
-		if (put)
+		if (j->kind == J_PUT)
 			do_put(r, j);
+		else if (j->kind == J_DEL)
+			do_del(r, j);
 		else
 			do_get(r, j);
 		free(j->path);
@@ -528,15 +594,30 @@ int kvd_remote_fd(const struct kvd_remote *r)
 	return r->efd;
 }
 
+int kvd_remote_flush(struct kvd_remote *r, unsigned ms)
+{
+	for (unsigned waited = 0;; waited += 10) {
+		pthread_mutex_lock(&r->lock);
+		unsigned left = r->queued;
+
+		pthread_mutex_unlock(&r->lock);
+		if (!left)
+			return 0;
+		if (waited >= ms)
+			return -ETIMEDOUT;
+		nanosleep(&(struct timespec){ .tv_nsec = 10 * 1000000 }, NULL);
+	}
+}
+
 static int queue(struct kvd_remote *r, struct job *j)
 {
 	pthread_mutex_lock(&r->lock);
-	if (r->queued >= JOBS_MAX || (j->kind == J_PUT && r->puts >= PUTS_MAX)) {
+	if (r->queued >= JOBS_MAX || (j->kind != J_GET && r->puts >= PUTS_MAX)) {
 		pthread_mutex_unlock(&r->lock);
 		return -EBUSY;
 	}
 	r->queued++;
-	r->puts += j->kind == J_PUT;
+	r->puts += j->kind != J_GET;
 	j->next = NULL;
 	*r->tail = j;
 	r->tail = &j->next;
@@ -545,8 +626,23 @@ static int queue(struct kvd_remote *r, struct job *j)
 	return 0;
 }
 
+int kvd_remote_del(struct kvd_remote *r, const char *ns, const uint8_t *key)
+{
+	struct job *j = calloc(1, sizeof *j);
+	int rc;
+
+	if (!j)
+		return -ENOMEM;
+	j->kind = J_DEL;
+	snprintf(j->ns, sizeof j->ns, "%s", ns);
+	memcpy(j->key, key, 16);
+	if ((rc = queue(r, j)))
+		free(j);
+	return rc;
+}
+
 int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uint64_t tokens,
-		   const char *path)
+		   const char *path, int who, uint64_t cookie)
 {
 	struct job *j = calloc(1, sizeof *j);
 	int rc;
@@ -559,6 +655,8 @@ int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uin
 	snprintf(j->ns, sizeof j->ns, "%s", ns);
 	memcpy(j->key, key, 16);
 	j->tokens = tokens;
+	j->who = who;
+	j->cookie = cookie;
 	if ((rc = queue(r, j))) {
 		free(j->path);
 		free(j);
@@ -568,7 +666,7 @@ int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uin
 }
 
 int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, uint32_t nkeys,
-		   uint64_t max_bytes, uint64_t cookie)
+		   uint64_t max_bytes, int who, uint64_t cookie)
 {
 	struct job *j = calloc(1, sizeof *j);
 	int rc;
@@ -582,6 +680,7 @@ int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, ui
 	memcpy(j->keys, keys, 16 * (size_t)nkeys);
 	j->nkeys = nkeys;
 	j->max_bytes = max_bytes;
+	j->who = who;
 	j->cookie = cookie;
 	if ((rc = queue(r, j))) {
 		free(j->keys);

@@ -57,8 +57,14 @@ struct kvd_remote_manifest {
 	uint32_t reserved;
 };
 
+enum { KVD_REMOTE_GET, KVD_REMOTE_PUT };
+/* Who asked: results go back to the caller's caller by it. */
+enum { KVD_REMOTE_FOR_SHARE, KVD_REMOTE_FOR_TIER };
+
 struct kvd_remote_done {
-	uint64_t cookie;                /* as given to kvd_remote_get */
+	int op;                         /* KVD_REMOTE_GET or _PUT */
+	int who;                        /* as given to kvd_remote_get / _put */
+	uint64_t cookie;                /* likewise */
 	int rc;                         /* 0: a file was written; -ENOENT: none of the
 					 * keys is there; -KVD_EFORMAT: found but
 					 * corrupt, partial or oversized; -EFBIG:
@@ -68,14 +74,17 @@ struct kvd_remote_done {
 	uint32_t index;                 /* rc 0: which key of the request */
 	uint8_t key[16];                /* ... that key */
 	unsigned dir;                   /* the file's spill directory (cfg.dir_index) */
-	uint64_t seq;                   /* rc 0 or -EEXIST: the file's sequence */
+	uint64_t seq;                   /* rc 0 or -EEXIST: the file's sequence
+					 * (PUT: of the file sent) */
+	uint64_t gen;                   /* PUT: the generation of the file sent */
+	int durable;                    /* PUT: WAIT saw the replicas */
 	uint64_t bytes;
 	double fetch_ms, file_ms;       /* rc 0: reading the cluster; writing the file */
 	char msg[160];
 };
 
 struct kvd_remote_stats {
-	uint64_t puts, put_bytes, put_errors, durable, not_durable;
+	uint64_t puts, put_bytes, put_errors, durable, not_durable, dels;
 	uint64_t gets, hits, misses, corrupt, too_big, get_errors, get_bytes;
 	uint64_t queued;                /* jobs waiting or running now */
 	struct kvd_rcl_stats rcl;
@@ -89,20 +98,27 @@ int kvd_remote_create(const struct kvd_remote_cfg *cfg, struct kvd_remote **out,
  * queued jobs are dropped. */
 void kvd_remote_destroy(struct kvd_remote *r);
 int kvd_remote_fd(const struct kvd_remote *r);
+/* Waits until every queued job has run, or ms have passed: 0 or -ETIMEDOUT. */
+int kvd_remote_flush(struct kvd_remote *r, unsigned ms);
 
-/* Queues the upload of the spill file at path (a published prefix) under
- * (ns, key).  -ENOMEM, -EBUSY when too many jobs wait (it is skipped and
- * counted in put_errors; uploads may take half the queue, lookups the
+/* Queues the upload of the spill file at path under (ns, key): the file as
+ * it is when the thread reads it (its header's generation is reported).
+ * cookie != 0: the result comes back through kvd_remote_poll (op PUT).
+ * -ENOMEM, -EBUSY when too many jobs wait (it is skipped and counted in
+ * put_errors; uploads and deletes may take half the queue, lookups the
  * rest). */
 int kvd_remote_put(struct kvd_remote *r, const char *ns, const uint8_t *key, uint64_t tokens,
-		   const char *path);
+		   const char *path, int who, uint64_t cookie);
+/* Queues the deletion of (ns, key): its manifest, then its chunks.  Not
+ * reported; -ENOMEM, -EBUSY as for puts. */
+int kvd_remote_del(struct kvd_remote *r, const char *ns, const uint8_t *key);
 /* Queues a lookup of nkeys keys (key i names a prefix of i + 1 chunks): the
  * longest one present is fetched into the directory, unless its manifest
  * names more than max_bytes (0: cfg.max_bytes), which is refused before
  * anything is read or allocated for it (-EFBIG): the caller bounds what
  * one requester can make the thread hold and write.  -ENOMEM, -EBUSY. */
 int kvd_remote_get(struct kvd_remote *r, const char *ns, const uint8_t *keys, uint32_t nkeys,
-		   uint64_t max_bytes, uint64_t cookie);
+		   uint64_t max_bytes, int who, uint64_t cookie);
 /* Calls fn for every finished lookup; returns how many. */
 unsigned kvd_remote_poll(struct kvd_remote *r,
 			 void (*fn)(void *arg, const struct kvd_remote_done *d), void *arg);

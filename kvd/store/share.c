@@ -346,7 +346,7 @@ static void written(void *arg, struct kvd_seqn *q, const char *path)
 		if (x->sent)
 			return;
 		ns_name(sh, x->ns, ns, sizeof ns);
-		if (kvd_remote_put(sh->rem, ns, x->key, x->tokens, path) == 0)
+		if (kvd_remote_put(sh->rem, ns, x->key, x->tokens, path, KVD_REMOTE_FOR_SHARE, 0) == 0)
 			x->sent = 1;
 		return;
 	}
@@ -480,7 +480,8 @@ static int remote_lookup(struct kvd_share *sh, uint32_t ns, const struct kvd_pro
 	snprintf(f->tenant, sizeof f->tenant, "%s", tenant);
 	ns_name(sh, ns, name, sizeof name);
 	if (kvd_remote_get(sh->rem, name, keys + (size_t)(best + 1) * KVD_SHARE_KEY,
-			   nkeys - (uint32_t)(best + 1), fetch_cap(sh, uid), f->cookie)) {
+			   nkeys - (uint32_t)(best + 1), fetch_cap(sh, uid),
+			   KVD_REMOTE_FOR_SHARE, f->cookie)) {
 		free(f);
 		return 0;
 	}

@@ -262,6 +262,11 @@ void kvd_spill_stats(struct kvd_spill *sp, struct kvd_spill_stats *out)
 	pthread_mutex_unlock(&sp->lock);
 }
 
+void kvd_spill_disk_add(struct kvd_spill *sp, uint64_t bytes)
+{
+	atomic_fetch_add(&sp->disk, bytes);
+}
+
 static void disk_sub(struct kvd_spill *sp, uint64_t b)
 {
 	uint64_t cur = atomic_load(&sp->disk);

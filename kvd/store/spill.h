@@ -127,6 +127,9 @@ unsigned kvd_spill_reap(struct kvd_spill *sp, struct kvd_spill_result *out, unsi
 
 /* Bytes on disk of the complete files the engine knows of. */
 uint64_t kvd_spill_disk_bytes(const struct kvd_spill *sp);
+/* A file of `bytes` that someone else put in a directory (the remote tier's
+ * fetch) is now the engine's to count, as if it had written it. */
+void kvd_spill_disk_add(struct kvd_spill *sp, uint64_t bytes);
 
 /* Counters since create, as of the latest result posted. */
 struct kvd_spill_stats {

@@ -10,6 +10,8 @@
 #include "err.h"
 #include "log.h"
 #include "metrics.h"
+#include "remote.h"
+#include "rng.h"
 #include "store_int.h"
 #include "tier.h"
 
@@ -55,6 +57,13 @@ struct rec {
 	uint64_t backoff_until;
 	uint64_t io_t0;                 /* when the running write or restore was submitted */
 	char why[96];                   /* LOST: the reason */
+	/* its copy in the remote tier (kvd_tier_set_remote) */
+	int rem_sent;                   /* a put was queued: the keys may exist */
+	int rem_ok;                     /* the cluster holds the file of rem_gen */
+	int rem_only;                   /* ... and the local file went (ext is kept) */
+	int rem_getting;                /* the file is being fetched back */
+	uint64_t rem_gen, rem_bytes;
+	uint64_t rem_chg;               /* charged to uid's KVD_RES_REMOTE: the copy's bytes */
 };
 
 /* An UNLINK job.  The engine must not run two jobs of one sequence at
@@ -80,6 +89,14 @@ struct kvd_tier {
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
 	struct unl *unls;
 	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
+	struct kvd_remote *rem;         /* evicted sequences' files go there too */
+	uint64_t inst;                  /* this lifetime's half of their keys */
+	uint64_t rem_puts, rem_drops, rem_fetches;
+	/* rem_room found nothing for (dry_uid, or anyone's with dry_any) and
+	 * nothing has become droppable since: the next refusal skips the walk
+	 * of every sequence (a uid at its limit asks on every write-back). */
+	int dry, dry_any;
+	uint32_t dry_uid;
 	int stopping;
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
@@ -173,9 +190,12 @@ static void spill_unchg(struct kvd_tier *t, struct rec *r)
 	r->spill_chg = 0;
 }
 
+static void rem_unchg(struct kvd_tier *t, struct rec *r);
+
 static void rec_free(struct kvd_tier *t, struct rec *r)
 {
 	spill_unchg(t, r);
+	rem_unchg(t, r);
 	if (lim(t))
 		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, sizeof *r);
 	lru_del(t, r);
@@ -463,6 +483,7 @@ nomem:
 /* Drops q's resident data; a current file holds it. */
 static void drop(struct kvd_tier *t, struct rec *r)
 {
+	t->dry = 0;
 	kvd_store_seq_drop(t->st, r->q);
 	r->q->state = KVD_SEQ_DISK;
 	r->q->ready = 0;
@@ -472,6 +493,8 @@ static void drop(struct kvd_tier *t, struct rec *r)
 /* Starts evicting r: at once when its file is current, else a write-back
  * that drops it when done.  0, or why not. */
 static int write_out(struct kvd_tier *t, struct rec *r, int evict);
+static int spill_charge(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *msg,
+			size_t msglen);
 
 static int evict(struct kvd_tier *t, struct rec *r)
 {
@@ -523,8 +546,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 
 	for (unsigned i = 0; i < r->job.next; i++)
 		fb += r->wext[i].bytes;
-	if (lim(t) && (rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_SPILL, fb, t->why,
-					      sizeof t->why))) {
+	if (lim(t) && (rc = spill_charge(t, r->uid, fb, t->why, sizeof t->why))) {
 		kvd_log(LOG_DEBUG, "sequence %016llx stays in RAM: %s", (unsigned long long)q->id,
 			t->why);
 		r->backoff_until = now_ns() + BACKOFF_NS;
@@ -581,6 +603,248 @@ void kvd_tier_on_pub(struct kvd_tier *t, void (*fn)(void *arg, struct kvd_seqn *
 	t->on_pub_arg = arg;
 }
 
+/* ---- copies in the remote tier ----------------------------------------- */
+
+static void lose(struct kvd_tier *t, struct rec *r, const char *why);
+
+/* A private sequence's keys: its uid's namespace, and (this lifetime, id),
+ * so that no other daemon's or lifetime's sequence shares them. */
+static void rem_key(const struct kvd_tier *t, const struct rec *r, char *ns, uint8_t *key)
+{
+	uint64_t id = r->q->id;
+
+	snprintf(ns, KVD_REMOTE_NS_MAX, "u%u", r->uid);
+	memcpy(key, &t->inst, 8);
+	memcpy(key + 8, &id, 8);
+}
+
+static void rem_unchg(struct kvd_tier *t, struct rec *r)
+{
+	if (lim(t))
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_REMOTE, r->rem_chg);
+	r->rem_chg = 0;
+}
+
+/* The copy replaces any older one under the same keys: charged as the new
+ * file's bytes before it is queued; refused, it is not sent (the file
+ * stays local only, and the old copy, if any, stays stale). */
+static void rem_send(struct kvd_tier *t, struct rec *r)
+{
+	char ns[KVD_REMOTE_NS_MAX], path[4200], why[160];
+	uint64_t old = r->rem_chg;
+	uint8_t key[16];
+
+	if (lim(t)) {
+		rem_unchg(t, r);
+		if (kvd_limits_charge(lim(t), r->uid, KVD_RES_REMOTE, r->disk_bytes, why,
+				      sizeof why)) {
+			kvd_log(LOG_DEBUG, "sequence %016llx: not sent to the remote tier: %s",
+				(unsigned long long)r->q->id, why);
+			if (!kvd_limits_force(lim(t), r->uid, KVD_RES_REMOTE, old))
+				r->rem_chg = old;
+			return;
+		}
+		r->rem_chg = r->disk_bytes;
+	}
+	rem_key(t, r, ns, key);
+	snprintf(path, sizeof path, "%s/%016llx.kvs", kvd_spill_dir(t->sp, r->dir),
+		 (unsigned long long)r->q->id);
+	if (kvd_remote_put(t->rem, ns, key, 0, path,
+			   KVD_REMOTE_FOR_TIER, r->q->id) == 0)
+		r->rem_sent = 1;
+}
+
+/* The cluster's copy goes with the sequence (queued after any put of it:
+ * the remote thread runs its jobs in order). */
+static void rem_forget(struct kvd_tier *t, struct rec *r)
+{
+	char ns[KVD_REMOTE_NS_MAX];
+	uint8_t key[16];
+
+	if (!t->rem || !r->rem_sent || !r->q)
+		return;
+	rem_key(t, r, ns, key);
+	if (kvd_remote_del(t->rem, ns, key))
+		kvd_log(LOG_WARNING, "remote: the copy of sequence %016llx stays in the cluster "
+			"(the queue is full)", (unsigned long long)r->q->id);
+	r->rem_sent = r->rem_ok = 0;
+	rem_unchg(t, r);
+}
+
+struct room_arg {
+	struct kvd_tier *t;
+	uint32_t uid;
+	int any;                        /* any uid's files (a global limit) */
+	uint64_t want, got;
+};
+
+static void drop_local(void *arg, struct kvd_seqn *q)
+{
+	struct room_arg *a = arg;
+	struct rec *r = q->tier;
+
+	if (a->got >= a->want || !r || q->state != KVD_SEQ_DISK || !r->has_file || r->busy ||
+	    r->unl || !r->rem_ok || r->rem_gen != r->file_gen || (!a->any && r->uid != a->uid))
+		return;
+	/* The file stays described (ext) for the restore that fetches it. */
+	a->got += r->spill_chg;
+	unlink_file(a->t, r);
+	spill_unchg(a->t, r);
+	r->has_file = 0;
+	r->rem_only = 1;
+	a->t->rem_drops++;
+	kvd_log(LOG_DEBUG, "sequence %016llx: its file lives in the remote tier only",
+		(unsigned long long)q->id);
+}
+
+/* Spill room for `bytes` of uid's: the local files of sequences on disk
+ * whose current file the cluster holds go (their uid's own first; any
+ * uid's when `any`, a global limit).  Returns the bytes given back. */
+static uint64_t rem_room(struct kvd_tier *t, uint32_t uid, uint64_t bytes, int any)
+{
+	struct room_arg a = { t, uid, 0, bytes, 0 };
+
+	if (!t->rem || (t->dry && (t->dry_any || (t->dry_uid == uid && !any))))
+		return 0;
+	kvd_store_each(t->st, drop_local, &a);
+	if (a.got < bytes && any) {
+		a.any = 1;
+		kvd_store_each(t->st, drop_local, &a);
+	}
+	if (!a.got) {
+		t->dry = 1;
+		t->dry_uid = uid;
+		t->dry_any = any;
+	}
+	return a.got;
+}
+
+/* The spill charge of a file of uid's, making room from the remote tier
+ * when refused. */
+static int spill_charge(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *msg,
+			size_t msglen)
+{
+	int rc = kvd_limits_charge(lim(t), uid, KVD_RES_SPILL, bytes, msg, msglen);
+
+	if (rc && rem_room(t, uid, bytes, rc == -ENOSPC))
+		rc = kvd_limits_charge(lim(t), uid, KVD_RES_SPILL, bytes, msg, msglen);
+	return rc;
+}
+
+/* A DISK sequence whose file is only in the cluster: fetch it back into the
+ * spill directory (-EINPROGRESS; the restore proper follows). */
+static int rem_fetch(struct kvd_tier *t, struct rec *r, char *msg, size_t msglen)
+{
+	char ns[KVD_REMOTE_NS_MAX];
+	uint8_t key[16];
+	int rc;
+
+	if (r->rem_getting || r->unl)
+		return -EINPROGRESS;    /* the fetch, or the old file's unlink, runs */
+	/* The file will exist: charged, over the limit if it must be (the
+	 * restore needs it; rem_room makes what room it can first). */
+	if (lim(t) && spill_charge(t, r->uid, r->rem_bytes, msg, msglen) &&
+	    kvd_limits_force(lim(t), r->uid, KVD_RES_SPILL, r->rem_bytes))
+		return -ENOMEM;
+	r->spill_chg = lim(t) ? r->rem_bytes : 0;
+	rem_key(t, r, ns, key);
+	if ((rc = kvd_remote_get(t->rem, ns, key, 1, r->rem_bytes, KVD_REMOTE_FOR_TIER,
+				 r->q->id))) {
+		spill_unchg(t, r);
+		snprintf(msg, msglen, "the remote tier is busy (%s): try again", kvd_strerror(rc));
+		return -EBUSY;
+	}
+	r->rem_getting = 1;
+	kvd_log(LOG_DEBUG, "sequence %016llx: fetching its file from the remote tier",
+		(unsigned long long)r->q->id);
+	return -EINPROGRESS;
+}
+
+static void forget_copy(void *arg, struct kvd_seqn *q)
+{
+	if (q->tier)
+		rem_forget(arg, q->tier);
+}
+
+void kvd_tier_remote_forget_all(struct kvd_tier *t)
+{
+	if (t->rem)
+		kvd_store_each(t->st, forget_copy, t);
+}
+
+void kvd_tier_set_remote(struct kvd_tier *t, struct kvd_remote *rem)
+{
+	t->rem = t->sp ? rem : NULL;
+	if (t->rem && !t->inst) {
+		struct timespec ts;
+
+		clock_gettime(CLOCK_REALTIME, &ts);
+		t->inst = kvd_mix64((uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^
+				    ((uint64_t)getpid() << 48) ^ (uint64_t)(uintptr_t)t);
+	}
+}
+
+void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
+{
+	uint64_t id = d->cookie;
+	struct kvd_seqn *q = kvd_store_seq_any(t->st, id);
+	struct rec *r = q ? q->tier : NULL;
+
+	if (d->op == KVD_REMOTE_PUT) {
+		if (!r || d->rc || d->seq != id) {
+			kvd_log(LOG_DEBUG, "remote: the copy of %016llx did not go: %s",
+				(unsigned long long)id,
+				!r ? "freed" : d->rc ? (d->msg[0] ? d->msg : kvd_strerror(d->rc))
+						     : "not its file");
+			return;
+		}
+		t->rem_puts++;
+		t->dry = 0;
+		/* The copy is of the file the thread read, which may be older
+		 * or newer than the one the record knows. */
+		r->rem_ok = 1;
+		r->rem_gen = d->gen;
+		r->rem_bytes = d->bytes;
+		return;
+	}
+	if (!r || !r->rem_getting) {
+		/* Freed meanwhile: the fetched file is nobody's. */
+		if (d->rc == 0) {
+			char path[4200];
+			unsigned dir;
+			const char *base = kvd_tier_spill_dir(t, &dir);
+
+			if (base) {
+				snprintf(path, sizeof path, "%s/%016llx.kvs", base,
+					 (unsigned long long)d->seq);
+				unlink(path);
+			}
+		}
+		return;
+	}
+	r->rem_getting = 0;
+	if ((d->rc == 0 || d->rc == -EEXIST) && d->seq == id) {
+		/* Its extents are as they were written; the restore checks
+		 * every one against seq and generation. */
+		r->has_file = 1;
+		r->rem_only = 0;
+		r->dir = d->dir;
+		r->disk_bytes = d->bytes;
+		if (d->rc == 0)
+			kvd_spill_disk_add(t->sp, d->bytes);
+		t->rem_fetches++;
+		t->dry = 0;
+		return;
+	}
+	spill_unchg(t, r);
+	r->rem_only = 0;
+	char why[96];
+
+	snprintf(why, sizeof why, "its file in the remote tier: %.60s",
+		 d->msg[0] ? d->msg : kvd_strerror(d->rc));
+	lose(t, r, why);
+}
+
 static void write_done(struct kvd_tier *t, struct rec *r)
 {
 	struct kvd_seqn *q = r->q;
@@ -625,6 +889,8 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 		forget_file(t, r);      /* changed while being written */
 		return;
 	}
+	if (j->res == 0 && t->rem && !kvd_store_seq_hidden(q) && !r->freeing)
+		rem_send(t, r);
 	if (j->res == 0 && t->on_written && kvd_store_seq_hidden(q) && !r->freeing) {
 		char path[4200];
 
@@ -735,6 +1001,8 @@ static void lose(struct kvd_tier *t, struct rec *r, const char *why)
 	t->lost++;
 	kvd_metrics_lost(t->cfg.metrics);
 	kvd_log(LOG_ERR, "sequence %016llx lost: %s", (unsigned long long)q->id, why);
+	rem_forget(t, r);
+	r->rem_only = 0;
 	forget_file(t, r);
 }
 
@@ -908,6 +1176,7 @@ static void free_all(void *arg, struct kvd_seqn *q)
 		r->q = NULL;
 	}
 	spill_unchg(t, r);
+	rem_unchg(t, r);
 	if (lim(t))
 		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, sizeof *r);
 	lru_del(t, r);
@@ -1051,6 +1320,8 @@ int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *
 		return -KVD_ELOST;
 	case KVD_SEQ_DISK:
 		r->epoch = t->epoch;
+		if (r->rem_only)
+			return rem_fetch(t, r, msg, msglen);
 		if ((rc = start_restore(t, r, msg, msglen)))
 			return rc;
 		break;
@@ -1129,6 +1400,7 @@ void kvd_tier_free(struct kvd_tier *t, struct kvd_seqn *q)
 		return;
 	}
 	if (r) {
+		rem_forget(t, r);
 		forget_file(t, r);
 		rec_free(t, r);
 	}
@@ -1195,6 +1467,7 @@ unsigned kvd_tier_poll(struct kvd_tier *t)
 			if (r->freeing) {
 				struct kvd_seqn *q = r->q;
 
+				rem_forget(t, r);
 				forget_file(t, r);
 				rec_free(t, r);
 				kvd_store_seq_free(t->st, q);
@@ -1224,7 +1497,7 @@ void kvd_tier_balance(struct kvd_tier *t)
 }
 
 struct count_arg {
-	uint32_t on_disk;
+	uint32_t on_disk, rem_only;
 	uint64_t disk;
 };
 
@@ -1234,13 +1507,14 @@ static void count_disk(void *arg, struct kvd_seqn *q)
 	const struct rec *r = q->tier;
 
 	a->on_disk += q->state == KVD_SEQ_DISK;
+	a->rem_only += r && r->rem_only;
 	if (r && r->has_file)
 		a->disk += r->disk_bytes;
 }
 
 void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st)
 {
-	struct count_arg a = { 0, 0 };
+	struct count_arg a = { 0, 0, 0 };
 
 	memset(st, 0, sizeof *st);
 	st->limit = t->cfg.limit;
@@ -1255,8 +1529,12 @@ void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st)
 	st->lost = t->lost;
 	st->spill_bytes = t->spill_bytes;
 	st->restore_bytes = t->restore_bytes;
+	st->rem_puts = t->rem_puts;
+	st->rem_drops = t->rem_drops;
+	st->rem_fetches = t->rem_fetches;
 	kvd_store_each(t->st, count_disk, &a);
 	st->on_disk = a.on_disk;
+	st->rem_only = a.rem_only;
 	st->disk_bytes = t->sp ? kvd_spill_disk_bytes(t->sp) : 0;
 }
 

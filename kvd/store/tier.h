@@ -119,10 +119,30 @@ unsigned kvd_tier_poll(struct kvd_tier *t);
 /* Starts write-backs when used is above the high watermark. */
 void kvd_tier_balance(struct kvd_tier *t);
 
+/* The remote tier for evicted sequences ([remote] evicted = yes): once a
+ * private sequence's spill file is written it is also sent to the cluster
+ * (kvd_remote_put, under the uid's namespace and a key of this lifetime and
+ * the sequence); when the spill room is short (spill_per_uid, the spill
+ * limit), local files of sequences on disk whose current file the cluster
+ * holds go first, and a restore of such a sequence fetches its file back
+ * before reading it (kvd_tier_want: -EINPROGRESS meanwhile; a file that
+ * does not come back or does not verify makes the sequence LOST, never a
+ * wrong answer).  Freeing a sequence deletes its copy.  rem NULL: none;
+ * needs spill. */
+struct kvd_remote;
+struct kvd_remote_done;
+void kvd_tier_set_remote(struct kvd_tier *t, struct kvd_remote *rem);
+/* A remote result for KVD_REMOTE_FOR_TIER. */
+void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d);
+/* kvd stops: queue the deletion of every copy in the cluster (sequences
+ * do not outlive this lifetime there). */
+void kvd_tier_remote_forget_all(struct kvd_tier *t);
+
 struct kvd_tier_stats {
 	uint64_t limit, high, low, used, reserved, disk_bytes;
 	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
-	uint32_t on_disk;
+	uint64_t rem_puts, rem_drops, rem_fetches;      /* kvd_tier_set_remote */
+	uint32_t on_disk, rem_only;
 };
 void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st);
 /* durable: a synced file holds exactly q's data; its bytes on disk. */

@@ -20,6 +20,16 @@
  *   test_remote_isolation  another uid on B misses uid 0's prefix (its
  *                          lookup names its own namespace); what it
  *                          publishes, uid 0 on A does not find
+ *   test_remote_evicted    [remote] evicted = yes on a daemon whose uid may
+ *                          keep two sequences' files on local disk: five
+ *                          sequences evicted, the files of the others live
+ *                          in the cluster only, and each comes back bit
+ *                          for bit; one whose copy was corrupted in Redis is
+ *                          LOST, never a wrong answer; freeing deletes the
+ *                          copies
+ *   test_remote_quota      the same under remote_per_uid: a copy that would
+ *                          pass it is not sent, its file stays local, and
+ *                          the eviction that needs its room is refused
  *   test_remote_down       the whole cluster stopped: both daemons keep
  *                          serving (B attaches what it fetched before from
  *                          its own disk, misses the rest, A publishes and
@@ -604,6 +614,240 @@ static void test_remote_isolation(void **state)
 	src_free(&own);
 }
 
+/* ---- evicted sequences ---------------------------------------------------- */
+
+#define EV_N    5
+#define EV_TOK  2048            /* a file of 5.9 MB: two fit in 12 MiB */
+
+/* The full name of chunk 0 of sequence id's copy, found by SCAN on the
+ * live nodes (its key also holds the daemon's lifetime, unknown here). */
+static int find_chunk0(uint64_t id, char *name, size_t n)
+{
+	char pat[96], hex[17];
+
+	for (int i = 0; i < 8; i++)
+		snprintf(hex + 2 * i, 3, "%02x", (unsigned)(id >> (8 * i)) & 0xff);
+	snprintf(pat, sizeof pat, "kvd:{u0:*%s}:0", hex);
+	for (int i = 0; i < RC.n; i++) {
+		redisContext *rc = NULL;
+		char cur[32] = "0";
+
+		if (RC.pid[i] <= 0 || !(rc = redisConnect("127.0.0.1", RC.base + i)) || rc->err) {
+			if (rc)
+				redisFree(rc);
+			continue;
+		}
+		do {
+			redisReply *r = redisCommand(rc, "SCAN %s MATCH %s COUNT 1000", cur, pat);
+
+			if (!r || r->type != REDIS_REPLY_ARRAY || r->elements != 2) {
+				if (r)
+					freeReplyObject(r);
+				break;
+			}
+			snprintf(cur, sizeof cur, "%s", r->element[0]->str);
+			if (r->element[1]->elements) {
+				snprintf(name, n, "%s", r->element[1]->element[0]->str);
+				freeReplyObject(r);
+				redisFree(rc);
+				return 0;
+			}
+			freeReplyObject(r);
+		} while (strcmp(cur, "0"));
+		redisFree(rc);
+	}
+	return -1;
+}
+
+static int local_file(const char *dir, uint64_t id)
+{
+	char path[160];
+
+	snprintf(path, sizeof path, "%s/%016llx.kvs", dir, (unsigned long long)id);
+	return access(path, F_OK) == 0;
+}
+
+static void test_remote_evicted(void **state)
+{
+	char dir[] = "/tmp/kvd-remote-e.XXXXXX", cfg[96];
+	struct ans *want = calloc(EV_N, sizeof *want), got;
+	struct kvc_seq *x[EV_N];
+	struct daemon E;
+	struct src src;
+
+	assert_non_null(want);
+	assert_non_null(mkdtemp(dir));
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "e",
+				   "evicted = yes\n[limits]\nspill_per_uid = 12M\n"), 0);
+	assert_int_equal(daemon_start4(&E, "--config", cfg, NULL, NULL), 0);
+	struct kvc *c = kconnect_ok(&E, "e");
+
+	for (int i = 0; i < EV_N; i++) {
+		src_make(&src, 20 + (uint64_t)i);
+		assert_int_equal(kvc_seq_create(c, &x[i]), 0);
+		prefill_ok(c, x[i], &src, EV_TOK);
+		answer_ok(c, x[i], &src, &want[i]);
+		src_free(&src);
+	}
+	/* Evicted one by one.  A third file does not fit the uid's spill
+	 * room until a copy is confirmed: the eviction is refused meanwhile
+	 * (the sequence stays in RAM) and asked again. */
+	for (int i = 0; i < EV_N; i++) {
+		struct kvc_seq_stats st = { 0 };
+		int k;
+
+		for (k = 0; k < 400; k++) {
+			if (kvc_seq_evict(c, x[i]) == 0 && kvc_seq_stats(c, x[i], &st) == 0 &&
+			    st.state == KVC_SEQ_DISK)
+				break;
+			daemon_sleep_ms(50);
+		}
+		if (k == 400) {
+			print_message("puts %lld errors %lld evicted_puts %lld drops %lld\n",
+				      metric(&E, "kvd_remote_puts_total"),
+				      metric(&E, "kvd_remote_errors_total"),
+				      metric(&E, "kvd_remote_evicted_puts_total"),
+				      metric(&E, "kvd_remote_local_drops_total"));
+			fail_msg("sequence %d never went to disk: %s", i, kvc_last_error(c));
+		}
+	}
+	/* Two files fit the uid's 12 MiB; the others' live in the cluster. */
+	int only = 0, gone = -1;
+
+	for (int i = 0; i < EV_N; i++)
+		if (!local_file(dir, kvc_seq_id(x[i]))) {
+			only++;
+			gone = i;
+		}
+	if (only < EV_N - 2) {
+		char cmd[200];
+
+		snprintf(cmd, sizeof cmd, "ls -ls %s >&2", dir);
+		if (system(cmd)) {}
+		fail_msg("%d of %d sequences' files are in the cluster only, want >= %d", only, EV_N,
+			 EV_N - 2);
+	}
+	assert_int_equal(metric(&E, "kvd_sequences_remote_only"), only);
+	assert_true(metric(&E, "kvd_remote_local_drops_total") >= only);
+	assert_true(metric(&E, "kvd_spill_disk_bytes") <= 12 << 20);
+
+	/* One copy corrupted where its master keeps it: that sequence is
+	 * LOST when it is wanted, the others come back bit for bit. */
+	long long dels = metric(&E, "kvd_remote_deletes_total");
+	char name[200];
+
+	assert_int_equal(find_chunk0(kvc_seq_id(x[gone]), name, sizeof name), 0);
+	int port = rcluster_master_port(&RC, kvd_rcl_slot(name, strlen(name)));
+	redisContext *rc = redisConnect("127.0.0.1", port);
+
+	assert_non_null(rc);
+	redisReply *r = redisCommand(rc, "SETRANGE %s 1234 %b", name, "\xa5", (size_t)1);
+
+	assert_non_null(r);
+	assert_int_equal(r->type, REDIS_REPLY_INTEGER);
+	freeReplyObject(r);
+	redisFree(rc);
+	for (int i = 0; i < EV_N; i++) {
+		src_make(&src, 20 + (uint64_t)i);
+		if (i == gone) {
+			assert_int_not_equal(kvc_attend(c, 1, &x[i], 1, src.w[1].q, got.o[1],
+							got.lse[1]), 0);
+			assert_non_null(strstr(kvc_last_error(c), "lost"));
+		} else {
+			answer_ok(c, x[i], &src, &got);
+			expect_same("an evicted sequence back", &got, &want[i]);
+		}
+		src_free(&src);
+	}
+	assert_true(metric(&E, "kvd_remote_evicted_fetches_total") >= only - 1);
+	assert_true(metric(&E, "kvd_remote_corrupt_total") >= 1);
+
+	/* Freed, their copies go (the LOST one's went when it was lost). */
+	uint64_t ids[EV_N];
+
+	for (int i = 0; i < EV_N; i++) {
+		ids[i] = kvc_seq_id(x[i]);
+		assert_int_equal(kvc_seq_free(c, x[i]), 0);
+	}
+	for (int k = 0; k < 200 && metric(&E, "kvd_remote_deletes_total") < dels + EV_N; k++)
+		daemon_sleep_ms(50);
+	assert_true(metric(&E, "kvd_remote_deletes_total") >= dels + EV_N);
+	for (int i = 0; i < EV_N; i++)
+		assert_int_not_equal(find_chunk0(ids[i], name, sizeof name), 0);
+	kvc_close(c);
+	free(want);
+	assert_int_equal(daemon_stop(&E), 0);
+	daemon_rm_tree(dir);
+	unlink(cfg);
+}
+
+static void test_remote_quota(void **state)
+{
+	char dir[] = "/tmp/kvd-remote-q.XXXXXX", cfg[96];
+	struct kvc_seq *x[3];
+	struct daemon F;
+	struct src src;
+	struct ans a;
+
+	assert_non_null(mkdtemp(dir));
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "q",
+				   "evicted = yes\n[limits]\nspill_per_uid = 12M\n"
+				   "remote_per_uid = 8M\n"), 0);
+	assert_int_equal(daemon_start4(&F, "--config", cfg, NULL, NULL), 0);
+	struct kvc *c = kconnect_ok(&F, "q");
+
+	for (int i = 0; i < 3; i++) {
+		src_make(&src, 20 + (uint64_t)i);
+		assert_int_equal(kvc_seq_create(c, &x[i]), 0);
+		prefill_ok(c, x[i], &src, EV_TOK);
+		answer_ok(c, x[i], &src, &a);
+		src_free(&src);
+	}
+	/* Two files fit locally; one copy (5.6 MiB) fits the 8 MiB. */
+	for (int i = 0; i < 2; i++) {
+		struct kvc_seq_stats st = { 0 };
+		int k;
+
+		assert_int_equal(kvc_seq_evict(c, x[i]), 0);
+		for (k = 0; k < 200 && !(kvc_seq_stats(c, x[i], &st) == 0 &&
+					 st.state == KVC_SEQ_DISK); k++)
+			daemon_sleep_ms(50);
+		assert_int_equal(st.state, KVC_SEQ_DISK);
+	}
+	for (int k = 0; k < 100 && metric(&F, "kvd_remote_evicted_puts_total") < 1; k++)
+		daemon_sleep_ms(50);
+	daemon_sleep_ms(300);
+	assert_int_equal(metric(&F, "kvd_remote_evicted_puts_total"), 1);
+	assert_true(metric(&F, "kvd_remote_bytes{uid=\"0\"}") <= 8 << 20);
+	/* The third: one local file can make room (its copy is there), the
+	 * other cannot; after that the uid's spill is full. */
+	assert_int_equal(kvc_seq_evict(c, x[2]), 0);
+	struct kvc_seq_stats st = { 0 };
+
+	for (int k = 0; k < 200 && !(kvc_seq_stats(c, x[2], &st) == 0 &&
+				     st.state == KVC_SEQ_DISK); k++)
+		daemon_sleep_ms(50);
+	assert_int_equal(st.state, KVC_SEQ_DISK);
+	assert_int_equal(metric(&F, "kvd_remote_local_drops_total"), 1);
+	assert_true(metric(&F, "kvd_remote_bytes{uid=\"0\"}") <= 8 << 20);
+	/* A fourth has no room anywhere: refused, naming the limit. */
+	struct kvc_seq *y;
+
+	src_make(&src, 30);
+	assert_int_equal(kvc_seq_create(c, &y), 0);
+	prefill_ok(c, y, &src, EV_TOK);
+	src_free(&src);
+	assert_int_not_equal(kvc_seq_evict(c, y), 0);
+	assert_non_null(strstr(kvc_last_error(c), "spill_per_uid"));
+	assert_int_equal(kvc_seq_free(c, y), 0);
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(kvc_seq_free(c, x[i]), 0);
+	kvc_close(c);
+	assert_int_equal(daemon_stop(&F), 0);
+	daemon_rm_tree(dir);
+	unlink(cfg);
+}
+
 static void test_remote_down(void **state)
 {
 	struct kvc *a = kconnect_ok(&A, "a"), *b = kconnect_ok(&B, "b");
@@ -662,6 +906,8 @@ int main(void)
 		cmocka_unit_test(test_remote_corrupt),
 		cmocka_unit_test(test_remote_failover),
 		cmocka_unit_test(test_remote_isolation),
+		cmocka_unit_test(test_remote_evicted),
+		cmocka_unit_test(test_remote_quota),
 		cmocka_unit_test(test_remote_down),
 	};
 

@@ -727,9 +727,13 @@ static void test_remote_keys(void **state)
 	assert_int_equal(c.remote_retry_ms, 5000);
 	assert_int_equal(c.remote_replicas, 0);
 	assert_int_equal(c.remote_chunk, 4u << 20);
+	assert_int_equal(c.remote_evicted, 0);
+	assert_int_equal(c.remote_limit, 0);
+	assert_int_equal(kvd_config_remote_per_uid(&c), 0);
 	write_conf("[spill]\ndir = /tmp/x\n[remote]\nseeds = 127.0.0.1:7000,[::1]:7001\n"
 		   "prefix = kv.d-1\nconnect_timeout_ms = 100\ntimeout_ms = 300\nretry_ms = 0\n"
-		   "replicas = 2\nwait_timeout_ms = 50\nchunk = 1M\n");
+		   "replicas = 2\nwait_timeout_ms = 50\nchunk = 1M\nevicted = yes\nlimit = 1G\n"
+		   "[limits]\nremote_per_uid = 25%\n");
 	if (kvd_config_load_file(&c, path, err, sizeof err))
 		fail_msg("%s", err);
 	assert_string_equal(c.remote_seeds, "127.0.0.1:7000,[::1]:7001");
@@ -740,6 +744,15 @@ static void test_remote_keys(void **state)
 	assert_int_equal(c.remote_replicas, 2);
 	assert_int_equal(c.remote_wait_ms, 50);
 	assert_int_equal(c.remote_chunk, 1u << 20);
+	assert_int_equal(c.remote_evicted, 1);
+	assert_int_equal(c.remote_limit, 1ull << 30);
+	assert_int_equal(kvd_config_remote_per_uid(&c), (1ull << 30) / 100 * 25);
+
+	struct kvd_limits_cfg rl;
+
+	kvd_config_limits(&c, &rl);
+	assert_int_equal(rl.cap[KVD_RES_REMOTE], 1ull << 30);
+	assert_int_equal(rl.per_uid[KVD_RES_REMOTE], (1ull << 30) / 100 * 25);
 
 	const struct {
 		const char *text;
@@ -753,6 +766,11 @@ static void test_remote_keys(void **state)
 		{ "[remote]\nreplicas = 17\n", { "replicas" } },
 		{ "[remote]\ntimeout_ms = -1\n", { "timeout_ms" } },
 		{ "[remote]\nhosts = a\n", { "hosts", "unknown key" } },
+		{ "[remote]\nevicted = maybe\n", { "evicted" } },
+		{ "[remote]\nlimit = lots\n", { "limit" } },
+		{ "[remote]\nlimit = 1G\n[limits]\nremote_per_uid = 2G\n",
+		  { "remote_per_uid", "above [remote] limit" } },
+		{ "[limits]\nremote_per_uid = 101%\n", { "remote_per_uid" } },
 	};
 	kvd_config_defaults(&before);
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

@@ -196,6 +196,8 @@ static void test_namespaces(void **state)
 	assert_int_equal(kvd_limits_namespace(l, 0x80000001u), KVD_NS_NONE);
 	assert_string_equal(kvd_limits_key(KVD_RES_MEMORY, 0), "memory.limit");
 	assert_string_equal(kvd_limits_key(KVD_RES_SPILL, 1), "limits.spill_per_uid");
+	assert_string_equal(kvd_limits_key(KVD_RES_REMOTE, 0), "remote.limit");
+	assert_string_equal(kvd_limits_key(KVD_RES_REMOTE, 1), "limits.remote_per_uid");
 	kvd_limits_destroy(l);
 }
 
