@@ -57,6 +57,18 @@
  *    answers kvc_attend on every layer bit for bit as A's does
  *    (identical); B's private prefill too (prefill_identical).
  *
+ * 3. evicted_vs_local ([remote] evicted = yes): daemon C, its uid's spill
+ *    room (spill_per_uid) 1.5 times the prompt's file, holds two private
+ *    sequences of the same prompt, answered once.  S1 is evicted; then S2,
+ *    whose write is refused until S1's copy is in the cluster, which then
+ *    deletes S1's local file to make room: S1 is on disk in the cluster
+ *    only, S2 on local disk.  Timed: one kvc_attend per layer of S1 (the
+ *    fetch from the cluster and the restore: evicted_restore_ms), then the
+ *    same of S2 (a restore from local disk: local_restore_ms).  Both must
+ *    answer bit for bit as before the evictions (evicted_identical).  The
+ *    spill directory is under /tmp (tmpfs or not: `spill_fs` says which
+ *    statfs found), so local_restore_ms is what that file system gives.
+ *
  * The exit status is 0 when every check held, 1 otherwise, 2 on bad usage.
  */
 #include <errno.h>
@@ -68,6 +80,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/vfs.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -114,9 +127,9 @@ struct rm {
 	char *dst;                      /* GETs land here: allocated once, as
 					 * redis-benchmark reads into a buffer of its own */
 	/* the restore scene */
-	struct daemon a, b;
-	char spill_a[64], spill_b[64];
-	struct kvc *ca, *cb;
+	struct daemon a, b, c;
+	char spill_a[64], spill_b[64], spill_c[64];
+	struct kvc *ca, *cb, *cc;
 	struct kvd_synth w;
 	uint32_t *tok;
 	float *k0, *v0, *ans_a, *ans_b;
@@ -141,6 +154,10 @@ struct rs_res {
 	uint64_t got, prefix_bytes, chunks;
 	double prefill_a_ms, publish_ms, upload_ms, restore_ms, prefill_ms;
 	int identical, prefill_identical, exit_a, exit_b;
+	/* the evicted scene */
+	double evict_wait_ms, evicted_restore_ms, local_restore_ms;
+	uint64_t file_bytes;
+	int evicted_identical, exit_c, tmpfs;
 };
 
 static const uint32_t dense0[] = { 0 };
@@ -643,9 +660,10 @@ static int kvc_fail(struct kvc *c, const char *what, int rc)
 	return fail(what, c ? kvc_last_error(c) : kvd_strerror(rc));
 }
 
-static int start_daemon(struct rm *x, struct daemon *d, char *spill, size_t sn, const char *tag)
+static int start_daemon(struct rm *x, struct daemon *d, char *spill, size_t sn, const char *tag,
+			const char *more)
 {
-	char extra[1536];
+	char extra[1792];
 
 	snprintf(spill, sn, "/tmp/kvbench-remote-%s.XXXXXX", tag);
 	if (!mkdtemp(spill)) {
@@ -654,8 +672,8 @@ static int start_daemon(struct rm *x, struct daemon *d, char *spill, size_t sn, 
 	}
 	snprintf(extra, sizeof extra,
 		 "\n[metrics]\nlisten =\n\n[spill]\ndir = %s\n\n[remote]\nseeds = %s\nreplicas = 1\nwait_timeout_ms = 5000\n"
-		 "timeout_ms = 10000\nretry_ms = 12000\nchunk = %llu\n",
-		 spill, x->seeds, (unsigned long long)x->op.value);
+		 "timeout_ms = 10000\nretry_ms = 12000\nchunk = %llu\n%s",
+		 spill, x->seeds, (unsigned long long)x->op.value, more);
 	if (srv_start_conf(d, NULL, extra))
 		return fail("kvd", "did not start");
 	return 0;
@@ -698,8 +716,8 @@ static int restore(struct rm *x, struct rs_res *res)
 	for (uint32_t i = 0; i < op->ctx; i++)
 		x->tok[i] = (uint32_t)(seed * 1000003u + i * 7919u) ^ (uint32_t)(seed >> 32);
 
-	if (start_daemon(x, &x->a, x->spill_a, sizeof x->spill_a, "a") ||
-	    start_daemon(x, &x->b, x->spill_b, sizeof x->spill_b, "b"))
+	if (start_daemon(x, &x->a, x->spill_a, sizeof x->spill_a, "a", "") ||
+	    start_daemon(x, &x->b, x->spill_b, sizeof x->spill_b, "b", ""))
 		return 1;
 	oa.socket_path = x->a.sock;
 	ob.socket_path = x->b.sock;
@@ -816,6 +834,85 @@ fail_b:
 	return kvc_fail(x->cb, "daemon B", rc);
 }
 
+/* Every layer of s answered into out, timed. */
+static int timed_answer(struct rm *x, struct kvc *c, struct kvc_seq *s, const struct kvc_model *m,
+			float *out, double *ms)
+{
+	double t = bench_now_ms();
+	int rc = answer(x, c, s, m, out);
+
+	*ms = bench_now_ms() - t;
+	return rc;
+}
+
+static int evicted(struct rm *x, struct rs_res *res)
+{
+	const struct rm_opts *op = &x->op;
+	struct kvc_model m = llama(op->layers);
+	struct kvc_opts oc = { .tenant = "bench", .name = "remote-c" };
+	struct kvc_seq *s1 = NULL, *s2 = NULL;
+	struct kvc_seq_stats st;
+	const size_t ans_n = (size_t)m.layers * m.q_heads * (m.head_dim + 1);
+	char more[128];
+	struct statfs sf;
+	double t;
+	int rc;
+
+	if (op->layers != 32) {
+		m.dense_layers = dense0;
+		m.n_dense = 1;
+	}
+	/* The private file is the published one less its PUB and LOCAL
+	 * extents: room for one, not two. */
+	snprintf(more, sizeof more, "evicted = yes\n[limits]\nspill_per_uid = %llu\n",
+		 (unsigned long long)(res->prefix_bytes * 3 / 2 > (1u << 20) ? res->prefix_bytes * 3 / 2
+									 : 1u << 20));
+	if (start_daemon(x, &x->c, x->spill_c, sizeof x->spill_c, "c", more))
+		return 1;
+	res->tmpfs = statfs(x->spill_c, &sf) == 0 && sf.f_type == 0x01021994;   /* TMPFS_MAGIC */
+	oc.socket_path = x->c.sock;
+	if ((rc = kvc_connect(&oc, &x->cc)) || (rc = kvc_profile(x->cc, &m)))
+		return kvc_fail(x->cc, "connect to C", rc);
+	if ((rc = kvc_seq_create(x->cc, &s1)) || (rc = extend_all(x, x->cc, s1, m.layers)) ||
+	    (rc = kvc_seq_create(x->cc, &s2)) || (rc = extend_all(x, x->cc, s2, m.layers)) ||
+	    (rc = answer(x, x->cc, s1, &m, x->ans_a)))
+		return kvc_fail(x->cc, "daemon C", rc);
+	if ((rc = kvc_seq_evict(x->cc, s1)))
+		return kvc_fail(x->cc, "evict S1", rc);
+	for (int i = 0; i < 30000; i++) {
+		if (kvc_seq_stats(x->cc, s1, &st) == 0 && st.state == KVC_SEQ_DISK && st.durable)
+			break;
+		daemon_sleep_ms(10);
+	}
+	res->file_bytes = st.disk_bytes;
+	/* S2's write waits for S1's copy, which then makes room. */
+	t = bench_now_ms();
+	for (int i = 0; i < 30000 && (rc = kvc_seq_evict(x->cc, s2)); i++)
+		daemon_sleep_ms(10);
+	if (rc)
+		return kvc_fail(x->cc, "evict S2 (S1's copy never made room)", rc);
+	for (int i = 0; i < 30000; i++) {
+		if (kvc_seq_stats(x->cc, s2, &st) == 0 && st.state == KVC_SEQ_DISK && st.durable)
+			break;
+		daemon_sleep_ms(10);
+	}
+	res->evict_wait_ms = bench_now_ms() - t;
+	if (kvc_seq_stats(x->cc, s1, &st) || st.state != KVC_SEQ_DISK || st.disk_bytes)
+		return fail("evicted scene", "S1's local file is still there");
+	if ((rc = timed_answer(x, x->cc, s1, &m, x->ans_b, &res->evicted_restore_ms)))
+		return kvc_fail(x->cc, "S1 from the cluster", rc);
+	res->evicted_identical = !memcmp(x->ans_a, x->ans_b, ans_n * sizeof *x->ans_a);
+	if ((rc = timed_answer(x, x->cc, s2, &m, x->ans_b, &res->local_restore_ms)))
+		return kvc_fail(x->cc, "S2 from local disk", rc);
+	res->evicted_identical &= !memcmp(x->ans_a, x->ans_b, ans_n * sizeof *x->ans_a);
+	if ((rc = kvc_seq_free(x->cc, s1)) || (rc = kvc_seq_free(x->cc, s2)))
+		return kvc_fail(x->cc, "free", rc);
+	kvc_close(x->cc);
+	x->cc = NULL;
+	res->exit_c = daemon_stop(&x->c);
+	return 0;
+}
+
 /* ---- output --------------------------------------------------------------- */
 
 static void runs_json(const double *v, double scale)
@@ -835,7 +932,8 @@ static int report(struct rm *x, const struct tp_res *kv, const struct rb_res *rb
 	long cores = sysconf(_SC_NPROCESSORS_ONLN);
 	const char *cluster = x->own_cluster ? "own: 3 masters, 1 replica each, loopback" : "seeds";
 	int ok = rb->verified && rs->identical && rs->prefill_identical && !rs->exit_a &&
-		 !rs->exit_b;
+		 !rs->exit_b && rs->evicted_identical && !rs->exit_c;
+	const double ev_ratio = rs->evicted_restore_ms / rs->local_restore_ms;
 
 	if (op->json) {
 		double w[RM_REPS], r[RM_REPS];
@@ -890,18 +988,28 @@ static int report(struct rm *x, const struct tp_res *kv, const struct rb_res *rb
 		       rs->restore_ms / rs->prefill_ms, (unsigned long long)rs->got,
 		       rs->identical ? "true" : "false", rs->prefill_identical ? "true" : "false",
 		       rs->exit_a, rs->exit_b);
+		printf("{\"bench\":\"remote\",\"kind\":\"evicted\",\"ctx\":%u,\"layers\":%u,"
+		       "\"file_bytes\":%llu,\"evict_wait_ms\":%.1f,\"evicted_restore_ms\":%.1f,"
+		       "\"local_restore_ms\":%.1f,\"evicted_vs_local\":%.3f,"
+		       "\"evicted_vs_prefill\":%.4f,\"spill_fs\":\"%s\",\"identical\":%s,"
+		       "\"kvd_exit\":%d}\n",
+		       op->ctx, op->layers, (unsigned long long)rs->file_bytes, rs->evict_wait_ms,
+		       rs->evicted_restore_ms, rs->local_restore_ms, ev_ratio,
+		       rs->evicted_restore_ms / rs->prefill_ms, rs->tmpfs ? "tmpfs" : "other",
+		       rs->evicted_identical ? "true" : "false", rs->exit_c);
 		printf("{\"bench\":\"remote\",\"kind\":\"summary\",\"value_bytes\":%llu,\"values\":%u,"
 		       "\"pipeline\":%u,\"reps\":%d,\"kvd_write_bytes_per_s\":%.0f,"
 		       "\"kvd_read_bytes_per_s\":%.0f,\"redis_benchmark_set_bytes_per_s\":%.0f,"
 		       "\"redis_benchmark_get_bytes_per_s\":%.0f,\"write_vs_redis_benchmark\":%.3f,"
 		       "\"read_vs_redis_benchmark\":%.3f,\"redis_benchmark_verified\":%s,"
 		       "\"ctx\":%u,\"layers\":%u,\"restore_ms\":%.1f,\"prefill_ms\":%.1f,"
-		       "\"restore_vs_prefill\":%.4f,\"identical\":%s,\"cluster\":\"%s\","
-		       "\"replicas\":%u,\"redis_version\":\"%s\",\"cpu\":\"%s\",\"cores\":%ld}\n",
+		       "\"restore_vs_prefill\":%.4f,\"identical\":%s,\"evicted_vs_local\":%.3f,"
+		       "\"evicted_identical\":%s,\"cluster\":\"%s\",\"replicas\":%u,\"redis_version\":\"%s\",\"cpu\":\"%s\",\"cores\":%ld}\n",
 		       (unsigned long long)op->value, op->values, op->pipeline, RM_REPS, kw, kr, rw, rr,
 		       kw / rw, kr / rr, rb->verified ? "true" : "false", op->ctx, op->layers,
 		       rs->restore_ms, rs->prefill_ms, rs->restore_ms / rs->prefill_ms,
-		       rs->identical ? "true" : "false", cluster, x->replicas, x->redis_version,
+		       rs->identical ? "true" : "false", ev_ratio,
+		       rs->evicted_identical ? "true" : "false", cluster, x->replicas, x->redis_version,
 		       bench_cpu_name(), cores);
 	} else {
 		printf("kvbench remote: Redis %s cluster (%s), master %s:%d, slot %u, %u replica(s); "
@@ -915,20 +1023,27 @@ static int report(struct rm *x, const struct tp_res *kv, const struct rb_res *rb
 		       "  restore: %u tokens, %u layers (1 dense), prefix %.1f MiB in %llu chunks; "
 		       "A prefill %.1f ms, upload %.1f ms\n"
 		       "  B: restore from the cluster %.1f ms, private prefill %.1f ms: "
-		       "restore / prefill %.4f; identical: %s (prefill: %s)\n",
+		       "restore / prefill %.4f; identical: %s (prefill: %s)\n"
+		       "  C (evicted = yes): %.1f MiB file; restore from the cluster %.1f ms, "
+		       "from local disk (%s) %.1f ms: %.3f; identical: %s\n",
 		       x->redis_version, cluster, x->host, x->port, x->slot, x->replicas,
 		       bench_cpu_name(), cores, op->values, (unsigned long long)op->value,
 		       op->pipeline, RM_REPS, kw / 1e6, kr / 1e6, kv->wait_ms, rw / 1e6, rr / 1e6,
 		       rb->verified ? "yes" : "NO", kw / rw, kr / rr, op->ctx, op->layers,
 		       rs->prefix_bytes / 1048576.0, (unsigned long long)rs->chunks, rs->prefill_a_ms,
 		       rs->upload_ms, rs->restore_ms, rs->prefill_ms, rs->restore_ms / rs->prefill_ms,
-		       rs->identical ? "yes" : "NO", rs->prefill_identical ? "yes" : "NO");
+		       rs->identical ? "yes" : "NO", rs->prefill_identical ? "yes" : "NO",
+		       rs->file_bytes / 1048576.0, rs->evicted_restore_ms,
+		       rs->tmpfs ? "tmpfs" : "disk", rs->local_restore_ms, ev_ratio,
+		       rs->evicted_identical ? "yes" : "NO");
 	}
 	fflush(stdout);
 	if (!rb->verified)
 		fprintf(stderr, "kvbench remote: redis-benchmark's requests did not all succeed\n");
 	if (!rs->identical || !rs->prefill_identical)
 		fprintf(stderr, "kvbench remote: B did not answer as A, bit for bit\n");
+	if (!rs->evicted_identical)
+		fprintf(stderr, "kvbench remote: C's evicted sequences did not answer as before\n");
 	return ok ? 0 : 1;
 }
 
@@ -938,14 +1053,20 @@ static void rm_free(struct rm *x)
 		kvc_close(x->ca);
 	if (x->cb)
 		kvc_close(x->cb);
+	if (x->cc)
+		kvc_close(x->cc);
 	if (x->a.pid > 0)
 		daemon_stop(&x->a);
 	if (x->b.pid > 0)
 		daemon_stop(&x->b);
+	if (x->c.pid > 0)
+		daemon_stop(&x->c);
 	if (x->spill_a[0])
 		daemon_rm_tree(x->spill_a);
 	if (x->spill_b[0])
 		daemon_rm_tree(x->spill_b);
+	if (x->spill_c[0])
+		daemon_rm_tree(x->spill_c);
 	if (x->rcl && x->names && !x->own_cluster) {
 		double ms;
 
@@ -1038,6 +1159,8 @@ int bench_remote_main(int argc, char **argv)
 	rc = throughput(x, &kv, &rb);
 	if (!rc)
 		rc = restore(x, &rs);
+	if (!rc)
+		rc = evicted(x, &rs);
 	if (!rc)
 		rc = report(x, &kv, &rb, &rs);
 	rm_free(x);
