@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -18,7 +19,8 @@
 #include "sfmt.h"
 
 #define JOBS_MAX 256                    /* queued; more are refused (-EBUSY) */
-#define PUTS_MAX 128                    /* of them uploads: lookups always find room */
+#define PUTS_MAX 128                    /* of them uploads and deletes: lookups always find room */
+#define PUTS_NS_MAX 16                  /* ... of one namespace: no uid fills the queue */
 #define STEM_MAX 128                    /* bytes of a stem: prefix 63, ns 23, key 32 */
 #define KEY_MAX 160                     /* bytes of a key name: a stem and a suffix */
 
@@ -55,8 +57,10 @@ struct kvd_remote {
 	int efd;
 	pthread_mutex_t lock;           /* guards everything below */
 	pthread_cond_t cv;
-	struct job *head, **tail;
+	struct job *head, **tail;       /* uploads and deletes, in order */
+	struct job *ghead, **gtail;     /* lookups: they run first, someone waits on each */
 	unsigned queued, puts;
+	struct { char ns[KVD_REMOTE_NS_MAX]; unsigned n; } wns[PUTS_MAX];      /* puts by ns */
 	struct done *dhead, **dtail;
 	int stop;
 	struct kvd_remote_stats st;
@@ -477,23 +481,57 @@ static void do_get(struct kvd_remote *r, struct job *j)
 	post(r, &d);
 }
 
+/* Queued writes of namespace ns, counted up or down; the new count, or
+ * UINT_MAX when the table is full (it cannot be: an entry per write). */
+static unsigned wns_add(struct kvd_remote *r, const char *ns, int d)
+{
+	int free_i = -1;
+
+	for (int i = 0; i < PUTS_MAX; i++) {
+		if (r->wns[i].n && !strcmp(r->wns[i].ns, ns))
+			return r->wns[i].n += (unsigned)d;
+		if (!r->wns[i].n && free_i < 0)
+			free_i = i;
+	}
+	if (d <= 0 || free_i < 0)
+		return d <= 0 ? 0 : UINT_MAX;
+	snprintf(r->wns[free_i].ns, sizeof r->wns[free_i].ns, "%s", ns);
+	return r->wns[free_i].n = (unsigned)d;
+}
+
+static unsigned wns_get(const struct kvd_remote *r, const char *ns)
+{
+	for (int i = 0; i < PUTS_MAX; i++)
+		if (r->wns[i].n && !strcmp(r->wns[i].ns, ns))
+			return r->wns[i].n;
+	return 0;
+}
+
 static void *run(void *arg)
 {
 	struct kvd_remote *r = arg;
 
 	pthread_mutex_lock(&r->lock);
 	for (;;) {
-		while (!r->head && !r->stop)
+		while (!r->head && !r->ghead && !r->stop)
 			pthread_cond_wait(&r->cv, &r->lock);
 		if (r->stop)
 			break;
-		struct job *j = r->head;
+		struct job *j;
 
-		if (!(r->head = j->next))
-			r->tail = &r->head;
+		if ((j = r->ghead)) {
+			if (!(r->ghead = j->next))
+				r->gtail = &r->ghead;
+		} else {
+			j = r->head;
+			if (!(r->head = j->next))
+				r->tail = &r->head;
+		}
 		pthread_mutex_unlock(&r->lock);
 		int put = j->kind != J_GET;
+		char ns[KVD_REMOTE_NS_MAX];
 
+		memcpy(ns, j->ns, sizeof ns);
 		if (j->kind == J_PUT)
 			do_put(r, j);
 		else if (j->kind == J_DEL)
@@ -506,6 +544,8 @@ static void *run(void *arg)
 		pthread_mutex_lock(&r->lock);
 		r->queued--;
 		r->puts -= put;
+		if (put)
+			wns_add(r, ns, -1);
 		kvd_rcl_stats(r->rcl, &r->rs);
 	}
 	pthread_mutex_unlock(&r->lock);
@@ -540,6 +580,7 @@ int kvd_remote_create(const struct kvd_remote_cfg *cfg, struct kvd_remote **out,
 	if (!r->cfg.max_bytes)
 		r->cfg.max_bytes = 64ull << 30;
 	r->tail = &r->head;
+	r->gtail = &r->ghead;
 	r->dtail = &r->dhead;
 	if ((rc = kvd_rcl_create(&cfg->rcl, &r->rcl, msg, msglen))) {
 		free(r);
@@ -578,6 +619,11 @@ void kvd_remote_destroy(struct kvd_remote *r)
 		free(j->keys);
 		free(j);
 	}
+	for (struct job *j = r->ghead, *n; j; j = n) {
+		n = j->next;
+		free(j->keys);
+		free(j);
+	}
 	for (struct done *x = r->dhead, *n; x; x = n) {
 		n = x->next;
 		free(x);
@@ -612,15 +658,24 @@ int kvd_remote_flush(struct kvd_remote *r, unsigned ms)
 static int queue(struct kvd_remote *r, struct job *j)
 {
 	pthread_mutex_lock(&r->lock);
-	if (r->queued >= JOBS_MAX || (j->kind != J_GET && r->puts >= PUTS_MAX)) {
+	int put = j->kind != J_GET;
+
+	if (r->queued >= JOBS_MAX ||
+	    (put && (r->puts >= PUTS_MAX || wns_get(r, j->ns) >= PUTS_NS_MAX))) {
 		pthread_mutex_unlock(&r->lock);
 		return -EBUSY;
 	}
 	r->queued++;
-	r->puts += j->kind != J_GET;
+	r->puts += put;
 	j->next = NULL;
-	*r->tail = j;
-	r->tail = &j->next;
+	if (put) {
+		wns_add(r, j->ns, 1);
+		*r->tail = j;
+		r->tail = &j->next;
+	} else {
+		*r->gtail = j;
+		r->gtail = &j->next;
+	}
 	pthread_cond_signal(&r->cv);
 	pthread_mutex_unlock(&r->lock);
 	return 0;

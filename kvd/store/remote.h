@@ -20,7 +20,11 @@
  * directory is then checked again, extent by extent, as any spill file is.
  *
  * Threads: one of its own runs every cluster call (kvd_rcl blocks, with
- * timeouts).  The event loop queues work with kvd_remote_put/get and reaps
+ * timeouts), lookups before uploads and deletes (someone waits on each
+ * lookup; uploads and deletes keep their order among themselves, so a
+ * delete follows the upload of the same key).  At most PUTS_NS_MAX
+ * uploads and deletes of one namespace wait at once: one uid cannot fill
+ * the queue for the others.  The event loop queues work with kvd_remote_put/get and reaps
  * results with kvd_remote_poll when kvd_remote_fd() is readable; nothing
  * else is shared.  A cluster that is down makes puts and gets fail (counted
  * in errors); kvd goes on with RAM and disk.

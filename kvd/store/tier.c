@@ -62,6 +62,7 @@ struct rec {
 	int rem_ok;                     /* the cluster holds the file of rem_gen */
 	int rem_only;                   /* ... and the local file went (ext is kept) */
 	int rem_getting;                /* the file is being fetched back */
+	uint64_t rem_fail_until;        /* the cluster failed that fetch: not before then */
 	uint64_t rem_gen, rem_bytes;
 	uint64_t rem_chg;               /* charged to uid's KVD_RES_REMOTE: the copy's bytes */
 };
@@ -741,6 +742,11 @@ static int rem_fetch(struct kvd_tier *t, struct rec *r, char *msg, size_t msglen
 
 	if (r->rem_getting || r->unl)
 		return -EINPROGRESS;    /* the fetch, or the old file's unlink, runs */
+	if (r->rem_fail_until > now_ns()) {
+		snprintf(msg, msglen, "its file is in the remote tier, which failed (%s): try again",
+			 r->why);
+		return -EIO;
+	}
 	/* The file will exist: charged, over the limit if it must be (the
 	 * restore needs it; rem_room makes what room it can first). */
 	if (lim(t) && spill_charge(t, r->uid, r->rem_bytes, msg, msglen) &&
@@ -837,6 +843,16 @@ void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
 		return;
 	}
 	spill_unchg(t, r);
+	if (d->rc != -ENOENT && d->rc != -KVD_EFORMAT && d->rc != -EFBIG && d->rc != 0 &&
+	    d->rc != -EEXIST) {
+		/* The cluster, not the copy: the sequence waits for it (each
+		 * want in the meantime is refused at once, then tried again). */
+		r->rem_fail_until = now_ns() + BACKOFF_NS;
+		snprintf(r->why, sizeof r->why, "%.90s", d->msg[0] ? d->msg : kvd_strerror(d->rc));
+		kvd_log(LOG_WARNING, "sequence %016llx: its file could not be fetched from the remote "
+			"tier: %s", (unsigned long long)id, r->why);
+		return;
+	}
 	r->rem_only = 0;
 	char why[96];
 

@@ -33,7 +33,9 @@
  *   test_remote_down       the whole cluster stopped: both daemons keep
  *                          serving (B attaches what it fetched before from
  *                          its own disk, misses the rest, A publishes and
- *                          attaches locally)
+ *                          attaches locally); a sequence whose file is in
+ *                          the cluster only is refused with the reason and
+ *                          stays on disk (not LOST: the cluster may return)
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -856,7 +858,65 @@ static void test_remote_down(void **state)
 	struct ans pa, pb;
 	uint64_t got;
 
+	/* A daemon with evicted sequences: two files fit its uid's spill, the
+	 * first sequence's file then lives in the cluster only. */
+	char dir[] = "/tmp/kvd-remote-d.XXXXXX", cfg[96];
+	struct kvc_seq *ev[3];
+	struct daemon E;
+
+	assert_non_null(mkdtemp(dir));
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "d",
+				   "evicted = yes\n[limits]\nspill_per_uid = 12M\n"), 0);
+	assert_int_equal(daemon_start4(&E, "--config", cfg, NULL, NULL), 0);
+	struct kvc *e = kconnect_ok(&E, "e");
+
+	for (int i = 0; i < 3; i++) {
+		struct kvc_seq_stats st = { 0 };
+		int k;
+
+		src_make(&src, 40 + (uint64_t)i);
+		assert_int_equal(kvc_seq_create(e, &ev[i]), 0);
+		prefill_ok(e, ev[i], &src, EV_TOK);
+		src_free(&src);
+		for (k = 0; k < 400; k++) {
+			if (kvc_seq_evict(e, ev[i]) == 0 && kvc_seq_stats(e, ev[i], &st) == 0 &&
+			    st.state == KVC_SEQ_DISK)
+				break;
+			daemon_sleep_ms(50);
+		}
+		assert_true(k < 400);
+	}
+	int gone = -1, kept = -1;
+
+	for (int i = 0; i < 3; i++)
+		if (!local_file(dir, kvc_seq_id(ev[i])))
+			gone = i;
+		else
+			kept = i;
+	assert_true(gone >= 0 && kept >= 0);
+
 	assert_int_equal(rcluster_stop_all(&RC), 0);
+
+	struct kvc_seq_stats st = { 0 };
+
+	src_make(&src, 40 + (uint64_t)gone);
+	assert_int_not_equal(kvc_attend(e, 1, &ev[gone], 1, src.w[1].q, pa.o[1], pa.lse[1]), 0);
+	assert_non_null(strstr(kvc_last_error(e), "remote tier"));
+	assert_null(strstr(kvc_last_error(e), "lost"));
+	assert_int_equal(kvc_seq_stats(e, ev[gone], &st), 0);
+	assert_int_equal(st.state, KVC_SEQ_DISK);
+	src_free(&src);
+	/* One on local disk still serves. */
+	src_make(&src, 40 + (uint64_t)kept);
+	answer_ok(e, ev[kept], &src, &pa);
+	src_free(&src);
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(kvc_seq_free(e, ev[i]), 0);
+	kvc_close(e);
+	assert_int_equal(daemon_stop(&E), 0);
+	daemon_rm_tree(dir);
+	unlink(cfg);
+
 	/* B fetched prompt 1 earlier: it is on B's own disk or in its RAM. */
 	src_make(&old, 1);
 	struct kvc_seq *x = attach_on(b, &old, P_TOK, &got);
