@@ -98,6 +98,7 @@ struct kvd_tier {
 	 * of every sequence (a uid at its limit asks on every write-back). */
 	int dry, dry_any;
 	uint32_t dry_uid;
+	uint64_t rem_down_until;        /* the cluster failed us: keep local files till then */
 	int stopping;
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
@@ -705,7 +706,10 @@ static uint64_t rem_room(struct kvd_tier *t, uint32_t uid, uint64_t bytes, int a
 {
 	struct room_arg a = { t, uid, 0, bytes, 0 };
 
-	if (!t->rem || (t->dry && (t->dry_any || (t->dry_uid == uid && !any))))
+	/* While the cluster fails, a local file is the only one that can be
+	 * read: none goes. */
+	if (!t->rem || t->rem_down_until > now_ns() ||
+	    (t->dry && (t->dry_any || (t->dry_uid == uid && !any))))
 		return 0;
 	kvd_store_each(t->st, drop_local, &a);
 	if (a.got < bytes && any) {
@@ -748,8 +752,10 @@ static int rem_fetch(struct kvd_tier *t, struct rec *r, char *msg, size_t msglen
 		return -EIO;
 	}
 	/* The file will exist: charged, over the limit if it must be (the
-	 * restore needs it; rem_room makes what room it can first). */
-	if (lim(t) && spill_charge(t, r->uid, r->rem_bytes, msg, msglen) &&
+	 * restore needs it).  No other local file goes for it: the fetch may
+	 * fail, and they would be gone for nothing; the next write-back that
+	 * is refused makes the room. */
+	if (lim(t) && kvd_limits_charge(lim(t), r->uid, KVD_RES_SPILL, r->rem_bytes, NULL, 0) &&
 	    kvd_limits_force(lim(t), r->uid, KVD_RES_SPILL, r->rem_bytes))
 		return -ENOMEM;
 	r->spill_chg = lim(t) ? r->rem_bytes : 0;
@@ -797,6 +803,8 @@ void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
 	struct rec *r = q ? q->tier : NULL;
 
 	if (d->op == KVD_REMOTE_PUT) {
+		if (d->rc && d->rc != -ENOENT && d->rc != -ENOMEM)
+			t->rem_down_until = now_ns() + BACKOFF_NS;
 		if (!r || d->rc || d->seq != id) {
 			kvd_log(LOG_DEBUG, "remote: the copy of %016llx did not go: %s",
 				(unsigned long long)id,
@@ -847,7 +855,7 @@ void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
 	    d->rc != -EEXIST) {
 		/* The cluster, not the copy: the sequence waits for it (each
 		 * want in the meantime is refused at once, then tried again). */
-		r->rem_fail_until = now_ns() + BACKOFF_NS;
+		r->rem_fail_until = t->rem_down_until = now_ns() + BACKOFF_NS;
 		snprintf(r->why, sizeof r->why, "%.90s", d->msg[0] ? d->msg : kvd_strerror(d->rc));
 		kvd_log(LOG_WARNING, "sequence %016llx: its file could not be fetched from the remote "
 			"tier: %s", (unsigned long long)id, r->why);
