@@ -607,6 +607,12 @@ void kvd_tier_on_pub(struct kvd_tier *t, void (*fn)(void *arg, struct kvd_seqn *
 
 /* ---- copies in the remote tier ----------------------------------------- */
 
+/* Where the spill engine keeps sequence id's file in directory dir. */
+static void file_path(const struct kvd_tier *t, unsigned dir, uint64_t id, char *buf, size_t n)
+{
+	snprintf(buf, n, "%s/%016llx.kvs", kvd_spill_dir(t->sp, dir), (unsigned long long)id);
+}
+
 static void lose(struct kvd_tier *t, struct rec *r, const char *why);
 
 /* A private sequence's keys: its uid's namespace, and (this lifetime, id),
@@ -649,8 +655,7 @@ static void rem_send(struct kvd_tier *t, struct rec *r)
 		r->rem_chg = r->disk_bytes;
 	}
 	rem_key(t, r, ns, key);
-	snprintf(path, sizeof path, "%s/%016llx.kvs", kvd_spill_dir(t->sp, r->dir),
-		 (unsigned long long)r->q->id);
+	file_path(t, r->dir, r->q->id, path, sizeof path);
 	if (kvd_remote_put(t->rem, ns, key, 0, path,
 			   KVD_REMOTE_FOR_TIER, r->q->id) == 0)
 		r->rem_sent = 1;
@@ -825,14 +830,9 @@ void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
 		/* Freed meanwhile: the fetched file is nobody's. */
 		if (d->rc == 0) {
 			char path[4200];
-			unsigned dir;
-			const char *base = kvd_tier_spill_dir(t, &dir);
 
-			if (base) {
-				snprintf(path, sizeof path, "%s/%016llx.kvs", base,
-					 (unsigned long long)d->seq);
-				unlink(path);
-			}
+			file_path(t, d->dir, d->seq, path, sizeof path);
+			unlink(path);
 		}
 		return;
 	}
@@ -918,8 +918,7 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	if (j->res == 0 && t->on_written && kvd_store_seq_hidden(q) && !r->freeing) {
 		char path[4200];
 
-		snprintf(path, sizeof path, "%s/%016llx.kvs", kvd_spill_dir(t->sp, r->dir),
-			 (unsigned long long)q->id);
+		file_path(t, r->dir, q->id, path, sizeof path);
 		t->on_written(t->on_written_arg, q, path);
 	}
 	if (evict_now && !r->freeing) {

@@ -669,6 +669,21 @@ static int local_file(const char *dir, uint64_t id)
 	return access(path, F_OK) == 0;
 }
 
+/* SeqEvict until s is on disk: a write refused for spill room is asked
+ * again while copies land.  0, or -1 after 20 s. */
+static int evict_until_disk(struct kvc *c, struct kvc_seq *s)
+{
+	struct kvc_seq_stats st = { 0 };
+
+	for (int k = 0; k < 400; k++) {
+		if (kvc_seq_evict(c, s) == 0 && kvc_seq_stats(c, s, &st) == 0 &&
+		    st.state == KVC_SEQ_DISK)
+			return 0;
+		daemon_sleep_ms(50);
+	}
+	return -1;
+}
+
 static void test_remote_evicted(void **state)
 {
 	char dir[] = "/tmp/kvd-remote-e.XXXXXX", cfg[96];
@@ -695,16 +710,7 @@ static void test_remote_evicted(void **state)
 	 * room until a copy is confirmed: the eviction is refused meanwhile
 	 * (the sequence stays in RAM) and asked again. */
 	for (int i = 0; i < EV_N; i++) {
-		struct kvc_seq_stats st = { 0 };
-		int k;
-
-		for (k = 0; k < 400; k++) {
-			if (kvc_seq_evict(c, x[i]) == 0 && kvc_seq_stats(c, x[i], &st) == 0 &&
-			    st.state == KVC_SEQ_DISK)
-				break;
-			daemon_sleep_ms(50);
-		}
-		if (k == 400) {
+		if (evict_until_disk(c, x[i])) {
 			print_message("puts %lld errors %lld evicted_puts %lld drops %lld\n",
 				      metric(&E, "kvd_remote_puts_total"),
 				      metric(&E, "kvd_remote_errors_total"),
@@ -871,20 +877,11 @@ static void test_remote_down(void **state)
 	struct kvc *e = kconnect_ok(&E, "e");
 
 	for (int i = 0; i < 3; i++) {
-		struct kvc_seq_stats st = { 0 };
-		int k;
-
 		src_make(&src, 40 + (uint64_t)i);
 		assert_int_equal(kvc_seq_create(e, &ev[i]), 0);
 		prefill_ok(e, ev[i], &src, EV_TOK);
 		src_free(&src);
-		for (k = 0; k < 400; k++) {
-			if (kvc_seq_evict(e, ev[i]) == 0 && kvc_seq_stats(e, ev[i], &st) == 0 &&
-			    st.state == KVC_SEQ_DISK)
-				break;
-			daemon_sleep_ms(50);
-		}
-		assert_true(k < 400);
+		assert_int_equal(evict_until_disk(e, ev[i]), 0);
 	}
 	int gone = -1, kept = -1;
 
