@@ -123,6 +123,23 @@ struct ref_out {
 	double *topk;           /* [q_heads][d]: TopK(|S_h|) over kvd's part + the GPU's part */
 };
 
+/* The references of the measured steps of one layer and (K, L): exact and
+ * the GPU's part per step ([nm][q_heads][d], [nm][q_heads]) and TopK's
+ * summed squared error.  None depends on kv_dtype (the tables come from the
+ * same codes, the mean from the same keys), so the first dtype computes
+ * them and the others reuse them. */
+struct refs {
+	double *exact, *gpu_o, *gpu_l;
+	double topk2;
+};
+
+static void refs_free(struct refs *rf)
+{
+	free(rf->exact);
+	free(rf->gpu_o);
+	free(rf->gpu_l);
+}
+
 /* Exact answers for every q head; cand[qh] is the size of kvd's sample for
  * that head, which TopK gets as its budget (the comparison MagicPIG makes). */
 static void reference(const struct layer_in *in, const float *mean, uint32_t lo, uint32_t hi,
@@ -279,7 +296,7 @@ static void time_reps(const struct layer_call *c, int n, int reps, struct bench_
  * state the earlier steps left. */
 static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
 		       const struct probes *pr, uint32_t K, uint32_t L, uint32_t dt,
-		       struct result *res)
+		       struct refs *rf, struct result *res)
 {
 	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c, dt };
 	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads, ne = op->nest;
@@ -374,51 +391,66 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	/* Per measured step: exact attention, TopK at magicpig's per-head
 	 * sample size of that step, and each estimator's error; the figures
 	 * are root-mean-square over the steps. */
-	uint64_t *cand = calloc(nq, sizeof *cand);
-	uint16_t *ids = malloc(KVD_SEG_MAX * sizeof *ids);
 	uint32_t G = nq / in->kv_heads;
-	struct ref_out ref = {
-		.exact = malloc((size_t)nq * d * sizeof(double)),
-		.gpu_o = malloc((size_t)nq * d * sizeof(double)),
-		.gpu_l = malloc(nq * sizeof(double)),
-		.topk = malloc((size_t)nq * d * sizeof(double)),
-	};
 	double *full = malloc((size_t)nq * d * sizeof(double));
-	double err2[KVD_EST_MAX + 1] = { 0 }, topk2 = 0;
-	size_t bytes_seg = 0;
+	double err2[KVD_EST_MAX + 1] = { 0 };
+	size_t bytes_seg = 0, qd = (size_t)nq * d;
 
+	if (!full)
+		die("buffers", -ENOMEM);
+	if (!rf->exact) {
+		uint64_t *cand = calloc(nq, sizeof *cand);
+		uint16_t *ids = malloc(KVD_SEG_MAX * sizeof *ids);
+		struct ref_out ref = { .topk = malloc(qd * sizeof(double)) };
+
+		rf->exact = malloc(nm * qd * sizeof(double));
+		rf->gpu_o = malloc(nm * qd * sizeof(double));
+		rf->gpu_l = malloc((size_t)nm * nq * sizeof(double));
+		if (!cand || !ids || !ref.topk || !rf->exact || !rf->gpu_o || !rf->gpu_l)
+			die("buffers", -ENOMEM);
+		for (uint32_t mi = 0; mi < nm; mi++) {
+			struct layer_in step = *in;
+
+			step.q = in->qs + (size_t)(t0 + mi) * qd;
+			kvd_prep_query_codes(&g, W, step.q, qc);
+			memset(cand, 0, nq * sizeof *cand);
+			for (uint32_t qh = 0; qh < nq; qh++)
+				for (uint32_t s = 0; s < p.nseg; s++)
+					cand[qh] += kvd_lsh_candidates(&p.seg[s]->h[qh / G].tab,
+								       qc + (size_t)qh * L, (int)op->c,
+								       &scr[0].lsh, ids);
+			ref.exact = rf->exact + mi * qd;
+			ref.gpu_o = rf->gpu_o + mi * qd;
+			ref.gpu_l = rf->gpu_l + (size_t)mi * nq;
+			reference(&step, p.mean, lo, hi, cand, &ref);
+			double tk = rel_err(ref.topk, ref.exact, qd);
+
+			rf->topk2 += tk * tk;
+		}
+		free(ref.topk);
+		free(ids);
+		free(cand);
+	}
 	for (uint32_t mi = 0; mi < nm; mi++) {
-		struct layer_in step = *in;
+		const double *exact = rf->exact + mi * qd, *gpu_o = rf->gpu_o + mi * qd;
+		const double *gpu_l = rf->gpu_l + (size_t)mi * nq;
 
-		step.q = in->qs + (size_t)(t0 + mi) * nq * d;
-		kvd_prep_query_codes(&g, W, step.q, qc);
-		memset(cand, 0, nq * sizeof *cand);
-		for (uint32_t qh = 0; qh < nq; qh++)
-			for (uint32_t s = 0; s < p.nseg; s++)
-				cand[qh] += kvd_lsh_candidates(&p.seg[s]->h[qh / G].tab,
-							       qc + (size_t)qh * L, (int)op->c,
-							       &scr[0].lsh, ids);
-		reference(&step, p.mean, lo, hi, cand, &ref);
-		double tk = rel_err(ref.topk, ref.exact, (size_t)nq * d);
-
-		topk2 += tk * tk;
 		for (uint32_t e = 0; e < ne; e++) {
 			for (uint32_t qh = 0; qh < nq; qh++) {
-				double lo_ = ref.gpu_l[qh], part[KVD_DMAX];
+				double lo_ = gpu_l[qh], part[KVD_DMAX];
 
-				memcpy(full + (size_t)qh * d, ref.gpu_o + (size_t)qh * d,
+				memcpy(full + (size_t)qh * d, gpu_o + (size_t)qh * d,
 				       d * sizeof(double));
 				for (uint32_t j = 0; j < d; j++)
 					part[j] = mo[(((size_t)e * nm + mi) * nq + qh) * d + j];
 				kvd_ref_merge(full + (size_t)qh * d, &lo_, part,
 					      ml[((size_t)e * nm + mi) * nq + qh], (int)d);
 			}
-			double x = rel_err(full, ref.exact, (size_t)nq * d);
+			double x = rel_err(full, exact, qd);
 
 			err2[e] += x * x;
 		}
 	}
-	free(ids);
 	free(mo);
 	free(ml);
 	for (uint32_t s = 0; s < p.nseg; s++)
@@ -448,18 +480,13 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		r->bytes_touched = (double)st[e].rows * row_bytes + (double)st[e].bucket_ids * 2 +
 				   (double)nq * p.nseg * L * 4;
 		r->rel_err = sqrt(err2[e] / nm);
-		r->topk_rel_err = sqrt(topk2 / nm);
+		r->topk_rel_err = sqrt(rf->topk2 / nm);
 		r->measured = nm;
 		r->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
 		free(sc[e].heavy);
 		free((void *)sc[e].heavy0);
 	}
 	free(full);
-	free(ref.exact);
-	free(ref.gpu_o);
-	free(ref.gpu_l);
-	free(ref.topk);
-	free(cand);
 	for (unsigned w = 0; w < nw; w++)
 		kvd_attn_scratch_free(&scr[w]);
 	free(scr);
@@ -768,11 +795,12 @@ static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struc
 {
 	struct result r[KVD_KV_DTYPE_MAX + 1][KVD_EST_MAX + 1];
 	int have[KVD_KV_DTYPE_MAX + 1][KVD_EST_MAX + 1] = { { 0 } };
+	struct refs rf = { 0 };
 
 	for (uint32_t i = 0; i < op->ndt; i++) {
 		uint32_t dt = op->dt[i];
 
-		run_config(op, pool, in, pr, K, L, dt, r[dt]);
+		run_config(op, pool, in, pr, K, L, dt, &rf, r[dt]);
 		for (uint32_t e = 0; e < op->nest; e++)
 			have[dt][op->est[e]] = e + 1;
 		for (uint32_t e = 0; e < op->nest; e++) {
@@ -784,6 +812,7 @@ static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struc
 				     est != KVD_EST_MAGICPIG && m ? &r[dt][m - 1] : NULL, header);
 		}
 	}
+	refs_free(&rf);
 }
 
 static int cmd_attn(struct opts *op)
