@@ -456,7 +456,10 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 	for (uint32_t s = 0; s < p.nseg; s++)
 		bytes_seg += p.seg[s]->bytes;
 	/* A gathered row: K and V, 1/|k|, and for int8 its value scale. */
-	double row_bytes = dt == KVD_KV_INT8 ? 2.0 * d + 8 : 2.0 * d * 2 + 4;
+	/* A K row with 1/|k| (and the int8 row factor); a V row (with its
+	 * int8 scale). */
+	double krow_bytes = dt == KVD_KV_INT8 ? d + 8.0 : 2.0 * d + 4;
+	double vrow_bytes = dt == KVD_KV_INT8 ? d + 4.0 : 2.0 * d;
 
 	for (uint32_t e = 0; e < ne; e++) {
 		struct result *r = &res[e];
@@ -477,7 +480,8 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		r->build_ms = p.tables_ms;
 		r->seg_build_ms = p.build_ms;
 		r->hash_ms = p.hash_ms;
-		r->bytes_touched = (double)st[e].rows * row_bytes + (double)st[e].bucket_ids * 2 +
+		r->bytes_touched = (double)st[e].rows * krow_bytes +
+				   (double)st[e].vrows * vrow_bytes + (double)st[e].bucket_ids * 2 +
 				   (double)nq * p.nseg * L * 4;
 		r->rel_err = sqrt(err2[e] / nm);
 		r->topk_rel_err = sqrt(rf->topk2 / nm);

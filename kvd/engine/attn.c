@@ -54,9 +54,12 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->cand = malloc(cap * sizeof *s->cand);
 	s->rows = malloc(cap * sizeof *s->rows);
 	s->kinv = malloc(cap * sizeof *s->kinv);
+	s->own = malloc(cap * sizeof *s->own);
+	s->okinv = malloc(cap * sizeof *s->okinv);
 	/* Dense attention reuses s in blocks of DENSE_BLOCK rows. */
 	s->s = aligned_alloc(64, ALIGN64((size_t)KVD_GMAX * (cap > 256 ? cap : 256) * sizeof(float)));
-	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->s ||
+	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->own ||
+	    !s->okinv || !s->s ||
 	    kvd_lsh_scratch_init(&s->lsh, cap)) {
 		kvd_attn_scratch_free(s);
 		return -ENOMEM;
@@ -73,6 +76,8 @@ void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 	free(s->cand);
 	free(s->rows);
 	free(s->kinv);
+	free(s->own);
+	free(s->okinv);
 	free(s->s);
 	memset(s, 0, sizeof *s);
 }
@@ -270,81 +275,159 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 				hs[k] *= scale;
 			top->n[gi] = hn;
 		}
+	/* Each q head goes on with its own rows only: those it sampled and
+	 * those it holds as heavy (the union's others would weigh zero).  Heavy
+	 * keys are attended exactly: their raw dot products are kept across
+	 * the sampling correction. */
 	for (int gi = 0; gi < G; gi++) {
 		const float *qg = q + (size_t)gi * d;
+		float *sg = sc + (size_t)gi * m, *og = o + (size_t)gi * d;
+		float hraw[KVD_HEAVY_MAX], nn = 0.0f;
+		uint32_t hidx[KVD_HEAVY_MAX], nh = 0, k = 0;
+
+		for (uint32_t i = 0; i < m; i++) {
+			uint32_t id = s->rows[i];
+
+			if ((s->hmask[id] >> gi & 1) && nh < KVD_HEAVY_MAX) {
+				hidx[nh] = k;
+				hraw[nh++] = sg[i];
+			} else if (!(s->mask[id] >> gi & 1)) {
+				continue;
+			}
+			s->own[k] = id;
+			s->okinv[k] = s->kinv[i];
+			sg[k++] = sg[i];
+		}
+		for (int e = 0; e < d; e++)
+			nn += qg[e] * qg[e];
+		memset(og, 0, (size_t)d * sizeof(float));
+		lse[gi] = -INFINITY;
+		if (st)
+			st->vrows += k;
+		if (k == 0)
+			continue;
+		kk->logp(sg, k, s->okinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
+		for (uint32_t j = 0; j < nh; j++)
+			sg[hidx[j]] = hraw[j] * scale;
+
+		float mx = kk->max(sg, k), sum;
+
+		if (mx == -INFINITY)
+			continue;
+		sum = kk->expsum(sg, k, mx);
+		lse[gi] = mx + logf(sum);
+		if (seg->kv_dtype == KVD_KV_INT8) {
+			/* Each weight takes its row's value scale; the sum above
+			 * stays that of the softmax. */
+			for (uint32_t j = 0; j < k; j++)
+				sg[j] *= sh->vscale[s->own[j]];
+			kk->pv8(sg, k, 1, d, sh->v8, s->own, k, og);
+		} else {
+			kk->pv(sg, k, 1, d, sh->v, s->own, k, og);
+		}
+		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
+
+		for (int e = 0; e < d; e++)
+			og[e] *= r;
+	}
+	for (uint32_t i = 0; i < m; i++) {
+		s->mask[s->rows[i]] = 0;
+		s->hmask[s->rows[i]] = 0;
+	}
+}
+
+/* MagicPIG without heavy state: each q head gathers, scores, weighs and sums
+ * only its own sample.  A group's samples barely overlap (98k tokens, K10
+ * L150, G = 4: the union holds 3.8 heads' worth), so sampled()'s union walk,
+ * which the heavy list needs, would spend ~G times the kernel work on rows
+ * whose weight is zero.  Rows shared by two heads are gathered twice. */
+static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
+			const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
+			const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
+			float *o, float *lse, struct kvd_attn_stats *st)
+{
+	const struct kvd_seg_head *sh = &seg->h[h];
+	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
+	const uint32_t words = (seg->n + 63) / 64;
+	const float scale = 1.0f / sqrtf((float)d);
+	float *sc = s->s;
+	uint64_t cand = 0, walked = 0;
+
+	for (int gi = 0; gi < G; gi++) {
+		const float *qg = q + (size_t)gi * d;
+		float *og = o + (size_t)gi * d;
+		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
+						 &s->lsh, s->cand), m = 0;
+
+		cand += nc;
+		if (st) {
+			const uint16_t *ids;
+
+			for (int t = 0; t < L; t++)
+				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
+							 qc[(size_t)gi * L + t], &ids);
+		}
+		/* Ascending rows: the gather walks memory forwards and the sums
+		 * do not depend on the tables' bucket order. */
+		for (uint32_t i = 0; i < nc; i++)
+			s->bits[s->cand[i] >> 6] |= 1ull << (s->cand[i] & 63);
+		for (uint32_t w = 0; nc && w < words; w++) {
+			uint64_t x = s->bits[w];
+
+			if (!x)
+				continue;
+			s->bits[w] = 0;
+			do {
+				s->rows[m++] = w * 64 + (uint32_t)__builtin_ctzll(x);
+				x &= x - 1;
+			} while (x);
+		}
+		memset(og, 0, (size_t)d * sizeof(float));
+		lse[gi] = -INFINITY;
+		if (m == 0)
+			continue;
+		for (uint32_t i = 0; i < m; i++)
+			s->kinv[i] = sh->kinv[s->rows[i]];
+		if (seg->kv_dtype == KVD_KV_INT8) {
+			float qs[KVD_DMAX];
+
+			for (int e = 0; e < d; e++)
+				qs[e] = qg[e] * sh->kscale[e];
+			kk->qk8(qs, 1, d, sh->k8, s->rows, m, sc, m);
+			for (uint32_t i = 0; i < m; i++)
+				sc[i] *= sh->kfac[s->rows[i]];
+		} else {
+			kk->qk(qg, 1, d, sh->k, s->rows, m, sc, m);
+		}
 		float nn = 0.0f;
 
 		for (int e = 0; e < d; e++)
 			nn += qg[e] * qg[e];
-		/* Heavy keys are attended exactly: their raw dot products are
-		 * kept across the sampling correction (rows is ascending). */
-		float hraw[KVD_HEAVY_MAX];
-		uint32_t hidx[KVD_HEAVY_MAX], nh = 0;
+		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
 
-		for (uint32_t k = 0; nheavy && k < hv->n[gi]; k++) {
-			uint32_t id = hv->id[gi][k] & 0xffff, lo = 0, hi = m;
+		float mx = kk->max(sc, m), sum;
 
-			while (lo < hi) {
-				uint32_t mid = (lo + hi) / 2;
-
-				if (s->rows[mid] < id)
-					lo = mid + 1;
-				else
-					hi = mid;
-			}
-			hidx[nh] = lo;
-			hraw[nh++] = sc[(size_t)gi * m + lo];
-		}
-		kk->logp(sc + (size_t)gi * m, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f,
-			 scale, tab);
-		for (uint32_t k = 0; k < nh; k++)
-			sc[(size_t)gi * m + hidx[k]] = hraw[k] * scale;
-	}
-	/* Keys in the union that this q head neither sampled nor holds as heavy
-	 * weigh nothing; heavy ones weigh exactly their softmax weight. */
-	for (uint32_t i = 0; i < m; i++) {
-		uint32_t id = s->rows[i];
-		unsigned msk = s->mask[id], hmsk = s->hmask[id];
-
-		s->mask[id] = 0;
-		s->hmask[id] = 0;
-		for (int gi = 0; gi < G; gi++)
-			if (!((msk | hmsk) >> gi & 1))
-				sc[(size_t)gi * m + i] = -INFINITY;
-	}
-	float sum[KVD_GMAX];
-
-	for (int gi = 0; gi < G; gi++) {
-		float *sg = sc + (size_t)gi * m;
-		float mx = kk->max(sg, m);
-
-		if (mx == -INFINITY) {
-			memset(sg, 0, m * sizeof(float));
-			sum[gi] = 0.0f;
-			lse[gi] = -INFINITY;
-		} else {
-			sum[gi] = kk->expsum(sg, m, mx);
-			lse[gi] = mx + logf(sum[gi]);
-		}
-	}
-	memset(o, 0, (size_t)G * d * sizeof(float));
-	if (seg->kv_dtype == KVD_KV_INT8) {
-		/* Each weight takes its row's value scale; the sums above stay
-		 * those of the softmax. */
-		for (uint32_t i = 0; i < m; i++)
-			s->kinv[i] = sh->vscale[s->rows[i]];
-		for (int gi = 0; gi < G; gi++)
+		if (mx == -INFINITY)
+			continue;
+		sum = kk->expsum(sc, m, mx);
+		lse[gi] = mx + logf(sum);
+		if (seg->kv_dtype == KVD_KV_INT8) {
 			for (uint32_t i = 0; i < m; i++)
-				sc[(size_t)gi * m + i] *= s->kinv[i];
-		kk->pv8(sc, m, G, d, sh->v8, s->rows, m, o);
-	} else {
-		kk->pv(sc, m, G, d, sh->v, s->rows, m, o);
-	}
-	for (int gi = 0; gi < G; gi++) {
-		float r = sum[gi] > 0.0f ? 1.0f / sum[gi] : 0.0f;
+				sc[i] *= sh->vscale[s->rows[i]];
+			kk->pv8(sc, m, 1, d, sh->v8, s->rows, m, og);
+		} else {
+			kk->pv(sc, m, 1, d, sh->v, s->rows, m, og);
+		}
+		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
 
 		for (int e = 0; e < d; e++)
-			o[(size_t)gi * d + e] *= r;
+			og[e] *= r;
+	}
+	if (st) {
+		st->cand += cand;
+		st->rows += cand;
+		st->vrows += cand;
+		st->bucket_ids += walked;
 	}
 }
 
@@ -353,7 +436,7 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
 		      float *o, float *lse, struct kvd_attn_stats *st)
 {
-	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL);
+	sampled_own(kk, g, tab, seg, h, q, qc, s, o, lse, st);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -726,6 +809,7 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		for (unsigned w = 0; w < nw; w++) {
 			st->cand += wst[w].cand;
 			st->rows += wst[w].rows;
+			st->vrows += wst[w].vrows;
 			st->bucket_ids += wst[w].bucket_ids;
 		}
 	}

@@ -25,7 +25,9 @@ struct kvd_pool;
 
 struct kvd_attn_stats {
 	uint64_t cand;                  /* sum over q heads of sampled keys */
-	uint64_t rows;                  /* distinct K/V rows gathered (union per group) */
+	uint64_t rows;                  /* K rows gathered: each q head's own sample
+					 * (magicpig), the group's union (hybrid) */
+	uint64_t vrows;                 /* V rows gathered: each q head's own rows */
 	uint64_t bucket_ids;            /* bucket entries walked */
 };
 
@@ -38,6 +40,8 @@ struct kvd_attn_scratch {
 	uint16_t *cand;                 /* [cap] */
 	uint32_t *rows;                 /* [cap]: the union, ascending */
 	float *kinv;                    /* [cap] */
+	uint32_t *own;                  /* [cap]: one q head's rows of the union */
+	float *okinv;                   /* [cap] */
 	float *s;                       /* [KVD_GMAX][cap] */
 };
 
