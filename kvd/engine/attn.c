@@ -232,12 +232,14 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		s->kinv[i] = sh->kinv[s->rows[i]];
 	if (seg->kv_dtype == KVD_KV_INT8) {
 		/* q . (kscale * k8) = (q * kscale) . k8 */
-		float qs[KVD_GMAX * KVD_DMAX];
+		float qs[KVD_GMAX * KVD_DMAX], qsc[KVD_GMAX];
+		int16_t q16[KVD_GMAX * KVD_DMAX];
 
 		for (int gi = 0; gi < G; gi++)
 			for (int e = 0; e < d; e++)
 				qs[gi * d + e] = q[(size_t)gi * d + e] * sh->kscale[e];
-		kk->qk8(qs, G, d, sh->k8, s->rows, m, sc, m);
+		kvd_q16(qs, G, d, q16, qsc);
+		kk->qk8(q16, qsc, G, d, sh->k8, s->rows, m, sc, m);
 		for (uint32_t i = 0; i < m; i++) {
 			float f = sh->kfac[s->rows[i]];
 
@@ -389,11 +391,13 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		for (uint32_t i = 0; i < m; i++)
 			s->kinv[i] = sh->kinv[s->rows[i]];
 		if (seg->kv_dtype == KVD_KV_INT8) {
-			float qs[KVD_DMAX];
+			float qs[KVD_DMAX], qsc;
+			int16_t q16[KVD_DMAX];
 
 			for (int e = 0; e < d; e++)
 				qs[e] = qg[e] * sh->kscale[e];
-			kk->qk8(qs, 1, d, sh->k8, s->rows, m, sc, m);
+			kvd_q16(qs, 1, d, q16, &qsc);
+			kk->qk8(q16, &qsc, 1, d, sh->k8, s->rows, m, sc, m);
 			for (uint32_t i = 0; i < m; i++)
 				sc[i] *= sh->kfac[s->rows[i]];
 		} else {
@@ -453,7 +457,8 @@ struct dense_rows {
 static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		  const struct dense_rows *rw, size_t n, float *o, float *lse, float *s)
 {
-	float qs[KVD_GMAX * KVD_DMAX], mx[KVD_GMAX], sum[KVD_GMAX];
+	float qs[KVD_GMAX * KVD_DMAX], mx[KVD_GMAX], sum[KVD_GMAX], qsc[KVD_GMAX];
+	int16_t q16[KVD_GMAX * KVD_DMAX];
 	const float scale = 1.0f / sqrtf((float)d);
 
 	if (n == 0) {
@@ -463,6 +468,8 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 	/* Scaling q once makes qk produce scores directly. */
 	for (int i = 0; i < G * d; i++)
 		qs[i] = q[i] * scale * (rw->kscale ? rw->kscale[i % d] : 1.0f);
+	if (rw->k8)
+		kvd_q16(qs, G, d, q16, qsc);
 	for (int gi = 0; gi < G; gi++) {
 		mx[gi] = -INFINITY;
 		sum[gi] = 0.0f;
@@ -473,7 +480,7 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		size_t b = n - at < DENSE_BLOCK ? n - at : DENSE_BLOCK;
 
 		if (rw->k8) {
-			kk->qk8(qs, G, d, rw->k8 + at * d, NULL, b, s, DENSE_BLOCK);
+			kk->qk8(q16, qsc, G, d, rw->k8 + at * d, NULL, b, s, DENSE_BLOCK);
 			for (int gi = 0; gi < G; gi++)
 				for (size_t i = 0; i < b; i++)
 					s[(size_t)gi * DENSE_BLOCK + i] *= rw->kfac[at + i];

@@ -1,3 +1,5 @@
+#include <float.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,4 +66,32 @@ const struct kvd_kern *kvd_kern_get(void)
 		chosen = k;
 	}
 	return k;
+}
+
+void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale)
+{
+	for (int g = 0; g < G; g++) {
+		const float *qg = q + (size_t)g * d;
+		int16_t *o = q16 + (size_t)g * d;
+		float mx = 0.0f;
+
+		for (int e = 0; e < d; e++)
+			mx = fmaxf(mx, fabsf(qg[e]));
+		for (int e = 0; e < d; e++)     /* fmaxf drops NaNs */
+			if (!(fabsf(qg[e]) <= FLT_MAX))
+				mx = NAN;
+		if (!(mx <= FLT_MAX) || mx == 0.0f) {
+			memset(o, 0, (size_t)d * sizeof *o);
+			qscale[g] = mx == 0.0f ? 0.0f : NAN;
+			continue;
+		}
+		float inv = 32767.0f / mx;
+
+		for (int e = 0; e < d; e++) {
+			float v = rintf(qg[e] * inv);
+
+			o[e] = (int16_t)(v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v);
+		}
+		qscale[g] = mx / 32767.0f;
+	}
 }

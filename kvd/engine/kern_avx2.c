@@ -360,9 +360,31 @@ INLINE __m256 i8_ps(const int8_t *p)
 	return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* As qk_tile, the halves of a chunk in place of even and odd elements. */
-INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const struct tile *tl,
-		     __m256 *tmp, float *s, size_t lds, int pf)
+/* Lane j of the result = sum of the lanes of v[j], for 8 vectors (exact). */
+INLINE __m256i hsum8i(const __m256i *v)
+{
+	__m256i a[4], b[2];
+
+#pragma GCC unroll 4
+	for (int k = 0; k < 4; k++)
+		a[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+					_mm256_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+#pragma GCC unroll 2
+	for (int k = 0; k < 2; k++)
+		b[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
+					_mm256_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
+	return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20),
+				_mm256_permute2x128_si256(b[0], b[1], 0x31));
+}
+
+/* qk8 in integers: a chunk of 16 row bytes is sign-extended to 16 bits once
+ * (VPMOVSXBW) and multiplied into every head's 16-bit q with VPMADDWD, pairs
+ * summed into 32-bit lanes: 3 instructions per 16 elements and head against
+ * the f32 path's 6 (two conversions, an FMA, per 8).  Sums are exact, so
+ * every variant and every order of rows agrees with the scalar reference
+ * bit for bit. */
+INLINE void qk8_tile(const int GB, const int16_t *q, const float *qs, const struct walk *w,
+		     const struct tile *tl, __m256i *tmp, float *s, size_t lds, int pf)
 {
 	const int NR = GB == 1 ? 4 : GB == 2 ? 2 : 1;
 	const int d = 2 * w->d, nch = d / 16;
@@ -370,12 +392,12 @@ INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const s
 	for (int r0 = 0; r0 < TILE; r0 += NR) {
 		const int j = r0 / 4, k0 = r0 % 4;
 		const int8_t *rp[4], *pp[4];
-		__m256 al[4][GB_MAX], ah[4][GB_MAX];
+		__m256i acc[4][GB_MAX];
 
 		if (k0 >= tl->cnt[j]) {
 			for (int k = 0; k < NR; k++)
 				for (int g = 0; g < GB; g++)
-					tmp[g * TILE + r0 + k] = _mm256_setzero_ps();
+					tmp[g * TILE + r0 + k] = _mm256_setzero_si256();
 			continue;
 		}
 #pragma GCC unroll 4
@@ -386,39 +408,37 @@ INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const s
 				_mm_prefetch((const char *)(pp[k] + d - 1), PF8_HINT);
 #pragma GCC unroll 6
 			for (int g = 0; g < GB; g++)
-				al[k][g] = ah[k][g] = _mm256_setzero_ps();
+				acc[k][g] = _mm256_setzero_si256();
 		}
 		for (int c = 0; c < nch; c++) {
-			__m256 xl[4], xh[4];
+			__m256i x[4];
 
 #pragma GCC unroll 4
 			for (int k = 0; k < NR; k++) {
 				if (pf)
 					prefetch8(pp[k], c);
-				xl[k] = i8_ps(rp[k] + 16 * c);
-				xh[k] = i8_ps(rp[k] + 16 * c + 8);
+				x[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rp[k] + 16 * c)));
 			}
 #pragma GCC unroll 6
 			for (int g = 0; g < GB; g++) {
-				__m256 ql = _mm256_loadu_ps(q + g * d + 16 * c);
-				__m256 qh = _mm256_loadu_ps(q + g * d + 16 * c + 8);
+				__m256i qv = _mm256_loadu_si256((const __m256i *)(q + g * d + 16 * c));
 
 #pragma GCC unroll 4
-				for (int k = 0; k < NR; k++) {
-					al[k][g] = _mm256_fmadd_ps(ql, xl[k], al[k][g]);
-					ah[k][g] = _mm256_fmadd_ps(qh, xh[k], ah[k][g]);
-				}
+				for (int k = 0; k < NR; k++)
+					acc[k][g] = _mm256_add_epi32(acc[k][g], _mm256_madd_epi16(qv, x[k]));
 			}
 		}
 #pragma GCC unroll 4
 		for (int k = 0; k < NR; k++)
 #pragma GCC unroll 6
 			for (int g = 0; g < GB; g++)
-				tmp[g * TILE + r0 + k] = _mm256_add_ps(al[k][g], ah[k][g]);
+				tmp[g * TILE + r0 + k] = acc[k][g];
 	}
 	for (int g = 0; g < GB; g++) {
+		const __m256 sg = _mm256_set1_ps(qs[g]);
+
 		for (int h = 0; h < 2; h++) {
-			__m256 v = hsum8(tmp + g * TILE + 8 * h);
+			__m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8i(tmp + g * TILE + 8 * h)), sg);
 
 			for (int j = 2 * h; j < 2 * h + 2; j++) {
 				__m128 x = j % 2 ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v);
@@ -434,35 +454,28 @@ INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const s
 	}
 }
 
-typedef void qk8_fn(const float *q, const struct walk *w, const struct tile *tl, __m256 *tmp,
-		    float *s, size_t lds, int pf);
+typedef void qk8_fn(const int16_t *q, const float *qs, const struct walk *w,
+		    const struct tile *tl, __m256i *tmp, float *s, size_t lds, int pf);
 #define QK8_TILE(GB)                                                                \
-	static __attribute__((noinline)) void qk8_tile_##GB(const float *q,         \
-		const struct walk *w, const struct tile *tl, __m256 *tmp, float *s,   \
-		size_t lds, int pf)                                                 \
+	static __attribute__((noinline)) void qk8_tile_##GB(const int16_t *q,       \
+		const float *qs, const struct walk *w, const struct tile *tl,         \
+		__m256i *tmp, float *s, size_t lds, int pf)                           \
 	{                                                                           \
-		qk8_tile(GB, q, w, tl, tmp, s, lds, pf);                            \
+		qk8_tile(GB, q, qs, w, tl, tmp, s, lds, pf);                        \
 	}
 BY_GB(QK8_TILE)
 static qk8_fn *const qk8_tiles[GB_MAX] = BY_GB_NAMES(qk8_tile);
 
-static void qk8_avx2(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
-		     size_t m, float *s, size_t lds)
+void kvd_qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
+		  const uint32_t *idx, size_t m, float *s, size_t lds)
 {
-	_Alignas(32) float qa[KVD_GMAX * KVD_DMAX];
-	_Alignas(32) __m256 tmp[GB_MAX * TILE];
+	_Alignas(32) __m256i tmp[GB_MAX * TILE];
 	int ng = (G + GB_MAX - 1) / GB_MAX;
 	struct walk w;
 	struct tile tl;
 
 	if (m == 0)
 		return;
-	/* Half the loads of q would straddle lines otherwise (Zen 4, rows in
-	 * L1, G = 4: 72 cycles a row instead of 56 with q 16 bytes off). */
-	if ((uintptr_t)q % 32) {
-		memcpy(qa, q, (size_t)G * d * sizeof *qa);
-		q = qa;
-	}
 	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);
 	w.pfd = w.part ? PF8_STREAM : PF8_GATHER;
 	for (size_t t = 0; t < w.ntiles; t++) {
@@ -470,7 +483,8 @@ static void qk8_avx2(const float *q, int G, int d, const int8_t *base, const uin
 		for (int k = 0, g0 = 0; k < ng; k++) {
 			int gb = (G - g0) / (ng - k);
 
-			qk8_tiles[gb - 1](q + (size_t)g0 * d, &w, &tl, tmp, s + g0 * lds, lds, k == 0);
+			qk8_tiles[gb - 1](q + (size_t)g0 * d, qscale + g0, &w, &tl, tmp,
+					  s + g0 * lds, lds, k == 0);
 			g0 += gb;
 		}
 	}
@@ -955,6 +969,6 @@ const struct kvd_kern kvd_kern_avx2 = {
 	.expsum = expsum_avx2,
 	.logp = logp_avx2,
 	.kinv = kinv_avx2,
-	.qk8 = qk8_avx2,
+	.qk8 = kvd_qk8_avx2,
 	.pv8 = pv8_avx2,
 };

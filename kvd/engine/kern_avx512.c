@@ -476,7 +476,7 @@ static void pv_avx512(const float *w, size_t ldw, int G, int d, const uint16_t *
 
 /* ---- int8 qk / pv ------------------------------------------------------- */
 
-/* int8 rows (qk8, pv8) are walked as in kern_walk.h, which counts in u16
+/* int8 rows (pv8 here, qk8 in kern_avx2.c) are walked as in kern_walk.h, which counts in u16
  * elements: a row of d bytes is d/2 of them, so walk_init(base, d/2) gives
  * the same tiles and streams, and w->odd the right answer for byte rows (the
  * u16 pointers are only offset, never read).  A chunk is 16 elements,
@@ -490,11 +490,13 @@ static void pv_avx512(const float *w, size_t ldw, int G, int d, const uint16_t *
  * qk8 + pv8 in 426 us with T0, 226 us with T1 two tiles ahead; streams gain
  * a few % as well).
  *
- * VPDPBUSD (AVX512_VNNI) was tried for qk8 and is not used: keeping q to
- * ~23 bits takes three signed-byte limbs, so 3 instructions do what 4 FMAs
- * do, and with the transposes, the per-call split of q (~1300 cycles at
- * G = 4) and the reduction it did not pay (Zen 4, rows in L2: G = 1 slower,
- * G = 4 and 8 even, G = 2 ~18% faster). */
+ * qk8 is kern_avx2.c's, in integers (VPMOVSXBW + VPMADDWD on 16-bit q),
+ * 256 bits wide.  A 512-bit version and VPDPWSSD (AVX512_VNNI, the multiply
+ * and the add in one) would likely be faster; neither has been written,
+ * for want of an AVX-512 host to measure them on.  VPDPBUSD was tried when
+ * qk8 was f32: keeping q to ~23 bits took three signed-byte limbs, and it
+ * did not pay (Zen 4, rows in L2: G = 1 slower, G = 4 and 8 even, G = 2
+ * ~18% faster). */
 #define PF8_HINT _MM_HINT_T1
 #define PF8_GATHER (2 * TILE)
 #define PF8_STREAM PF_STREAM
@@ -514,141 +516,6 @@ INLINE void prefetch8(const int8_t *p, int c)
 INLINE __m512 i8_ps(const int8_t *p)
 {
 	return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-/* qk8 takes heads in groups of up to QK8_GB, 4 rows at a time: 16
- * accumulators, reduced and stored as soon as a group of 4 heads is done.
- * Groups of 8 heads (2 rows at a time, as qk) ran gathered G = 8 at 3.4
- * GB/s against 4.6 in two groups of 4, though each group converts the rows
- * again (from L1). */
-#define QK8_GB 4
-
-/* acc[k][g] += q_g . chunk c of row k, for 4 rows and GB heads. */
-INLINE void qk8_chunk(const int GB, const float *q, int d, int c, const int8_t *const *rp,
-		      const int8_t *const *pp, __m512 (*acc)[QK8_GB])
-{
-	__m512 x[4];
-
-#pragma GCC unroll 4
-	for (int k = 0; k < 4; k++) {
-		if (pp[k])
-			prefetch8(pp[k], c);
-		x[k] = i8_ps(rp[k] + 16 * c);
-	}
-#pragma GCC unroll 4
-	for (int g = 0; g < GB; g++) {
-		__m512 qv = _mm512_loadu_ps(q + g * d + 16 * c);
-
-#pragma GCC unroll 4
-		for (int k = 0; k < 4; k++)
-			acc[k][g] = _mm512_fmadd_ps(qv, x[k], acc[k][g]);
-	}
-}
-
-/* As qk_tile, without reordering q: chunks are 16 elements, natural order.
- * For GB <= 2 odd chunks go to ao: 8 chains or more. */
-INLINE void qk8_tile(const int GB, const float *q, const struct walk *w, const struct tile *tl,
-		     __m512 *tmp, float *s, size_t lds, int pf)
-{
-	const int SPLIT = GB <= 2, DIRECT = GB == 4;
-	const int d = 2 * w->d, nch = d / 16;
-
-	for (int j = 0; j < NRUN; j++) {
-		const int8_t *rp[4], *pp[4];
-		__m512 ae[4][QK8_GB], ao[4][QK8_GB];
-		int c = 0;
-
-		if (!tl->cnt[j]) {
-			for (int k = 0; k < 4 && !DIRECT; k++)
-				for (int g = 0; g < GB; g++)
-					tmp[g * TILE + 4 * j + k] = _mm512_setzero_ps();
-			continue;
-		}
-#pragma GCC unroll 4
-		for (int k = 0; k < 4; k++) {
-			rp[k] = p8(slot_row(w, tl, j, k));
-			pp[k] = pf ? p8(slot_pf(w, tl, j, k)) : NULL;
-			if (pf && w->odd)
-				_mm_prefetch((const char *)(pp[k] + d - 1), PF8_HINT);
-#pragma GCC unroll 4
-			for (int g = 0; g < GB; g++)
-				ae[k][g] = ao[k][g] = _mm512_setzero_ps();
-		}
-		for (; SPLIT && c + 2 <= nch; c += 2) {
-			qk8_chunk(GB, q, d, c, rp, pp, ae);
-			qk8_chunk(GB, q, d, c + 1, rp, pp, ao);
-		}
-		for (; c < nch; c++)
-			qk8_chunk(GB, q, d, c, rp, pp, ae);
-#pragma GCC unroll 4
-		for (int k = 0; k < 4; k++)
-#pragma GCC unroll 4
-			for (int g = 0; g < GB; g++)
-				ae[k][g] = SPLIT ? _mm512_add_ps(ae[k][g], ao[k][g]) : ae[k][g];
-		if (DIRECT) {
-			/* Lane 4g + k of h: head g, slot 4j + k. */
-			__mmask8 keep = (__mmask8)((1u << tl->cnt[j]) - 1);
-			float *out = s + tl->pos[j];
-			__m512 v[TILE];
-
-#pragma GCC unroll 4
-			for (int g = 0; g < 4; g++)
-#pragma GCC unroll 4
-				for (int k = 0; k < 4; k++)
-					v[4 * g + k] = ae[k][g];
-			__m512 h = hsum16(v);
-
-			_mm_mask_storeu_ps(out, keep, _mm512_castps512_ps128(h));
-			_mm_mask_storeu_ps(out + lds, keep, _mm512_extractf32x4_ps(h, 1));
-			_mm_mask_storeu_ps(out + 2 * lds, keep, _mm512_extractf32x4_ps(h, 2));
-			_mm_mask_storeu_ps(out + 3 * lds, keep, _mm512_extractf32x4_ps(h, 3));
-			continue;
-		}
-#pragma GCC unroll 4
-		for (int k = 0; k < 4; k++)
-#pragma GCC unroll 4
-			for (int g = 0; g < GB; g++)
-				tmp[g * TILE + 4 * j + k] = ae[k][g];
-	}
-	if (DIRECT)
-		return;
-	for (int g = 0; g < GB; g++) {
-		__m512 v = hsum16(tmp + g * TILE);
-
-		for (int j = 0; j < NRUN; j++)
-			if (tl->cnt[j])
-				_mm512_mask_storeu_ps(s + g * lds + tl->pos[j] - 4 * j,
-						      (__mmask16)(((1u << tl->cnt[j]) - 1) << 4 * j), v);
-	}
-}
-
-typedef void qk8_fn(const float *q, const struct walk *w, const struct tile *tl, __m512 *tmp,
-		    float *s, size_t lds, int pf);
-#define QK8_TILE(GB)                                                                	static __attribute__((noinline)) void qk8_tile_##GB(const float *q,         		const struct walk *w, const struct tile *tl, __m512 *tmp, float *s,   		size_t lds, int pf)                                                 	{                                                                           		qk8_tile(GB, q, w, tl, tmp, s, lds, pf);                            	}
-QK8_TILE(1) QK8_TILE(2) QK8_TILE(3) QK8_TILE(4)
-static qk8_fn *const qk8_tiles[QK8_GB] = { qk8_tile_1, qk8_tile_2, qk8_tile_3, qk8_tile_4 };
-
-static void qk8_avx512(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
-		       size_t m, float *s, size_t lds)
-{
-	_Alignas(64) __m512 tmp[QK8_GB * TILE];
-	int ng = (G + QK8_GB - 1) / QK8_GB;
-	struct walk w;
-	struct tile tl;
-
-	if (m == 0)
-		return;
-	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);
-	w.pfd = w.part ? PF8_STREAM : PF8_GATHER;
-	for (size_t t = 0; t < w.ntiles; t++) {
-		tile_at(&w, t, &tl);
-		for (int k = 0, g0 = 0; k < ng; k++) {
-			int gb = (G - g0) / (ng - k);
-
-			qk8_tiles[gb - 1](q + (size_t)g0 * d, &w, &tl, tmp, s + g0 * lds, lds, k == 0);
-			g0 += gb;
-		}
-	}
 }
 
 /* As pv_pass, on o itself (natural order): CW chunks of 16 from c0, CW * GB
@@ -1097,7 +964,7 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.expsum = expsum_avx512,
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
-	.qk8 = qk8_avx512,
+	.qk8 = kvd_qk8_avx2,
 	.pv8 = pv8_avx512,
 };
 
@@ -1110,6 +977,6 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.expsum = expsum_avx512,
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
-	.qk8 = qk8_avx512,
+	.qk8 = kvd_qk8_avx2,
 	.pv8 = pv8_avx512,
 };

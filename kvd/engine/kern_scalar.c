@@ -72,19 +72,19 @@ static inline const int8_t *row8(const int8_t *base, const uint32_t *idx, size_t
 	return base + (idx ? idx[i] : i) * (size_t)d;
 }
 
-static void qk8_scalar(const float *q, int G, int d, const int8_t *base, const uint32_t *idx,
-		       size_t m, float *s, size_t lds)
+static void qk8_scalar(const int16_t *q, const float *qscale, int G, int d,
+		       const int8_t *base, const uint32_t *idx, size_t m, float *s, size_t lds)
 {
 	for (size_t i = 0; i < m; i++) {
 		const int8_t *r = row8(base, idx, i, d);
 
 		for (int g = 0; g < G; g++) {
-			const float *qg = q + (size_t)g * d;
-			float acc = 0.0f;
+			const int16_t *qg = q + (size_t)g * d;
+			int32_t acc = 0;
 
 			for (int e = 0; e < d; e++)
-				acc += qg[e] * (float)r[e];
-			s[(size_t)g * lds + i] = acc;
+				acc += (int32_t)qg[e] * r[e];
+			s[(size_t)g * lds + i] = (float)acc * qscale[g];
 		}
 	}
 }

@@ -149,6 +149,29 @@ static void seg_rows_f32(const struct kvd_seg *seg, uint32_t h, float *kf, float
 		}
 }
 
+/* For int8 rows, q as qk8 sees it: the kernels round q * pre * kscale to 16
+ * bits per head (kvd_q16), so the reference scores the keys with that
+ * rounding undone (pre: 1/sqrt(d) for dense attention, which folds it in
+ * before rounding; 1 for sampled).  bf16 rows: q itself. */
+static void q_as_kernels(const struct kvd_seg *seg, uint32_t h, const float *q, float pre,
+			 float *out)
+{
+	const struct kvd_seg_head *sh = &seg->h[h];
+	int d = (int)seg->d;
+	float qs[KVD_DMAX], qsc;
+	int16_t q16[KVD_DMAX];
+
+	if (seg->kv_dtype == KVD_KV_BF16) {
+		memcpy(out, q, (size_t)d * sizeof *out);
+		return;
+	}
+	for (int e = 0; e < d; e++)
+		qs[e] = q[e] * pre * sh->kscale[e];
+	kvd_q16(qs, 1, d, q16, &qsc);
+	for (int e = 0; e < d; e++)
+		out[e] = sh->kscale[e] > 0.0f ? (float)((double)q16[e] * qsc / ((double)pre * sh->kscale[e])) : 0.0f;
+}
+
 /* score_d's cached segment: reset here, as a later fixture may reuse its
  * address. */
 static const struct kvd_seg *cseg;
@@ -484,8 +507,11 @@ static void test_layer_dense_matches_double(void **state)
 			const struct kvd_seg *seg = f.p.seg[s];
 			float *kf = xmalloc((size_t)seg->n * 128 * 4), *vf = xmalloc((size_t)seg->n * 128 * 4);
 
+			float qk[128];
+
 			seg_rows_f32(seg, qh / 4, kf, vf);
-			kvd_ref_dense(f.w.q + qh * 128, 128, kf, vf, NULL, seg->n, po, &pl);
+			q_as_kernels(seg, qh / 4, f.w.q + qh * 128, 1.0f / sqrtf(128.0f), qk);
+			kvd_ref_dense(qk, 128, kf, vf, NULL, seg->n, po, &pl);
 			kvd_ref_merge(ro + qh * 128, &rlse[qh], po, pl, 128);
 			free(kf);
 			free(vf);

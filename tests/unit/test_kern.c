@@ -5,10 +5,12 @@
  * Tolerances: qk and pv errors are measured against the sum of |terms|, the
  * scale of float rounding in a dot product; the f32 variants differ from
  * scalar only in summation order and FMA, the bf16 one also in q's 16-bit
- * (hi + lo bf16) representation.  qk8 and pv8 are f32 in every variant and
- * held to the f32 tolerance, on inputs shaped like attn.c's: q with channel
- * scales far apart, weights spanning e^-20 with zeros.
+ * (hi + lo bf16) representation.  qk8 sums in integers and must equal
+ * scalar bit for bit; pv8 is f32 in every variant and held to the f32
+ * tolerance, on inputs shaped like attn.c's: weights spanning e^-20 with
+ * zeros.
  */
+#include <float.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -314,41 +316,71 @@ static const int8_t *rowp8(const int8_t *base, const uint32_t *idx, size_t i, in
 	return base + (idx ? idx[i] : i) * (size_t)d;
 }
 
+/* kvd_q16 on q: every element within half a step of q, the head's largest
+ * at +-32767 (when finite and nonzero). */
+static void check_q16(const float *q, int G, int d, const int16_t *q16, const float *qsc)
+{
+	for (int g = 0; g < G; g++) {
+		int top = 0;
+
+		assert_true(qsc[g] >= 0.0f);
+		for (int e = 0; e < d; e++) {
+			double x = q[g * d + e], y = (double)q16[g * d + e] * qsc[g];
+
+			assert_true(q16[g * d + e] >= -32767);
+			/* half a step, and float rounding of q * (32767 / max) */
+			if (!(fabs(x - y) <= 0.5 * qsc[g] + 4 * FLT_EPSILON * fabs(x)))
+				fail_msg("q16 head %d [%d]: %g -> %d * %g", g, e, x, q16[g * d + e], qsc[g]);
+			top |= q16[g * d + e] == 32767 || q16[g * d + e] == -32767;
+		}
+		assert_true(top || qsc[g] == 0.0f);
+	}
+}
+
+/* qk8 sums in integers: every variant equals the scalar reference bit for
+ * bit, and the reference equals the exact (64-bit) sum, converted and
+ * scaled.  One head in four has every |q16| = 32767, which with the rows of
+ * all -128 or 127 reaches the largest sums. */
 static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 {
 	size_t nrows = gather ? m + 7 : m;
 	int8_t *rows = rand_rows8(r, nrows, d);
 	uint32_t *idx = gather ? rand_idx(r, m, nrows) : NULL;
-	float *q = rand_q8(r, G, d);
+	float *q = rand_q8(r, G, d), qsc[KVD_GMAX];
+	int16_t *q16 = xmalloc((size_t)G * d * sizeof *q16);
 	size_t lds = m + 3, ns = (G - 1) * lds + m;
 	float *s0 = xmalloc(ns * sizeof *s0), *s1 = xmalloc(ns * sizeof *s1);
-	float *mag = xmalloc(ns * sizeof *mag);
 
-	ref->qk8(q, G, d, rows, idx, m, s0, lds);
+	for (int g = 0; g < G; g++)
+		if (kvd_rng_below(r, 4) == 0)
+			for (int e = 0; e < d; e++)
+				q[g * d + e] = kvd_rng_below(r, 2) ? 3.0f : -3.0f;
+	kvd_q16(q, G, d, q16, qsc);
+	check_q16(q, G, d, q16, qsc);
+	ref->qk8(q16, qsc, G, d, rows, idx, m, s0, lds);
 	for (int g = 0; g < G; g++) {
 		for (size_t i = 0; i < m; i++) {
 			const int8_t *p = rowp8(rows, idx, i, d);
-			float a = 0.0f;
+			int64_t a = 0;
 
 			for (int j = 0; j < d; j++)
-				a += fabsf(q[g * d + j] * (float)p[j]);
-			mag[g * lds + i] = a;
+				a += (int64_t)q16[g * d + j] * p[j];
+			if (s0[g * lds + i] != (float)a * qsc[g])
+				fail_msg("scalar qk8 d=%d G=%d: s[%d][%zu] = %g, exact %g", d, G, g, i,
+					 s0[g * lds + i], (float)a * qsc[g]);
 		}
 	}
 	for (size_t v = 0; v < nvar; v++) {
 		const struct kvd_kern *k = var[v];
-		double tol = 2e-6;
 
 		for (size_t i = 0; i < ns; i++)
 			s1[i] = 12345.0f;
-		k->qk8(q, G, d, rows, idx, m, s1, lds);
+		k->qk8(q16, qsc, G, d, rows, idx, m, s1, lds);
 		for (int g = 0; g < G; g++) {
 			for (size_t i = 0; i < m; i++) {
 				size_t e = g * lds + i;
-				double dv = fabs((double)s1[e] - s0[e]), bound = tol * mag[e] + 1e-30;
 
-				note(v, dv * tol / bound);
-				if (!(dv <= bound))
+				if (memcmp(&s1[e], &s0[e], sizeof s1[e]))
 					fail_msg("%s qk8 d=%d G=%d m=%zu idx=%d: s[%d][%zu] = %g, scalar %g",
 						 k->name, d, G, m, gather, g, i, s1[e], s0[e]);
 			}
@@ -359,9 +391,33 @@ static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 	free(rows);
 	free(idx);
 	free(q);
+	free(q16);
 	free(s0);
 	free(s1);
-	free(mag);
+}
+
+/* kvd_q16 on the edges: a zero head, a head with a NaN or an infinity
+ * (q16 = 0, qscale NaN, so scores are NaN), a head of one huge element. */
+static void test_q16(void **state)
+{
+	float q[4 * 16], qsc[4];
+	int16_t q16[4 * 16];
+
+	(void)state;
+	for (int i = 0; i < 4 * 16; i++)
+		q[i] = (float)(i % 7) - 3.0f;
+	for (int i = 0; i < 16; i++)
+		q[i] = 0.0f;
+	q[16 + 5] = NAN;
+	q[32 + 9] = -INFINITY;
+	q[48 + 2] = FLT_MAX;
+	kvd_q16(q, 4, 16, q16, qsc);
+	assert_true(qsc[0] == 0.0f);
+	assert_true(isnan(qsc[1]) && isnan(qsc[2]));
+	for (int e = 0; e < 48; e++)
+		assert_int_equal(q16[e], 0);
+	check_q16(q + 48, 1, 16, q16 + 48, qsc + 3);
+	assert_int_equal(q16[48 + 2], 32767);
 }
 
 /* Weights as attn.c passes them: softmax weights (many tiny, some zero)
@@ -448,7 +504,6 @@ static void test_qk8(void **state)
 			check_qk8(&r, 80, 1 + (int)(m % 7), m + 1, 0);
 		}
 	}
-	report("qk8", "worst |err| / sum|q_e k_e| = %.2e");
 }
 
 static void test_pv8(void **state)
@@ -826,6 +881,7 @@ int main(void)
 		cmocka_unit_test(test_qk),
 		cmocka_unit_test(test_pv),
 		cmocka_unit_test(test_qk8),
+		cmocka_unit_test(test_q16),
 		cmocka_unit_test(test_pv8),
 		cmocka_unit_test(test_max),
 		cmocka_unit_test(test_expsum),
