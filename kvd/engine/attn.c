@@ -228,8 +228,12 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 	float *sc = s->s;
 	const float scale = 1.0f / sqrtf((float)d);
 
-	for (uint32_t i = 0; i < m; i++)
-		s->kinv[i] = sh->kinv[s->rows[i]];
+	if (seg->kv_dtype == KVD_KV_INT8)
+		for (uint32_t i = 0; i < m; i++)
+			s->kinv[i] = sh->r8[s->rows[i]].kinv;
+	else
+		for (uint32_t i = 0; i < m; i++)
+			s->kinv[i] = sh->kinv[s->rows[i]];
 	if (seg->kv_dtype == KVD_KV_INT8) {
 		/* q . (kscale * k8) = (q * kscale) . k8 */
 		float qs[KVD_GMAX * KVD_DMAX], qsc[KVD_GMAX];
@@ -241,7 +245,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		kvd_q16(qs, G, d, q16, qsc);
 		kk->qk8(q16, qsc, G, d, sh->k8, s->rows, m, sc, m);
 		for (uint32_t i = 0; i < m; i++) {
-			float f = sh->kfac[s->rows[i]];
+			float f = sh->r8[s->rows[i]].kfac;
 
 			for (int gi = 0; gi < G; gi++)
 				sc[(size_t)gi * m + i] *= f;
@@ -322,7 +326,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			/* Each weight takes its row's value scale; the sum above
 			 * stays that of the softmax. */
 			for (uint32_t j = 0; j < k; j++)
-				sg[j] *= sh->vscale[s->own[j]];
+				sg[j] *= sh->r8[s->own[j]].vscale;
 			kk->pv8(sg, k, 1, d, sh->v8, s->own, k, og);
 		} else {
 			kk->pv(sg, k, 1, d, sh->v, s->own, k, og);
@@ -388,8 +392,12 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		lse[gi] = -INFINITY;
 		if (m == 0)
 			continue;
-		for (uint32_t i = 0; i < m; i++)
-			s->kinv[i] = sh->kinv[s->rows[i]];
+		if (seg->kv_dtype == KVD_KV_INT8)
+			for (uint32_t i = 0; i < m; i++)
+				s->kinv[i] = sh->r8[s->rows[i]].kinv;
+		else
+			for (uint32_t i = 0; i < m; i++)
+				s->kinv[i] = sh->kinv[s->rows[i]];
 		if (seg->kv_dtype == KVD_KV_INT8) {
 			float qs[KVD_DMAX], qsc;
 			int16_t q16[KVD_DMAX];
@@ -399,7 +407,7 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 			kvd_q16(qs, 1, d, q16, &qsc);
 			kk->qk8(q16, &qsc, 1, d, sh->k8, s->rows, m, sc, m);
 			for (uint32_t i = 0; i < m; i++)
-				sc[i] *= sh->kfac[s->rows[i]];
+				sc[i] *= sh->r8[s->rows[i]].kfac;
 		} else {
 			kk->qk(qg, 1, d, sh->k, s->rows, m, sc, m);
 		}
@@ -417,7 +425,7 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		lse[gi] = mx + logf(sum);
 		if (seg->kv_dtype == KVD_KV_INT8) {
 			for (uint32_t i = 0; i < m; i++)
-				sc[i] *= sh->vscale[s->rows[i]];
+				sc[i] *= sh->r8[s->rows[i]].vscale;
 			kk->pv8(sc, m, 1, d, sh->v8, s->rows, m, og);
 		} else {
 			kk->pv(sc, m, 1, d, sh->v, s->rows, m, og);
@@ -451,7 +459,8 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 struct dense_rows {
 	const uint16_t *k, *v;
 	const int8_t *k8, *v8;
-	const float *kscale, *vscale, *kfac;
+	const float *kscale;
+	const struct kvd_row8 *r8;
 };
 
 static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
@@ -483,7 +492,7 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 			kk->qk8(q16, qsc, G, d, rw->k8 + at * d, NULL, b, s, DENSE_BLOCK);
 			for (int gi = 0; gi < G; gi++)
 				for (size_t i = 0; i < b; i++)
-					s[(size_t)gi * DENSE_BLOCK + i] *= rw->kfac[at + i];
+					s[(size_t)gi * DENSE_BLOCK + i] *= rw->r8[at + i].kfac;
 		} else
 			kk->qk(qs, G, d, rw->k + at * d, NULL, b, s, DENSE_BLOCK);
 		for (int gi = 0; gi < G; gi++) {
@@ -507,7 +516,7 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		if (rw->v8) {
 			for (int gi = 0; gi < G; gi++)
 				for (size_t i = 0; i < b; i++)
-					s[(size_t)gi * DENSE_BLOCK + i] *= rw->vscale[at + i];
+					s[(size_t)gi * DENSE_BLOCK + i] *= rw->r8[at + i].vscale;
 			kk->pv8(s, DENSE_BLOCK, G, d, rw->v8 + at * d, NULL, b, o);
 		} else {
 			kk->pv(s, DENSE_BLOCK, G, d, rw->v + at * d, NULL, b, o);
@@ -536,7 +545,7 @@ void kvd_attn_dense_seg(const struct kvd_kern *kk, const float *q, int G,
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	struct dense_rows r = { .k = sh->k, .v = sh->v, .k8 = sh->k8, .v8 = sh->v8,
-				.kscale = sh->kscale, .vscale = sh->vscale, .kfac = sh->kfac };
+				.kscale = sh->kscale, .r8 = sh->r8 };
 
 	dense(kk, q, G, (int)seg->d, &r, seg->n, o, lse, s);
 }

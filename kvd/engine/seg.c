@@ -51,11 +51,12 @@ int kvd_kv_dtype_parse(const char *s, uint32_t *out)
 /* ---- segments ---------------------------------------------------------- */
 
 /* A head's payload, each part 64-byte aligned: K rows, V rows, then for
- * int8 the key scales [d], value scales [n] and key factors [n], then 1/|k|
- * [n] and the tables.  One function so that build, check, adopt and the byte count
- * cannot disagree. */
+ * bf16 1/|k| [n], for int8 the key scales [d] and the rows' kvd_row8 [n] (in
+ * room for three float arrays: the layout before spill format 4, which
+ * kvd_seg_upgrade_r8 rewrites in place), then the tables.  One function so
+ * that build, check, adopt and the byte count cannot disagree. */
 struct head_parts {
-	char *k, *v, *kscale, *vscale, *kfac, *kinv, *tab;
+	char *k, *v, *kscale, *r8, *kinv, *tab;
 	size_t bytes;
 };
 
@@ -70,13 +71,13 @@ static struct head_parts head_parts_at(const struct kvd_geom *g, uint32_t n, cha
 	if (i8) {
 		hp.kscale = p;
 		p += ALIGN64((size_t)g->d * sizeof(float));
-		hp.vscale = p;
-		p += vec;
-		hp.kfac = p;
+		hp.r8 = p;
+		p += 3 * vec;
+	} else {
+		hp.kinv = p;
 		p += vec;
 	}
-	hp.kinv = p;
-	hp.tab = p + vec;
+	hp.tab = p;
 	hp.bytes = (size_t)(hp.tab - hp.k) + kvd_lsh_tables_bytes(n, (int)g->K, (int)g->L);
 	return hp;
 }
@@ -166,13 +167,12 @@ static void head_layout(const struct kvd_geom *g, struct kvd_seg *s, uint32_t h)
 		sh->k8 = (int8_t *)hp.k;
 		sh->v8 = (int8_t *)hp.v;
 		sh->kscale = (float *)hp.kscale;
-		sh->vscale = (float *)hp.vscale;
-		sh->kfac = (float *)hp.kfac;
+		sh->r8 = (struct kvd_row8 *)hp.r8;
 	} else {
 		sh->k = (uint16_t *)hp.k;
 		sh->v = (uint16_t *)hp.v;
+		sh->kinv = (float *)hp.kinv;
 	}
-	sh->kinv = (float *)hp.kinv;
 	(void)kvd_lsh_tables_layout(&sh->tab, hp.tab, s->n, (int)s->K, (int)s->L);
 }
 
@@ -287,14 +287,14 @@ static void quant_rows(struct kvd_seg_head *sh, const uint16_t *k, const uint16_
 		float f = nn > 0.0f ? dot / nn : 0.0f;
 
 		f = f > 0.0f && f <= FLT_MAX ? f : nn > 0.0f ? 1.0f : 0.0f;
-		sh->kfac[i] = f;
-		sh->kinv[i] = nn > 0.0f ? 1.0f / (f * sqrtf(nn)) : 0.0f;
+		sh->r8[i].kfac = f;
+		sh->r8[i].kinv = nn > 0.0f ? 1.0f / (f * sqrtf(nn)) : 0.0f;
 		for (size_t e = 0; e < d; e++) {
 			float a = finite_abs(kvd_bf16_to_f32(vr[e]));
 
 			vmx = a > vmx ? a : vmx;
 		}
-		sh->vscale[i] = vmx / 127.0f;
+		sh->r8[i].vscale = vmx / 127.0f;
 		float vi = vmx > 0.0f ? 127.0f / vmx : 0.0f;
 
 		for (size_t e = 0; e < d; e++)
@@ -433,18 +433,43 @@ int kvd_seg_check(const struct kvd_geom *g, uint32_t n, const void *mem)
 	for (uint32_t h = 0; h < g->kv_heads; h++) {
 		/* head_parts() only computes addresses. */
 		struct head_parts hp = head_parts(g, n, (void *)mem, h);
-		int rc = kinv_check((const float *)hp.kinv, n);
-
-		if (!rc && g->kv_dtype == KVD_KV_INT8)
-			rc = kinv_check((const float *)hp.kscale, g->d) |
-			     kinv_check((const float *)hp.vscale, n) |
-			     kinv_check((const float *)hp.kfac, n);
+		int rc = g->kv_dtype == KVD_KV_INT8 ?
+				 kinv_check((const float *)hp.kscale, g->d) |
+					 kinv_check((const float *)hp.r8, 3 * n) :
+				 kinv_check((const float *)hp.kinv, n);
 
 		if (!rc)
 			rc = kvd_lsh_tables_check(hp.tab, n, (int)g->K, (int)g->L);
 		if (rc)
 			return rc;
 	}
+	return 0;
+}
+
+int kvd_seg_upgrade_r8(const struct kvd_geom *g, uint32_t n, void *mem)
+{
+	size_t vec = ALIGN64((size_t)n * sizeof(float));
+	float *old;
+
+	if (!seg_geom_ok(g, n))
+		return -KVD_EGEOM;
+	if (g->kv_dtype != KVD_KV_INT8)
+		return 0;
+	old = malloc(3 * vec);
+	if (!old)
+		return -ENOMEM;
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		struct head_parts hp = head_parts(g, n, mem, h);
+		struct kvd_row8 *r8 = (struct kvd_row8 *)hp.r8;
+		const float *vscale = old, *kfac = old + vec / 4, *kinv = old + 2 * vec / 4;
+
+		memcpy(old, hp.r8, 3 * vec);
+		memset(hp.r8, 0, 3 * vec);
+		for (uint32_t i = 0; i < n; i++)
+			r8[i] = (struct kvd_row8){ .kinv = kinv[i], .kfac = kfac[i],
+						   .vscale = vscale[i] };
+	}
+	free(old);
 	return 0;
 }
 

@@ -52,18 +52,25 @@ static inline uint32_t kvd_geom_group(const struct kvd_geom *g)
 	return g->q_heads / g->kv_heads;
 }
 
-/* bf16 segments set k and v; int8 segments set k8, v8 and the scales
- * instead, with key e of row i = kfac[i] * kscale[e] * k8[i][e] (a scale per
- * channel per segment head: centered keys have outlier channels, and a
+/* An int8 row's three floats, side by side so that a gathered row costs one
+ * line for them, not three.  kinv is 1/|k| of the dequantized key, the key
+ * that is scored. */
+struct kvd_row8 {
+	float kinv, kfac, vscale;
+};
+
+/* bf16 segments set k, v and kinv; int8 segments set k8, v8, kscale and r8
+ * instead, with key e of row i = r8[i].kfac * kscale[e] * k8[i][e] (a scale
+ * per channel per segment head: centered keys have outlier channels, and a
  * per-token scale alone would let them crush every other channel; then a
- * per-row least-squares factor) and value e of row i = vscale[i] * v8[i][e].
- * kinv is 1/|k| of the dequantized key, the key that is scored. */
+ * per-row least-squares factor) and value e of row i = r8[i].vscale *
+ * v8[i][e]. */
 struct kvd_seg_head {
 	uint16_t *k, *v;                /* [n][d] bf16 */
+	float *kinv;                    /* [n] bf16: 1/|k| */
 	int8_t *k8, *v8;                /* [n][d] int8 */
 	float *kscale;                  /* [d] */
-	float *vscale, *kfac;           /* [n] */
-	float *kinv;                    /* [n] */
+	struct kvd_row8 *r8;            /* [n] */
 	struct kvd_lsh_tables tab;
 };
 
@@ -139,6 +146,12 @@ void kvd_seg_io_free(void *io, size_t bytes);
  * thread-safe.  0, -KVD_EFORMAT, or -KVD_EGEOM / -EINVAL (bad g, n or
  * alignment: a caller's bug). */
 int kvd_seg_check(const struct kvd_geom *g, uint32_t n, const void *mem);
+
+/* Rewrites an int8 payload written before spill format 4 (three float
+ * arrays vscale, kfac, kinv per head where kvd_row8 [n] now lies, in the
+ * same room) into the current layout, in place; nothing for bf16.  Call it
+ * once per buffer, before kvd_seg_check.  0, -ENOMEM, or -KVD_EGEOM. */
+int kvd_seg_upgrade_r8(const struct kvd_geom *g, uint32_t n, void *mem);
 
 /* Wraps an io buffer from kvd_seg_io_alloc(g, n, &bytes) whose payload
  * passed kvd_seg_check() into a segment: head pointers exactly as

@@ -608,7 +608,7 @@ int kvd_sfmt_check_hdr(const void *page, size_t len, struct kvd_sfmt_hdr *out, c
 	return 0;
 }
 
-int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, const void *payload, char *msg,
+int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, void *payload, char *msg,
 			   size_t msglen)
 {
 	uint32_t c = kvd_sfmt_crc32c(payload, h->payload_bytes);
@@ -639,7 +639,15 @@ int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, const void *payload, ch
 	}
 	case KVD_SFMT_SEG: {
 		struct kvd_geom g = hdr_geom(h);
-		int rc = kvd_seg_check(&g, h->n, payload);
+		int rc = 0;
+
+		/* The checksum covers the bytes as written: rewrite only now. */
+		if (h->version < 4)
+			rc = kvd_seg_upgrade_r8(&g, h->n, payload);
+		if (rc == -ENOMEM)
+			return failf(rc, msg, msglen, "SEG extent %u: out of memory", h->index);
+		if (!rc)
+			rc = kvd_seg_check(&g, h->n, payload);
 
 		if (rc == -EINVAL)
 			return failf(rc, msg, msglen, "SEG extent %u: payload not 64-byte aligned",

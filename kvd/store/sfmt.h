@@ -40,10 +40,13 @@
  *            tok_end - tok_begin == n; flags within KVD_SFMT_SF_* (none in
  *            a version 1 file).
  *
- * Versions: 3 added LOCAL extents (files without them read unchanged);
+ * Versions: 4 put an int8 segment's three per-row floats side by side
+ * (struct kvd_row8, in the room of the three arrays before it; older int8
+ * segments are rewritten as they are read, bf16 ones read unchanged);
+ * 3 added LOCAL extents (files without them read unchanged);
  * 2 added int8 segments (KVD_SFMT_SF_INT8, the PROFILE record's
  * kv_dtype).  Version 1 files, all bf16, read unchanged: their SEG flags and
- * the field that is now kv_dtype were 0.  kvd writes version 2.  The
+ * the field that is now kv_dtype were 0.  kvd writes version 4.  The
  * PROFILE record's estimator took the first 4 of its reserved bytes without
  * a new version: files written before it have 0 there (magicpig), which is
  * what their profiles were.  A profile's estimator state (the heavy lists of
@@ -74,7 +77,7 @@
 #include "store.h"
 
 #define KVD_SFMT_PAGE 4096u
-#define KVD_SFMT_VERSION 3u
+#define KVD_SFMT_VERSION 4u
 #define KVD_SFMT_VERSION_MIN 1u
 #define KVD_SFMT_MAGIC "KVDSPILL"       /* 8 bytes, no NUL on disk */
 
@@ -229,11 +232,13 @@ int kvd_sfmt_check_hdr(const void *page, size_t len, struct kvd_sfmt_hdr *out, c
 
 /* Checks a payload against its (already checked) header: crc, and for SEG
  * the structure of every table (kvd_seg_check), so a restored segment can
- * never send a gather outside its rows.  A PROFILE's record must also pass
+ * never send a gather outside its rows.  An int8 SEG of a file before
+ * version 4 is first rewritten in place into the current layout
+ * (kvd_seg_upgrade_r8), once its crc has passed: check each buffer once.  A PROFILE's record must also pass
  * kvd_sfmt_profile_get's checks, match the header's geometry and hash to
  * its profile_fp.  payload: h->payload_bytes bytes, 64-byte aligned for a
  * SEG (where it lies in its io buffer); -EINVAL when it is not. */
-int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, const void *payload, char *msg,
+int kvd_sfmt_check_payload(const struct kvd_sfmt_hdr *h, void *payload, char *msg,
 			   size_t msglen);
 
 #endif

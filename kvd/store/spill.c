@@ -878,7 +878,7 @@ static void verify_one(struct kvd_spill *sp, struct sp_run *r)
 		     (unsigned long long)h.extent_bytes);
 		return;
 	}
-	rc = kvd_sfmt_check_payload(&h, (const char *)b->p + PAGE, m, sizeof m);
+	rc = kvd_sfmt_check_payload(&h, (char *)b->p + PAGE, m, sizeof m);
 	if (rc) {
 		fail(r, -KVD_ELOST, "extent %u: %s", i, m);
 		return;

@@ -144,8 +144,8 @@ static void seg_rows_f32(const struct kvd_seg *seg, uint32_t h, float *kf, float
 	}
 	for (size_t i = 0; i < n; i++)
 		for (size_t e = 0; e < d; e++) {
-			kf[i * d + e] = sh->kfac[i] * (sh->kscale[e] * sh->k8[i * d + e]);
-			vf[i * d + e] = sh->vscale[i] * sh->v8[i * d + e];
+			kf[i * d + e] = sh->r8[i].kfac * (sh->kscale[e] * sh->k8[i * d + e]);
+			vf[i * d + e] = sh->r8[i].vscale * sh->v8[i * d + e];
 		}
 }
 
@@ -622,14 +622,15 @@ static void test_int8_segments(void **state)
 				bound += half * half;
 				double ve = fabs(kvd_bf16_to_f32(vr[e]) - vf[(size_t)i * d + e]);
 
-				if (ve > sh->vscale[i] * 0.5001)
+				if (ve > sh->r8[i].vscale * 0.5001)
 					fail_msg("head %u row %u: |v - v~| = %g above half a step %g", h, i,
-						 ve, sh->vscale[i] / 2);
+						 ve, sh->r8[i].vscale / 2);
 			}
 			if (err > bound * 1.0001 + 1e-30)
 				fail_msg("head %u row %u: |k - k~|^2 = %g above %g", h, i, err, bound);
-			if (fabs(sh->kinv[i] * sqrt(nn) - 1.0) > 1e-5)
-				fail_msg("head %u row %u: kinv %g, 1/|k~| %g", h, i, sh->kinv[i], 1 / sqrt(nn));
+			if (fabs(sh->r8[i].kinv * sqrt(nn) - 1.0) > 1e-5)
+				fail_msg("head %u row %u: kinv %g, 1/|k~| %g", h, i, sh->r8[i].kinv,
+					 1 / sqrt(nn));
 		}
 	}
 
@@ -649,18 +650,42 @@ static void test_int8_segments(void **state)
 		assert_memory_equal(l1, l2, sizeof l1);
 	}
 
+	/* A payload in the layout before spill format 4 (per head, vscale, kfac
+	 * and kinv as three 64-byte aligned arrays where r8 lies) comes back
+	 * byte for byte. */
+	{
+		size_t vec = ((size_t)n * 4 + 63) & ~(size_t)63;
+		char *old = xmalloc(bytes);
+
+		memcpy(old, seg->io, bytes);
+		for (uint32_t h = 0; h < g.kv_heads; h++) {
+			float *a = (float *)(old + ((char *)seg->h[h].r8 - (char *)seg->io));
+
+			memset(a, 0, 3 * vec);
+			for (uint32_t i = 0; i < n; i++) {
+				a[i] = seg->h[h].r8[i].vscale;
+				a[vec / 4 + i] = seg->h[h].r8[i].kfac;
+				a[2 * vec / 4 + i] = seg->h[h].r8[i].kinv;
+			}
+		}
+		assert_true(memcmp(old, seg->io, bytes) != 0);
+		assert_int_equal(kvd_seg_upgrade_r8(&g, n, old + KVD_SEG_IO_PAGE), 0);
+		assert_memory_equal(old, seg->io, bytes);
+		free(old);
+	}
+
 	/* corrupted scales are refused, as a spill file's would be */
 	struct kvd_seg_head *sh = &ad->h[1];
-	float keep = sh->vscale[5];
+	float keep = sh->r8[5].vscale;
 
-	sh->vscale[5] = NAN;
+	sh->r8[5].vscale = NAN;
 	assert_int_equal(kvd_seg_check(&g, n, ad->mem), -KVD_EFORMAT);
-	sh->vscale[5] = keep;
+	sh->r8[5].vscale = keep;
 	keep = sh->kscale[3];
 	sh->kscale[3] = -1.0f;
 	assert_int_equal(kvd_seg_check(&g, n, ad->mem), -KVD_EFORMAT);
 	sh->kscale[3] = keep;
-	sh->kfac[n - 1] = INFINITY;
+	sh->r8[n - 1].kfac = INFINITY;
 	assert_int_equal(kvd_seg_check(&g, n, ad->mem), -KVD_EFORMAT);
 	kvd_seg_free(ad);
 	kvd_seg_free(seg);

@@ -71,7 +71,7 @@ static void hdr_base(struct kvd_sfmt_hdr *h, uint32_t kind, const struct kvd_geo
 }
 
 /* Seals h over payload and checks it as a reader would. */
-static void seal_and_check(struct kvd_sfmt_hdr *h, const void *payload)
+static void seal_and_check(struct kvd_sfmt_hdr *h, void *payload)
 {
 	struct kvd_sfmt_hdr got;
 	char msg[256] = "";
@@ -772,13 +772,12 @@ static void seg_restore_attention(uint32_t dt)
 				assert_true((uint8_t *)b->k8 - (uint8_t *)a->k8 == ds);
 				assert_true((uint8_t *)b->v8 - (uint8_t *)a->v8 == ds);
 				assert_true((uint8_t *)b->kscale - (uint8_t *)a->kscale == ds);
-				assert_true((uint8_t *)b->vscale - (uint8_t *)a->vscale == ds);
-				assert_true((uint8_t *)b->kfac - (uint8_t *)a->kfac == ds);
+				assert_true((uint8_t *)b->r8 - (uint8_t *)a->r8 == ds);
 			} else {
 				assert_true((uint8_t *)b->k - (uint8_t *)a->k == ds);
 				assert_true((uint8_t *)b->v - (uint8_t *)a->v == ds);
+				assert_true((uint8_t *)b->kinv - (uint8_t *)a->kinv == ds);
 			}
-			assert_true((uint8_t *)b->kinv - (uint8_t *)a->kinv == ds);
 			assert_true((uint8_t *)b->tab.off - (uint8_t *)a->tab.off == ds);
 			assert_true((uint8_t *)b->tab.ids - (uint8_t *)a->tab.ids == ds);
 			assert_true((uint8_t *)b->tab.full - (uint8_t *)a->tab.full == ds);
@@ -939,13 +938,13 @@ static void test_versions(void **state)
 	seg_random(&g16, 100, 3, &s16);
 	assert_true(kvd_seg_bytes(&g8, 100) < kvd_seg_bytes(&g16, 100));
 
-	/* what kvd writes: version 3, the flag from the geometry */
+	/* what kvd writes: the current version, the flag from the geometry */
 	kvd_sfmt_hdr_fill(&h, &f, &e);
 	assert_int_equal(h.payload_bytes, kvd_seg_bytes(&g8, 100));
 	assert_int_equal(h.tok_end, 100);
 	assert_int_equal(h.flags, KVD_SFMT_SF_INT8);
 	seal_and_check(&h, s8->mem);
-	assert_int_equal(h.version, 3);
+	assert_int_equal(h.version, KVD_SFMT_VERSION);
 	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
 	assert_int_equal(kvd_sfmt_seg_dtype(&got), KVD_KV_INT8);
 
@@ -963,9 +962,9 @@ static void test_versions(void **state)
 	fix_hdr_crc(&bad);
 	expect_hdr_fail(&bad, "flag disagrees with payload_bytes");
 	bad = h;
-	bad.version = 4;
+	bad.version = KVD_SFMT_VERSION + 1;
 	fix_hdr_crc(&bad);
-	expect_hdr_fail(&bad, "version 4");
+	expect_hdr_fail(&bad, "a later version");
 	bad.version = 0;
 	fix_hdr_crc(&bad);
 	expect_hdr_fail(&bad, "version 0");
@@ -981,6 +980,38 @@ static void test_versions(void **state)
 	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
 	assert_int_equal(kvd_sfmt_seg_dtype(&got), KVD_KV_BF16);
 	assert_int_equal(kvd_sfmt_check_payload(&got, s16->mem, msg, sizeof msg), 0);
+
+	/* A version 2 or 3 int8 SEG, its per-row floats as three arrays per
+	 * head (vscale, kfac, kinv, each 64-byte aligned, where kvd_row8 [n]
+	 * now lies), reads into the current layout byte for byte. */
+	for (uint32_t ver = 2; ver <= 3; ver++) {
+		size_t pb = kvd_seg_bytes(&g8, 100), vec = (100 * 4 + 63) & ~(size_t)63;
+		uint8_t *old = aligned_alloc(64, (pb + 63) & ~(size_t)63);
+
+		assert_non_null(old);
+		memcpy(old, s8->mem, pb);
+		for (uint32_t hh = 0; hh < g8.kv_heads; hh++) {
+			const struct kvd_row8 *r8 = s8->h[hh].r8;
+			float *a = (float *)(old + ((const uint8_t *)r8 - (const uint8_t *)s8->mem));
+
+			memset(a, 0, 3 * vec);
+			for (uint32_t i = 0; i < 100; i++) {
+				a[i] = r8[i].vscale;
+				a[vec / 4 + i] = r8[i].kfac;
+				a[2 * vec / 4 + i] = r8[i].kinv;
+			}
+		}
+		geo.g = g8;
+		kvd_sfmt_hdr_fill(&h, &f, &e);
+		kvd_sfmt_seal(&h, old);
+		h.version = ver;
+		fix_hdr_crc(&h);
+		assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
+		if (kvd_sfmt_check_payload(&got, old, msg, sizeof msg))
+			fail_msg("version %u int8 SEG: %s", ver, msg);
+		assert_memory_equal(old, s8->mem, pb);
+		free(old);
+	}
 
 	/* the profile record: kv_dtype round-trips and is part of the profile */
 	struct prof x;
