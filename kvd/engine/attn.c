@@ -55,10 +55,11 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->rows = malloc(cap * sizeof *s->rows);
 	s->kinv = malloc(cap * sizeof *s->kinv);
 	s->own = malloc(cap * sizeof *s->own);
+	s->w16 = malloc(cap * sizeof *s->w16);
 	s->okinv = malloc(cap * sizeof *s->okinv);
 	/* Dense attention reuses s in blocks of DENSE_BLOCK rows. */
 	s->s = aligned_alloc(64, ALIGN64((size_t)KVD_GMAX * (cap > 256 ? cap : 256) * sizeof(float)));
-	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->own ||
+	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->own || !s->w16 ||
 	    !s->okinv || !s->s ||
 	    kvd_lsh_scratch_init(&s->lsh, cap)) {
 		kvd_attn_scratch_free(s);
@@ -77,6 +78,7 @@ void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 	free(s->rows);
 	free(s->kinv);
 	free(s->own);
+	free(s->w16);
 	free(s->okinv);
 	free(s->s);
 	memset(s, 0, sizeof *s);
@@ -327,7 +329,10 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			 * stays that of the softmax. */
 			for (uint32_t j = 0; j < k; j++)
 				sg[j] *= sh->r8[s->own[j]].vscale;
-			kk->pv8(sg, k, 1, d, sh->v8, s->own, k, og);
+			float wsc;
+
+			kvd_q16(sg, 1, (int)k, s->w16, &wsc);
+			kk->pv8(s->w16, k, &wsc, 1, d, sh->v8, s->own, k, og);
 		} else {
 			kk->pv(sg, k, 1, d, sh->v, s->own, k, og);
 		}
@@ -426,7 +431,10 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		if (seg->kv_dtype == KVD_KV_INT8) {
 			for (uint32_t i = 0; i < m; i++)
 				sc[i] *= sh->r8[s->rows[i]].vscale;
-			kk->pv8(sc, m, 1, d, sh->v8, s->rows, m, og);
+			float wsc;
+
+			kvd_q16(sc, 1, (int)m, s->w16, &wsc);
+			kk->pv8(s->w16, m, &wsc, 1, d, sh->v8, s->rows, m, og);
 		} else {
 			kk->pv(sc, m, 1, d, sh->v, s->rows, m, og);
 		}
@@ -517,7 +525,13 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 			for (int gi = 0; gi < G; gi++)
 				for (size_t i = 0; i < b; i++)
 					s[(size_t)gi * DENSE_BLOCK + i] *= rw->r8[at + i].vscale;
-			kk->pv8(s, DENSE_BLOCK, G, d, rw->v8 + at * d, NULL, b, o);
+			int16_t w16[KVD_GMAX * DENSE_BLOCK];
+			float wsc[KVD_GMAX];
+
+			for (int gi = 0; gi < G; gi++)
+				kvd_q16(s + (size_t)gi * DENSE_BLOCK, 1, (int)b, w16 + gi * DENSE_BLOCK,
+					&wsc[gi]);
+			kk->pv8(w16, DENSE_BLOCK, wsc, G, d, rw->v8 + at * d, NULL, b, o);
 		} else {
 			kk->pv(s, DENSE_BLOCK, G, d, rw->v + at * d, NULL, b, o);
 		}

@@ -42,6 +42,7 @@ struct kvd_attn_scratch {
 	float *kinv;                    /* [cap] */
 	uint32_t *own;                  /* [cap]: one q head's rows of the union */
 	float *okinv;                   /* [cap] */
+	int16_t *w16;                   /* [cap]: one q head's weights for pv8 */
 	float *s;                       /* [KVD_GMAX][cap] */
 };
 

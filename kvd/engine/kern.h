@@ -3,11 +3,10 @@
  * kern_scalar.c is the reference; kern_avx2.c (AVX2+FMA) and kern_avx512.c
  * (AVX-512 F/BW/VL/DQ; plus an "avx512bf16" variant whose qk uses
  * VDPBF16PS) must agree with it within bf16-level tolerance
- * (tests/unit/test_kern.c).  On int8 rows, qk8 sums exactly in integers, so
- * every variant equals scalar bit for bit, and pv8 computes in f32 (elements
- * converted exactly, f32 FMAs), agreeing with scalar as closely as pv does;
- * neither uses anything beyond AVX2 or the table's ISA (no VNNI:
- * kern_avx512.c says why).
+ * (tests/unit/test_kern.c).  On int8 rows, qk8 and pv8 take 16-bit
+ * queries and weights and sum exactly in integers (qk8 equals scalar bit
+ * for bit; pv8 as closely as pv does, its exact partial sums added in f32);
+ * both are AVX2 code, the AVX-512 tables included (kern_avx512.c says why).
  *
  * kvd_kern_get() picks avx512, else avx2, else scalar, once, unless the
  * environment says KVD_ISA=scalar|avx2|avx512|avx512bf16.  avx512bf16 is not
@@ -70,19 +69,21 @@ struct kvd_kern {
 	 * (per-channel key scales into q, per-row value scales into w).
 	 * qk8 takes q in 16 bits (kvd_q16 below; |q| <= 32767):
 	 * s[g*lds + i] = (float)(sum_e q_g[e] * row_i[e]) * qscale[g], the sum
-	 * exact in 32 bits (|sum| <= 256 * 32767 * 128 < 2^31).  pv8 may compute
-	 * in any precision at least as good as f32 accumulation of f32
-	 * products. */
+	 * exact in 32 bits (|sum| <= 256 * 32767 * 128 < 2^31).  pv8 takes the
+	 * weights in 16 bits too: o[g*d + j] += wscale[g] * sum_i w[g*ldw + i] *
+	 * row_i[j], the sum split into exact integer parts (a variant's choice)
+	 * added in f32. */
 	void (*qk8)(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
 		    const uint32_t *idx, size_t m, float *s, size_t lds);
-	void (*pv8)(const float *w, size_t ldw, int G, int d, const int8_t *base,
-		    const uint32_t *idx, size_t m, float *o);
+	void (*pv8)(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
+		    const int8_t *base, const uint32_t *idx, size_t m, float *o);
 };
 
-/* q[G][d] (floats) as qk8 takes it: per head, q16 = round(q / qscale) with
- * qscale = max|q| / 32767, so each element is within qscale/2 of q (2^-16 of
- * the head's largest).  A head with a non-finite element gets q16 = 0 and
- * qscale NaN, so its scores are NaN as f32 ones would be. */
+/* q[G][d] (floats) as qk8 and pv8 take them (queries, or weights with d the
+ * row count): per head, q16 = round(q / qscale) with qscale = max|q| /
+ * 32767, so each element is within qscale/2 of q (2^-16 of the head's
+ * largest).  A head with a non-finite element gets q16 = 0 and qscale NaN,
+ * so its results are NaN as f32 ones would be. */
 void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale);
 
 const struct kvd_kern *kvd_kern_get(void);
@@ -94,8 +95,10 @@ extern const struct kvd_kern kvd_kern_avx2;
 extern const struct kvd_kern kvd_kern_avx512;
 extern const struct kvd_kern kvd_kern_avx512bf16;
 
-/* kern_avx2.c's qk8, which the AVX-512 tables use too. */
+/* kern_avx2.c's qk8 and pv8, which the AVX-512 tables use too. */
 void kvd_qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
 		  const uint32_t *idx, size_t m, float *s, size_t lds);
+void kvd_pv8_avx2(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
+		  const int8_t *base, const uint32_t *idx, size_t m, float *o);
 
 #endif

@@ -476,148 +476,16 @@ static void pv_avx512(const float *w, size_t ldw, int G, int d, const uint16_t *
 
 /* ---- int8 qk / pv ------------------------------------------------------- */
 
-/* int8 rows (pv8 here, qk8 in kern_avx2.c) are walked as in kern_walk.h, which counts in u16
- * elements: a row of d bytes is d/2 of them, so walk_init(base, d/2) gives
- * the same tiles and streams, and w->odd the right answer for byte rows (the
- * u16 pointers are only offset, never read).  A chunk is 16 elements,
- * converted exactly to f32 (VPMOVSXBD + VCVTDQ2PS), in natural order: q and
- * o need no reordering.  A 64-byte line holds 4 chunks and is prefetched with
- * the first of them.
- *
- * Prefetches go to L2 (T1), two tiles ahead when gathering: T0 prefetches
- * find the L1 miss buffers full, and on Zen 4 a gather then ran at ~15 ns a
- * row whatever the distance (8000 rows of d = 128 out of 64 MiB, G = 4:
- * qk8 + pv8 in 426 us with T0, 226 us with T1 two tiles ahead; streams gain
- * a few % as well).
- *
- * qk8 is kern_avx2.c's, in integers (VPMOVSXBW + VPMADDWD on 16-bit q),
- * 256 bits wide.  A 512-bit version and VPDPWSSD (AVX512_VNNI, the multiply
- * and the add in one) would likely be faster; neither has been written,
- * for want of an AVX-512 host to measure them on.  VPDPBUSD was tried when
- * qk8 was f32: keeping q to ~23 bits took three signed-byte limbs, and it
- * did not pay (Zen 4, rows in L2: G = 1 slower, G = 4 and 8 even, G = 2
- * ~18% faster). */
-#define PF8_HINT _MM_HINT_T1
-#define PF8_GATHER (2 * TILE)
-#define PF8_STREAM PF_STREAM
+/* The AVX-512 tables use kern_avx2.c's qk8 and pv8: both sum 16-bit queries
+ * or weights times int8 rows in integers (VPMADDWD), 256 bits wide.  A
+ * 512-bit version, and VPDPWSSD (AVX512_VNNI: the multiply and the add in
+ * one), would likely be faster; neither has been written, for want of an
+ * AVX-512 host to measure them on.  VPDPBUSD was tried when qk8 was f32:
+ * keeping q to ~23 bits took three signed-byte limbs, and it did not pay
+ * (Zen 4, rows in L2: G = 1 slower, G = 4 and 8 even, G = 2 ~18% faster).
+ * The int8 walk's notes (prefetch to L2, two tiles ahead) are in
+ * kern_avx2.c. */
 
-static inline const int8_t *p8(const uint16_t *p)
-{
-	return (const int8_t *)p;
-}
-
-INLINE void prefetch8(const int8_t *p, int c)
-{
-	if (c % 4 == 0)
-		_mm_prefetch((const char *)(p + 16 * c), PF8_HINT);
-}
-
-/* 16 int8 elements as float, exactly. */
-INLINE __m512 i8_ps(const int8_t *p)
-{
-	return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-/* As pv_pass, on o itself (natural order): CW chunks of 16 from c0, CW * GB
- * accumulators (8 to 16), each broadcast weight shared by CW chunks. */
-INLINE void pv8_pass(const int GB, const int CW, int c0, const float *w, size_t ldw, float *o,
-		     int d, int odd, const struct tile *tl, const int8_t *const *rp,
-		     const int8_t *const *pp)
-{
-	__m512 acc[16];
-
-#pragma GCC unroll 16
-	for (int k = 0; k < CW * GB; k++)
-		acc[k] = _mm512_loadu_ps(o + (k % GB) * d + 16 * (c0 + k / GB));
-	for (int r = 0; r < TILE; r++) {
-		const float *wr = w + tl->pos[r / 4] + r % 4;
-		__m512 wv[GB_MAX];
-
-		if (r % 4 == tl->cnt[r / 4]) {
-			r |= 3;
-			continue;
-		}
-		if (pp) {
-#pragma GCC unroll 8
-			for (int cc = 0; cc < CW; cc++)
-				prefetch8(pp[r], c0 + cc);
-			if (c0 == 0 && odd)
-				_mm_prefetch((const char *)(pp[r] + d - 1), PF8_HINT);
-		}
-#pragma GCC unroll 8
-		for (int g = 0; g < GB; g++)
-			wv[g] = _mm512_set1_ps(wr[g * ldw]);
-#pragma GCC unroll 8
-		for (int cc = 0; cc < CW; cc++) {
-			__m512 x = i8_ps(rp[r] + 16 * (c0 + cc));
-
-#pragma GCC unroll 8
-			for (int g = 0; g < GB; g++)
-				acc[cc * GB + g] = _mm512_fmadd_ps(wv[g], x, acc[cc * GB + g]);
-		}
-	}
-#pragma GCC unroll 16
-	for (int k = 0; k < CW * GB; k++)
-		_mm512_storeu_ps(o + (k % GB) * d + 16 * (c0 + k / GB), acc[k]);
-}
-
-INLINE void pv8_tile(const int GB, const float *w, size_t ldw, float *o, const struct walk *wk,
-		     const struct tile *tl, int pf)
-{
-	const int CW = GB == 1 ? 8 : GB <= 4 ? 4 : 2;
-	const int d = 2 * wk->d, nch = d / 16;
-	const int8_t *rp[TILE], *pp[TILE];
-	int c0 = 0;
-
-	for (int r = 0; r < TILE; r++) {
-		rp[r] = p8(slot_row(wk, tl, r / 4, r % 4));
-		pp[r] = pf ? p8(slot_pf(wk, tl, r / 4, r % 4)) : NULL;
-	}
-	for (; c0 + CW <= nch; c0 += CW)
-		pv8_pass(GB, CW, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
-	/* The rest in at most three passes (a pass costs a walk over the
-	 * tile's rows, more than its FMAs when it is narrow). */
-	if (CW > 4 && c0 + 4 <= nch) {
-		pv8_pass(GB, 4, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
-		c0 += 4;
-	}
-	if (CW > 2 && c0 + 2 <= nch) {
-		pv8_pass(GB, 2, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
-		c0 += 2;
-	}
-	if (c0 < nch)
-		pv8_pass(GB, 1, c0, w, ldw, o, d, wk->odd, tl, rp, pf ? pp : NULL);
-}
-
-typedef void pv8_fn(const float *w, size_t ldw, float *o, const struct walk *wk,
-		    const struct tile *tl, int pf);
-#define PV8_TILE(GB)                                                                \
-	static __attribute__((noinline)) void pv8_tile_##GB(const float *w, size_t ldw, \
-		float *o, const struct walk *wk, const struct tile *tl, int pf)       \
-	{                                                                           \
-		pv8_tile(GB, w, ldw, o, wk, tl, pf);                                \
-	}
-BY_GB(PV8_TILE)
-static pv8_fn *const pv8_tiles[GB_MAX] = BY_GB_NAMES(pv8_tile);
-
-static void pv8_avx512(const float *w, size_t ldw, int G, int d, const int8_t *base,
-		       const uint32_t *idx, size_t m, float *o)
-{
-	int g1 = G > GB_MAX ? (G + 1) / 2 : G;
-	struct walk wk;
-	struct tile tl;
-
-	if (m == 0)
-		return;
-	walk_init(&wk, (const uint16_t *)base, idx, m, d / 2);
-	wk.pfd = wk.part ? PF8_STREAM : PF8_GATHER;
-	for (size_t t = 0; t < wk.ntiles; t++) {
-		tile_at(&wk, t, &tl);
-		pv8_tiles[g1 - 1](w, ldw, o, &wk, &tl, 1);
-		if (G > g1)
-			pv8_tiles[G - g1 - 1](w + g1 * ldw, ldw, o + (size_t)g1 * d, &wk, &tl, 0);
-	}
-}
 
 /* ---- softmax pieces ------------------------------------------------------ */
 
@@ -965,7 +833,7 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
 	.qk8 = kvd_qk8_avx2,
-	.pv8 = pv8_avx512,
+	.pv8 = kvd_pv8_avx2,
 };
 
 const struct kvd_kern kvd_kern_avx512bf16 = {
@@ -978,5 +846,5 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
 	.qk8 = kvd_qk8_avx2,
-	.pv8 = pv8_avx512,
+	.pv8 = kvd_pv8_avx2,
 };

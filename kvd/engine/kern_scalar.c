@@ -89,19 +89,22 @@ static void qk8_scalar(const int16_t *q, const float *qscale, int G, int d,
 	}
 }
 
-static void pv8_scalar(const float *w, size_t ldw, int G, int d, const int8_t *base,
-		       const uint32_t *idx, size_t m, float *o)
+static void pv8_scalar(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
+		       const int8_t *base, const uint32_t *idx, size_t m, float *o)
 {
-	for (size_t i = 0; i < m; i++) {
-		const int8_t *r = row8(base, idx, i, d);
+	for (int g = 0; g < G; g++) {
+		int64_t acc[KVD_DMAX] = { 0 };
+		float *og = o + (size_t)g * d;
 
-		for (int g = 0; g < G; g++) {
-			float wi = w[(size_t)g * ldw + i];
-			float *og = o + (size_t)g * d;
+		for (size_t i = 0; i < m; i++) {
+			const int8_t *r = row8(base, idx, i, d);
+			int32_t wi = w[(size_t)g * ldw + i];
 
 			for (int e = 0; e < d; e++)
-				og[e] += wi * (float)r[e];
+				acc[e] += wi * r[e];
 		}
+		for (int e = 0; e < d; e++)
+			og[e] += (float)acc[e] * wscale[g];
 	}
 }
 

@@ -6,9 +6,9 @@
  * scale of float rounding in a dot product; the f32 variants differ from
  * scalar only in summation order and FMA, the bf16 one also in q's 16-bit
  * (hi + lo bf16) representation.  qk8 sums in integers and must equal
- * scalar bit for bit; pv8 is f32 in every variant and held to the f32
- * tolerance, on inputs shaped like attn.c's: weights spanning e^-20 with
- * zeros.
+ * scalar bit for bit; pv8 adds exact integer partial sums in f32 and is held
+ * to the f32 tolerance, on inputs shaped like attn.c's: weights spanning
+ * e^-20 with zeros, rounded to 16 bits.
  */
 #include <float.h>
 #include <math.h>
@@ -443,10 +443,16 @@ static void check_pv8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 	float *w = rand_w8(r, nw);
 	float *oi = rand_f32(r, no, 1.0);
 	float *o0 = xmalloc(no * sizeof *o0), *o1 = xmalloc(no * sizeof *o1);
-	float *mag = xmalloc(no * sizeof *mag);
+	float *mag = xmalloc(no * sizeof *mag), wsc[KVD_GMAX];
+	int16_t *w16 = xmalloc(nw * sizeof *w16);
 
+	/* as attn.c passes them: each head's weights rounded to 16 bits */
+	for (int g = 0; g < G; g++) {
+		kvd_q16(w + g * ldw, 1, (int)m, w16 + g * ldw, &wsc[g]);
+		check_q16(w + g * ldw, 1, (int)m, w16 + g * ldw, &wsc[g]);
+	}
 	memcpy(o0, oi, no * sizeof *o0);
-	ref->pv8(w, ldw, G, d, rows, idx, m, o0);
+	ref->pv8(w16, ldw, wsc, G, d, rows, idx, m, o0);
 	for (size_t i = 0; i < no; i++)
 		mag[i] = fabsf(oi[i]);
 	for (size_t i = 0; i < m; i++) {
@@ -454,14 +460,14 @@ static void check_pv8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 
 		for (int g = 0; g < G; g++)
 			for (int j = 0; j < d; j++)
-				mag[g * d + j] += fabsf(w[g * ldw + i] * (float)p[j]);
+				mag[g * d + j] += fabsf(w16[g * ldw + i] * wsc[g] * (float)p[j]);
 	}
 	for (size_t v = 0; v < nvar; v++) {
 		const struct kvd_kern *k = var[v];
 		double tol = 2e-6;
 
 		memcpy(o1, oi, no * sizeof *o1);
-		k->pv8(w, ldw, G, d, rows, idx, m, o1);
+		k->pv8(w16, ldw, wsc, G, d, rows, idx, m, o1);
 		for (size_t e = 0; e < no; e++) {
 			double dv = fabs((double)o1[e] - o0[e]), bound = tol * mag[e] + 1e-30;
 
@@ -474,6 +480,7 @@ static void check_pv8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 	free(rows);
 	free(idx);
 	free(w);
+	free(w16);
 	free(oi);
 	free(o0);
 	free(o1);
