@@ -469,6 +469,130 @@ typedef void qk8_fn(const int16_t *q, const float *qs, const struct walk *w,
 BY_GB(QK8_TILE)
 static qk8_fn *const qk8_tiles[GB_MAX] = BY_GB_NAMES(qk8_tile);
 
+/* One head over gathered rows, the sampled path's case: a plain loop over
+ * rows, each row's lines prefetched PF8_GATHER rows ahead.  At G = 1 the
+ * tile walk's bookkeeping cost more instructions than the arithmetic
+ * (callgrind, d = 128: ~95 a row for qk8 and ~117 for pv8, of which ~35 are
+ * the sums). */
+INLINE const int8_t *row_at(const int8_t *base, const uint32_t *idx, size_t i, int d)
+{
+	return base + (idx ? (size_t)idx[i] : i) * (size_t)d;
+}
+
+INLINE void prefetch_row8(const int8_t *base, const uint32_t *idx, size_t i, size_t m, int d)
+{
+	if (i < m) {
+		const char *p = (const char *)row_at(base, idx, i, d);
+
+#pragma GCC unroll 4
+		for (int c = 0; c < d; c += 64)
+			_mm_prefetch(p + c, PF8_HINT);
+		_mm_prefetch(p + d - 1, PF8_HINT);      /* a row that straddles one more line */
+	}
+}
+
+INLINE void qk8_one(const int16_t *q, float qscale, const int d, const int8_t *base,
+		    const uint32_t *idx, size_t m, float *s)
+{
+	for (size_t i = 0; i < PF8_GATHER && i < m; i++)
+		prefetch_row8(base, idx, i, m, d);
+	for (size_t i = 0; i < m; i++) {
+		const int8_t *p = row_at(base, idx, i, d);
+		__m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+		int c = 0;
+
+		prefetch_row8(base, idx, i + PF8_GATHER, m, d);
+#pragma GCC unroll 8
+		for (; c + 32 <= d; c += 32) {
+			a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
+				_mm256_loadu_si256((const __m256i *)(q + c)),
+				_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + c)))));
+			a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(
+				_mm256_loadu_si256((const __m256i *)(q + c + 16)),
+				_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + c + 16)))));
+		}
+		if (c < d)
+			a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
+				_mm256_loadu_si256((const __m256i *)(q + c)),
+				_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + c)))));
+		a0 = _mm256_add_epi32(a0, a1);
+
+		__m128i x = _mm_add_epi32(_mm256_castsi256_si128(a0), _mm256_extracti128_si256(a0, 1));
+
+		x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+		x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+		s[i] = (float)_mm_cvtsi128_si32(x) * qscale;
+	}
+}
+
+/* pv8 for one head: rows in groups of PV8_GROUP, each group in passes of
+ * CW chunks (2 * CW accumulators: interleaved pairs as in pv8_pass), flushed
+ * to o once per group and pass.  The second pass finds the group's rows in
+ * L1.  |sum| < PV8_GROUP * 32767 * 128 < 2^31. */
+#define PV8_GROUP 32
+
+INLINE void pv8_one_pass(const int CW, int c0, const int16_t *w, float ws, int d,
+			 const int8_t *base, const uint32_t *idx, size_t i0, size_t i1, size_t m,
+			 float *o, int pf)
+{
+	__m256i al[4], ah[4];
+
+#pragma GCC unroll 4
+	for (int k = 0; k < CW; k++)
+		al[k] = ah[k] = _mm256_setzero_si256();
+	for (size_t i = i0; i < i1; i += 2) {
+		const int two = i + 1 < i1;
+		const int8_t *pa = row_at(base, idx, i, d) + 16 * c0;
+		const int8_t *pb = two ? row_at(base, idx, i + 1, d) + 16 * c0 : pa;
+		uint32_t wa = (uint16_t)w[i], wb = two ? (uint16_t)w[i + 1] : 0;
+		__m256i wp = _mm256_set1_epi32((int)(wa | wb << 16));
+
+		if (pf) {
+			prefetch_row8(base, idx, i + PF8_GATHER, m, d);
+			prefetch_row8(base, idx, i + 1 + PF8_GATHER, m, d);
+		}
+#pragma GCC unroll 4
+		for (int k = 0; k < CW; k++) {
+			__m256i xa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pa + 16 * k)));
+			__m256i xb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(pb + 16 * k)));
+
+			al[k] = _mm256_add_epi32(al[k], _mm256_madd_epi16(_mm256_unpacklo_epi16(xa, xb), wp));
+			ah[k] = _mm256_add_epi32(ah[k], _mm256_madd_epi16(_mm256_unpackhi_epi16(xa, xb), wp));
+		}
+	}
+#pragma GCC unroll 4
+	for (int k = 0; k < CW; k++) {
+		float *op = o + 16 * (c0 + k);
+		__m256 s = _mm256_set1_ps(ws);
+		__m256i n0 = _mm256_permute2x128_si256(al[k], ah[k], 0x20);
+		__m256i n1 = _mm256_permute2x128_si256(al[k], ah[k], 0x31);
+
+		_mm256_storeu_ps(op, _mm256_fmadd_ps(_mm256_cvtepi32_ps(n0), s, _mm256_loadu_ps(op)));
+		_mm256_storeu_ps(op + 8,
+				 _mm256_fmadd_ps(_mm256_cvtepi32_ps(n1), s, _mm256_loadu_ps(op + 8)));
+	}
+}
+
+INLINE void pv8_one(const int16_t *w, float ws, const int d, const int8_t *base,
+		    const uint32_t *idx, size_t m, float *o)
+{
+	for (size_t i = 0; i < PF8_GATHER && i < m; i++)
+		prefetch_row8(base, idx, i, m, d);
+	for (size_t i0 = 0; i0 < m; i0 += PV8_GROUP) {
+		size_t i1 = m - i0 < PV8_GROUP ? m : i0 + PV8_GROUP;
+		int nch = d / 16, c0 = 0;
+
+		for (; c0 + 4 <= nch; c0 += 4)
+			pv8_one_pass(4, c0, w, ws, d, base, idx, i0, i1, m, o, c0 == 0);
+		if (c0 + 2 <= nch) {
+			pv8_one_pass(2, c0, w, ws, d, base, idx, i0, i1, m, o, c0 == 0);
+			c0 += 2;
+		}
+		if (c0 < nch)
+			pv8_one_pass(1, c0, w, ws, d, base, idx, i0, i1, m, o, c0 == 0);
+	}
+}
+
 void kvd_qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
 		  const uint32_t *idx, size_t m, float *s, size_t lds)
 {
@@ -479,6 +603,14 @@ void kvd_qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int
 
 	if (m == 0)
 		return;
+	if (G == 1 && idx) {
+		/* d a constant: the loops over a row unroll */
+		if (d == 128)
+			qk8_one(q, qscale[0], 128, base, idx, m, s);
+		else
+			qk8_one(q, qscale[0], d, base, idx, m, s);
+		return;
+	}
 	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);
 	w.pfd = w.part ? PF8_STREAM : PF8_GATHER;
 	for (size_t t = 0; t < w.ntiles; t++) {
@@ -615,6 +747,13 @@ void kvd_pv8_avx2(const int16_t *w, size_t ldw, const float *wscale, int G, int 
 
 	if (m == 0)
 		return;
+	if (G == 1 && idx) {
+		if (d == 128)
+			pv8_one(w, wscale[0], 128, base, idx, m, o);
+		else
+			pv8_one(w, wscale[0], d, base, idx, m, o);
+		return;
+	}
 	walk_init(&wk, (const uint16_t *)base, idx, m, d / 2);
 	wk.pfd = wk.part ? PF8_STREAM : PF8_GATHER;
 	for (size_t t = 0; t < wk.ntiles; t++) {
