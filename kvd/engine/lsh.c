@@ -360,7 +360,10 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
 
 /* Tables whose buckets are looked up (and their ids prefetched) ahead of the
  * walk: each table is a separate region, so every bucket is a cache miss,
- * and issuing a batch of them at once overlaps the misses. */
+ * and issuing a batch of them at once overlaps the misses.  Every table's
+ * offset line is prefetched before the first batch, and each batch's ids
+ * while the batch before it is walked, so that on cold tables (as in
+ * decoding) the walk rarely waits for either. */
 #define CAND_BATCH 16
 
 /*
@@ -382,19 +385,30 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 	uint32_t mask = (1u << t->K) - 1, nt = 0, m = 0;
 	uint8_t cc = (uint8_t)c;
 
-	for (uint32_t t0 = 0; t0 < t->L; t0 += CAND_BATCH) {
-		uint32_t nbat = t->L - t0 < CAND_BATCH ? t->L - t0 : CAND_BATCH;
-		const uint16_t *ids[CAND_BATCH];
-		uint32_t len[CAND_BATCH];
+	const uint16_t *ids[2][CAND_BATCH];
+	uint32_t len[2][CAND_BATCH];
 
-		for (uint32_t k = 0; k < nbat; k++) {
-			len[k] = kvd_lsh_bucket(t, t0 + k, qcodes[t0 + k] & mask, &ids[k]);
-			__builtin_prefetch(ids[k]);
+	for (uint32_t tab = 0; tab < t->L; tab++)
+		__builtin_prefetch(t->off + (size_t)tab * ((1u << t->K) + 1) + (qcodes[tab] & mask));
+	for (uint32_t t0 = 0; t0 < t->L + CAND_BATCH; t0 += CAND_BATCH) {
+		/* look up and prefetch batch t0; walk batch t0 - CAND_BATCH */
+		uint32_t cur = t0 / CAND_BATCH & 1;
+
+		for (uint32_t k = 0; k < CAND_BATCH && t0 + k < t->L; k++) {
+			len[cur][k] = kvd_lsh_bucket(t, t0 + k, qcodes[t0 + k] & mask, &ids[cur][k]);
+			__builtin_prefetch(ids[cur][k]);
+			__builtin_prefetch(ids[cur][k] + len[cur][k] - (len[cur][k] > 0));
 		}
-		for (uint32_t k = 0; k < nbat; k++) {
-			const uint16_t *restrict b = ids[k];
+		if (t0 == 0)
+			continue;
 
-			for (uint32_t j = 0; j < len[k]; j++) {
+		uint32_t prev = cur ^ 1, p0 = t0 - CAND_BATCH;
+		uint32_t pn = t->L - p0 < CAND_BATCH ? t->L - p0 : CAND_BATCH;
+
+		for (uint32_t k = 0; k < pn; k++) {
+			const uint16_t *restrict b = ids[prev][k];
+
+			for (uint32_t j = 0; j < len[prev][k]; j++) {
 				uint16_t id = b[j];
 				uint8_t v = cnt[id];
 
