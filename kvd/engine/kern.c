@@ -68,11 +68,11 @@ const struct kvd_kern *kvd_kern_get(void)
 	return k;
 }
 
-void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale)
+/* No libm calls (fmaxf and rintf per element were a tenth of int8 dense
+ * attention), and rounding half away from zero; kvd_q16_avx2 does the same
+ * in vectors, bit for bit (test_kern). */
+static void q16_scalar(const float *q, int G, int d, int16_t *q16, float *qscale)
 {
-	/* No libm calls (fmaxf and rintf were a tenth of int8 dense attention,
-	 * called per weight): plain compares the compiler vectorizes, and
-	 * rounding half away from zero. */
 	for (int g = 0; g < G; g++) {
 		const float *qg = q + (size_t)g * d;
 		int16_t *o = q16 + (size_t)g * d;
@@ -101,4 +101,17 @@ void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale)
 		}
 		qscale[g] = mx / 32767.0f;
 	}
+}
+
+void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale)
+{
+	if (kvd_kern_get() != &kvd_kern_scalar)         /* AVX2 at least */
+		kvd_q16_avx2(q, G, d, q16, qscale);
+	else
+		q16_scalar(q, G, d, q16, qscale);
+}
+
+void kvd_q16_ref(const float *q, int G, int d, int16_t *q16, float *qscale)
+{
+	q16_scalar(q, G, d, q16, qscale);
 }

@@ -85,6 +85,8 @@ struct kvd_kern {
  * largest).  A head with a non-finite element gets q16 = 0 and qscale NaN,
  * so its results are NaN as f32 ones would be. */
 void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale);
+/* The plain C kvd_q16, whatever the CPU (tests compare the two). */
+void kvd_q16_ref(const float *q, int G, int d, int16_t *q16, float *qscale);
 
 const struct kvd_kern *kvd_kern_get(void);
 const struct kvd_kern *kvd_kern_by_name(const char *name);
@@ -95,7 +97,9 @@ extern const struct kvd_kern kvd_kern_avx2;
 extern const struct kvd_kern kvd_kern_avx512;
 extern const struct kvd_kern kvd_kern_avx512bf16;
 
-/* kern_avx2.c's qk8 and pv8, which the AVX-512 tables use too. */
+/* kern_avx2.c's kvd_q16 (kern.c picks it on AVX2 hosts), and its qk8 and
+ * pv8, which the AVX-512 tables use too. */
+void kvd_q16_avx2(const float *q, int G, int d, int16_t *q16, float *qscale);
 void kvd_qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
 		  const uint32_t *idx, size_t m, float *s, size_t lds);
 void kvd_pv8_avx2(const int16_t *w, size_t ldw, const float *wscale, int G, int d,

@@ -9,6 +9,7 @@
  *
  * Stack use is at most ~24 KiB per call; nothing is allocated.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -468,6 +469,69 @@ typedef void qk8_fn(const int16_t *q, const float *qs, const struct walk *w,
 	}
 BY_GB(QK8_TILE)
 static qk8_fn *const qk8_tiles[GB_MAX] = BY_GB_NAMES(qk8_tile);
+
+/* kvd_q16 (kern.c) on AVX2 hosts: the same operations in the same order
+ * per element (|x|, max, x * (32767 / max), plus 0.5 with x's sign,
+ * truncated), so the result equals kern.c's bit for bit. */
+void kvd_q16_avx2(const float *q, int G, int d, int16_t *q16, float *qscale)
+{
+	const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+	const __m256 fmax = _mm256_set1_ps(FLT_MAX), half = _mm256_set1_ps(0.5f);
+
+	for (int g = 0; g < G; g++) {
+		const float *qg = q + (size_t)g * d;
+		int16_t *o = q16 + (size_t)g * d;
+		__m256 mv = _mm256_setzero_ps(), bv = _mm256_setzero_ps();
+		float mx = 0.0f;
+		int bad = 0, e = 0;
+
+		for (; e + 8 <= d; e += 8) {
+			__m256 a = _mm256_and_ps(_mm256_loadu_ps(qg + e), absm);
+
+			bv = _mm256_or_ps(bv, _mm256_cmp_ps(a, fmax, _CMP_NLE_UQ));
+			mv = _mm256_max_ps(mv, a);
+		}
+		for (; e < d; e++) {
+			float a = fabsf(qg[e]);
+
+			mx = a > mx ? a : mx;
+			bad |= !(a <= FLT_MAX);
+		}
+		_Alignas(32) float lanes[8];
+
+		_mm256_store_ps(lanes, mv);
+		for (int k = 0; k < 8; k++)
+			mx = lanes[k] > mx ? lanes[k] : mx;
+		bad |= _mm256_movemask_ps(bv) != 0;
+		if (bad || mx == 0.0f) {
+			memset(o, 0, (size_t)d * sizeof *o);
+			qscale[g] = bad ? NAN : 0.0f;
+			continue;
+		}
+		float inv = 32767.0f / mx;
+		const __m256 iv = _mm256_set1_ps(inv);
+
+		for (e = 0; e + 16 <= d; e += 16) {
+			__m256 v0 = _mm256_mul_ps(_mm256_loadu_ps(qg + e), iv);
+			__m256 v1 = _mm256_mul_ps(_mm256_loadu_ps(qg + e + 8), iv);
+			__m256i r0 = _mm256_cvttps_epi32(_mm256_add_ps(v0,
+				_mm256_or_ps(half, _mm256_andnot_ps(absm, v0))));
+			__m256i r1 = _mm256_cvttps_epi32(_mm256_add_ps(v1,
+				_mm256_or_ps(half, _mm256_andnot_ps(absm, v1))));
+
+			/* |r| <= 32767: the saturating pack is exact */
+			_mm256_storeu_si256((__m256i *)(o + e),
+					    _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xd8));
+		}
+		for (; e < d; e++) {
+			float v = qg[e] * inv;
+			int r = (int)(v + (v >= 0.0f ? 0.5f : -0.5f));
+
+			o[e] = (int16_t)(r > 32767 ? 32767 : r < -32767 ? -32767 : r);
+		}
+		qscale[g] = mx / 32767.0f;
+	}
+}
 
 /* One head over gathered rows, the sampled path's case: a plain loop over
  * rows, each row's lines prefetched PF8_GATHER rows ahead.  At G = 1 the

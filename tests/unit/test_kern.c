@@ -317,9 +317,19 @@ static const int8_t *rowp8(const int8_t *base, const uint32_t *idx, size_t i, in
 }
 
 /* kvd_q16 on q: every element within half a step of q, the head's largest
- * at +-32767 (when finite and nonzero). */
+ * at +-32767 (when finite and nonzero), and bit for bit what the plain C
+ * version gives (kvd_q16 takes the AVX2 one where it can). */
 static void check_q16(const float *q, int G, int d, const int16_t *q16, const float *qsc)
 {
+	int16_t *r16 = malloc((size_t)G * d * sizeof *r16 + 1);
+	float rsc[KVD_GMAX];
+
+	assert_non_null(r16);
+	assert_true(G <= KVD_GMAX);
+	kvd_q16_ref(q, G, d, r16, rsc);
+	assert_memory_equal(r16, q16, (size_t)G * d * sizeof *r16);
+	assert_memory_equal(rsc, qsc, (size_t)G * sizeof *rsc);
+	free(r16);
 	for (int g = 0; g < G; g++) {
 		int top = 0;
 
@@ -414,6 +424,13 @@ static void test_q16(void **state)
 	kvd_q16(q, 4, 16, q16, qsc);
 	assert_true(qsc[0] == 0.0f);
 	assert_true(isnan(qsc[1]) && isnan(qsc[2]));
+	{
+		int16_t r16[4 * 16];
+		float rsc[4];
+
+		kvd_q16_ref(q, 4, 16, r16, rsc);
+		assert_memory_equal(r16, q16, sizeof r16);
+	}
 	for (int e = 0; e < 48; e++)
 		assert_int_equal(q16[e], 0);
 	check_q16(q + 48, 1, 16, q16 + 48, qsc + 3);
