@@ -158,6 +158,36 @@ static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s,
 	hid[i] = id;
 }
 
+/* One q head's softmax over the m corrected scores sc of rows (overwritten
+ * with weights) and the weighted sum of their V rows into og, which is
+ * zero; returns the lse, or -inf when no score is above -inf. */
+static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
+		       const struct kvd_seg_head *sh, int d, float *sc, const uint32_t *rows,
+		       uint32_t m, int16_t *w16, float *og)
+{
+	float mx = kk->max(sc, m), sum, r;
+
+	if (mx == -INFINITY)
+		return -INFINITY;
+	sum = kk->expsum(sc, m, mx);
+	if (seg->kv_dtype == KVD_KV_INT8) {
+		float wsc;
+
+		/* Each weight takes its row's value scale; the sum above stays
+		 * that of the softmax. */
+		for (uint32_t i = 0; i < m; i++)
+			sc[i] *= sh->r8[rows[i]].vscale;
+		kvd_q16(sc, 1, (int)m, w16, &wsc);
+		kk->pv8(w16, m, &wsc, 1, d, sh->v8, rows, m, og);
+	} else {
+		kk->pv(sc, m, 1, d, sh->v, rows, m, og);
+	}
+	r = sum > 0.0f ? 1.0f / sum : 0.0f;
+	for (int e = 0; e < d; e++)
+		og[e] *= r;
+	return mx + logf(sum);
+}
+
 /* Sampled attention of one segment-head; with hv, the heavy keys of each q
  * head are attended exactly (weight 1) and left out of the sampled part; with
  * top, each q head's best rows of the union are reported. */
@@ -317,29 +347,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		kk->logp(sg, k, s->okinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
 		for (uint32_t j = 0; j < nh; j++)
 			sg[hidx[j]] = hraw[j] * scale;
-
-		float mx = kk->max(sg, k), sum;
-
-		if (mx == -INFINITY)
-			continue;
-		sum = kk->expsum(sg, k, mx);
-		lse[gi] = mx + logf(sum);
-		if (seg->kv_dtype == KVD_KV_INT8) {
-			/* Each weight takes its row's value scale; the sum above
-			 * stays that of the softmax. */
-			for (uint32_t j = 0; j < k; j++)
-				sg[j] *= sh->r8[s->own[j]].vscale;
-			float wsc;
-
-			kvd_q16(sg, 1, (int)k, s->w16, &wsc);
-			kk->pv8(s->w16, k, &wsc, 1, d, sh->v8, s->own, k, og);
-		} else {
-			kk->pv(sg, k, 1, d, sh->v, s->own, k, og);
-		}
-		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
-
-		for (int e = 0; e < d; e++)
-			og[e] *= r;
+		lse[gi] = softmax_v(kk, seg, sh, d, sg, s->own, k, s->w16, og);
 	}
 	for (uint32_t i = 0; i < m; i++) {
 		s->mask[s->rows[i]] = 0;
@@ -421,27 +429,7 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		for (int e = 0; e < d; e++)
 			nn += qg[e] * qg[e];
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
-
-		float mx = kk->max(sc, m), sum;
-
-		if (mx == -INFINITY)
-			continue;
-		sum = kk->expsum(sc, m, mx);
-		lse[gi] = mx + logf(sum);
-		if (seg->kv_dtype == KVD_KV_INT8) {
-			for (uint32_t i = 0; i < m; i++)
-				sc[i] *= sh->r8[s->rows[i]].vscale;
-			float wsc;
-
-			kvd_q16(sc, 1, (int)m, s->w16, &wsc);
-			kk->pv8(s->w16, m, &wsc, 1, d, sh->v8, s->rows, m, og);
-		} else {
-			kk->pv(sc, m, 1, d, sh->v, s->rows, m, og);
-		}
-		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
-
-		for (int e = 0; e < d; e++)
-			og[e] *= r;
+		lse[gi] = softmax_v(kk, seg, sh, d, sc, s->rows, m, s->w16, og);
 	}
 	if (st) {
 		st->cand += cand;
