@@ -158,6 +158,26 @@ static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s,
 	hid[i] = id;
 }
 
+/* The ids set in bits[0..words), ascending, into rows; clears the bits.
+ * Returns how many. */
+static uint32_t bits_drain(uint64_t *bits, uint32_t words, uint32_t *rows)
+{
+	uint32_t m = 0;
+
+	for (uint32_t w = 0; w < words; w++) {
+		uint64_t x = bits[w];
+
+		if (!x)
+			continue;
+		bits[w] = 0;
+		do {
+			rows[m++] = w * 64 + (uint32_t)__builtin_ctzll(x);
+			x &= x - 1;
+		} while (x);
+	}
+	return m;
+}
+
 /* One q head's softmax over the m corrected scores sc of rows (overwritten
  * with weights) and the weighted sum of their V rows into og, which is
  * zero; returns the lse, or -inf when no score is above -inf. */
@@ -233,17 +253,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			nheavy++;
 		}
 	}
-	for (uint32_t w = 0; w < words; w++) {
-		uint64_t x = s->bits[w];
-
-		if (!x)
-			continue;
-		s->bits[w] = 0;
-		do {
-			s->rows[m++] = w * 64 + (uint32_t)__builtin_ctzll(x);
-			x &= x - 1;
-		} while (x);
-	}
+	m = bits_drain(s->bits, words, s->rows);
 	if (st) {
 		st->cand += cand;
 		st->rows += m;
@@ -390,17 +400,8 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		 * do not depend on the tables' bucket order. */
 		for (uint32_t i = 0; i < nc; i++)
 			s->bits[s->cand[i] >> 6] |= 1ull << (s->cand[i] & 63);
-		for (uint32_t w = 0; nc && w < words; w++) {
-			uint64_t x = s->bits[w];
-
-			if (!x)
-				continue;
-			s->bits[w] = 0;
-			do {
-				s->rows[m++] = w * 64 + (uint32_t)__builtin_ctzll(x);
-				x &= x - 1;
-			} while (x);
-		}
+		if (nc)
+			m = bits_drain(s->bits, words, s->rows);
 		memset(og, 0, (size_t)d * sizeof(float));
 		lse[gi] = -INFINITY;
 		if (m == 0)
