@@ -377,7 +377,6 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
-	const uint32_t words = (seg->n + 63) / 64;
 	const float scale = 1.0f / sqrtf((float)d);
 	float *sc = s->s;
 	uint64_t cand = 0, walked = 0;
@@ -396,12 +395,11 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
 							 qc[(size_t)gi * L + t], &ids);
 		}
-		/* Ascending rows: the gather walks memory forwards and the sums
-		 * do not depend on the tables' bucket order. */
+		/* Candidates come in ascending order: the gather walks memory
+		 * forwards and the sums do not depend on the tables' bucket order. */
 		for (uint32_t i = 0; i < nc; i++)
-			s->bits[s->cand[i] >> 6] |= 1ull << (s->cand[i] & 63);
-		if (nc)
-			m = bits_drain(s->bits, words, s->rows);
+			s->rows[i] = s->cand[i];
+		m = nc;
 		memset(og, 0, (size_t)d * sizeof(float));
 		lse[gi] = -INFINITY;
 		if (m == 0)

@@ -339,11 +339,9 @@ int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap)
 	memset(s, 0, sizeof *s);
 	if (cap < 1 || cap > KVD_SEG_MAX)
 		return -KVD_EGEOM;
-	s->cnt = calloc(cap, 1);
-	/* One spare slot: candidates() stores unconditionally, one past the
-	 * last id it keeps. */
-	s->touched = malloc(((size_t)cap + 1) * sizeof(uint16_t));
-	if (!s->cnt || !s->touched) {
+	s->once = calloc((cap + 63) / 64, sizeof(uint64_t));
+	s->twice = calloc((cap + 63) / 64, sizeof(uint64_t));
+	if (!s->once || !s->twice) {
 		kvd_lsh_scratch_free(s);
 		return -ENOMEM;
 	}
@@ -353,8 +351,8 @@ int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap)
 
 void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
 {
-	free(s->cnt);
-	free(s->touched);
+	free(s->once);
+	free(s->twice);
 	memset(s, 0, sizeof *s);
 }
 
@@ -367,23 +365,23 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
 #define CAND_BATCH 16
 
 /*
- * The walk is branch-free: for random-looking ids "first sight" or not is
- * unpredictable.  Every id is stored into touched[nt] and nt advances only on
- * first sight, so touched ends up with each distinct id once; counts
- * saturate at c so any L fits in a byte.  The last pass emits the ids that
- * reached c and zeroes exactly the counts that were raised, so a query costs
- * what it walks, never O(n).
+ * Two bitmaps count to two: an id goes into `once` on its first table and
+ * into `twice` on its second (a table never holds an id twice), with no
+ * branch on "first sight", which is unpredictable for random-looking ids.
+ * At 2 bits per token they stay in L1 (16 KiB at 64k tokens), where a byte
+ * count per token and a list of the ids touched did not, and the walk went
+ * from ~18 to ~8 us per call on Zen 4 with every table cached (K10 L150,
+ * 32k tokens).  The drain scans the wanted map in ascending order and
+ * clears both, one pass over n/64 words.
  */
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out)
 {
-	if (t->n > s->cap || c < 1 || c > 255)
+	if (t->n > s->cap || c < 1 || c > 2)
 		return 0;
 
-	uint8_t *restrict cnt = s->cnt;
-	uint16_t *restrict touched = s->touched;
-	uint32_t mask = (1u << t->K) - 1, nt = 0, m = 0;
-	uint8_t cc = (uint8_t)c;
+	uint64_t *restrict once = s->once, *restrict twice = s->twice;
+	uint32_t mask = (1u << t->K) - 1, words = (t->n + 63) / 64, m = 0;
 
 	const uint16_t *ids[2][CAND_BATCH];
 	uint32_t len[2][CAND_BATCH];
@@ -409,21 +407,26 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 			const uint16_t *restrict b = ids[prev][k];
 
 			for (uint32_t j = 0; j < len[prev][k]; j++) {
-				uint16_t id = b[j];
-				uint8_t v = cnt[id];
+				uint32_t id = b[j], w = id >> 6;
+				uint64_t bit = 1ull << (id & 63), o = once[w];
 
-				touched[nt] = id;
-				nt += v == 0;
-				cnt[id] = (uint8_t)(v + (v < cc));
+				twice[w] |= o & bit;
+				once[w] = o | bit;
 			}
 		}
 	}
-	for (uint32_t k = 0; k < nt; k++) {
-		uint16_t id = touched[k];
 
-		out[m] = id;
-		m += cnt[id] >= cc;
-		cnt[id] = 0;
+	const uint64_t *want = c == 1 ? once : twice;
+
+	for (uint32_t w = 0; w < words; w++) {
+		uint64_t x = want[w];
+
+		once[w] = 0;
+		twice[w] = 0;
+		while (x) {
+			out[m++] = (uint16_t)(w * 64 + (uint32_t)__builtin_ctzll(x));
+			x &= x - 1;
+		}
 	}
 	return m;
 }

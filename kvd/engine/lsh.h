@@ -89,22 +89,21 @@ static inline uint32_t kvd_lsh_bucket(const struct kvd_lsh_tables *t, uint32_t t
 	return cnt;
 }
 
-/* Per-thread retrieval state, sized for segments of up to `cap` tokens.  The
- * count array is zero between calls: retrieval resets only what it touched. */
+/* Per-thread retrieval state, sized for segments of up to `cap` tokens.  Both
+ * bitmaps are zero between calls. */
 struct kvd_lsh_scratch {
 	uint32_t cap;
-	uint8_t *cnt;           /* [cap] */
-	uint16_t *touched;      /* [cap + 1]: the branch-free walk writes one past */
+	uint64_t *once, *twice; /* [(cap + 63) / 64]: ids seen in >= 1, >= 2 tables */
 };
 
 int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap);
 void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s);
 
 /* Local ids of the tokens whose code equals qcodes[t] in at least c of the L
- * tables (c is 1 or 2), in no particular order, into out (room for n).
- * Returns how many; 0 when the segment has more tokens than s->cap.  Codes
- * are masked to K bits (they come from clients).  Cost: the total length of
- * the L buckets visited. */
+ * tables (c is 1 or 2), in ascending order, into out (room for n).
+ * Returns how many; 0 when the segment has more tokens than s->cap or c is
+ * not 1 or 2.  Codes are masked to K bits (they come from clients).  Cost:
+ * the total length of the L buckets visited, plus n/64 words to drain. */
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out);
 

@@ -269,9 +269,10 @@ static void brute_hits(const uint16_t *codes, size_t ldc, uint32_t n, int K, int
 
 static void assert_scratch_clean(const struct kvd_lsh_scratch *s)
 {
-	for (uint32_t i = 0; i < s->cap; i++)
-		if (s->cnt[i])
-			fail_msg("scratch cnt[%u] = %u after a query", i, s->cnt[i]);
+	for (uint32_t w = 0; w < (s->cap + 63) / 64; w++)
+		if (s->once[w] || s->twice[w])
+			fail_msg("scratch word %u = %#llx / %#llx after a query", w,
+				 (unsigned long long)s->once[w], (unsigned long long)s->twice[w]);
 }
 
 /* Queries: random; one token's codes (so it and its twins collide
@@ -302,8 +303,8 @@ static void gen_query(uint16_t *q, int mode, const uint16_t *codes, size_t ldc, 
 }
 
 /* Returns the number of candidates (summed over c = 1, 2). */
-/* Candidates as a set: as many as brute force finds, each one a token that
- * collides in >= c tables, none twice -- equal sets without sorting. */
+/* Candidates: as many as brute force finds, each one a token that collides
+ * in >= c tables, in ascending order (so none twice) -- equal sets. */
 static uint64_t check_retrieval(const struct kvd_lsh_tables *t, const uint16_t *codes, size_t ldc,
 				const uint16_t *q, struct kvd_lsh_scratch *s)
 {
@@ -331,6 +332,7 @@ static uint64_t check_retrieval(const struct kvd_lsh_tables *t, const uint16_t *
 				uint16_t id = got[k];
 
 				assert_true(id < n);
+				assert_true(k == 0 || id > got[k - 1]);     /* ascending */
 				assert_true(hits[id] >= c);
 				assert_false(seen[id]);
 				seen[id] = 1;
@@ -819,13 +821,14 @@ static void test_bad_arguments(void **state)
 	assert_int_equal(kvd_lsh_scratch_init(&s, KVD_SEG_MAX + 1), -KVD_EGEOM);
 	kvd_lsh_scratch_free(&s);       /* harmless after a failed init */
 
-	/* A scratch smaller than the segment, or c out of 1..255: nothing. */
+	/* A scratch smaller than the segment, or c out of 1..2: nothing. */
 	build(&b, 4, 2, 1, codes, 4);
 	assert_int_equal(kvd_lsh_scratch_init(&s, 3), 0);
 	assert_int_equal(kvd_lsh_candidates(&b.t, q, 1, &s, out), 0);
 	kvd_lsh_scratch_free(&s);
 	assert_int_equal(kvd_lsh_scratch_init(&s, 4), 0);
 	assert_int_equal(kvd_lsh_candidates(&b.t, q, 0, &s, out), 0);
+	assert_int_equal(kvd_lsh_candidates(&b.t, q, 3, &s, out), 0);
 	assert_int_equal(kvd_lsh_candidates(&b.t, q, 1, &s, out), 4);
 	assert_int_equal(kvd_lsh_candidates(&b.t, q, 2, &s, out), 0);    /* c > L */
 	assert_scratch_clean(&s);
