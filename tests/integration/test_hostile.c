@@ -7,6 +7,8 @@
  *                               shared memory while kvd runs the batch
  *   test_loop_not_stalled       a big ATTEND batch must not hold up another
  *                               client's ATTEND or control request
+ *   test_nonfinite_queries      NaN, infinite and huge query elements reach
+ *                               only their own q heads' answers
  *   test_seq_create_budget      sequences count against --mem-limit
  *   test_profiles_per_uid       [limits] profiles_per_uid; profiles freed
  *   test_profile_namespace      profile names are per uid
@@ -38,6 +40,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <float.h>
 #include <math.h>
 #include <grp.h>
 #include <poll.h>
@@ -531,11 +534,11 @@ static void *writer_main(void *arg)
 	return arg;
 }
 
-#define H1_TOK   300
-#define H1_NSEQ  1024
-#define H1_BATCH 6
-
-static void test_attend_ids_rewritten(void **state)
+/* The honest client, another process and tenant: it prefills a sequence of
+ * P1, asks for one layer-1 answer, writes a byte to `ready`, then asks
+ * again and again until `go` reaches EOF (the parent closes its end), every
+ * answer bit for bit the first.  Returns its pid; *go_w is the parent's end. */
+static pid_t spawn_honest(int *go_w, int *ready_r)
 {
 	int ready[2], go[2];
 	pid_t honest;
@@ -543,8 +546,6 @@ static void test_attend_ids_rewritten(void **state)
 
 	assert_int_equal(pipe(ready), 0);
 	assert_int_equal(pipe(go), 0);
-	/* The honest client, another process and tenant: its answer for the
-	 * same query must stay bit for bit the same, before, during, after. */
 	honest = spawn();
 	if (honest == 0) {
 		struct kvd_synth w;
@@ -581,6 +582,19 @@ static void test_attend_ids_rewritten(void **state)
 	close(ready[1]);
 	if (read(ready[0], &b, 1) != 1)
 		expect_kid_ok(honest, 60, "honest client");
+	*go_w = go[1];
+	*ready_r = ready[0];
+	return honest;
+}
+
+#define H1_TOK   300
+#define H1_NSEQ  1024
+#define H1_BATCH 6
+
+static void test_attend_ids_rewritten(void **state)
+{
+	int go_w, ready_r;
+	pid_t honest = spawn_honest(&go_w, &ready_r);
 
 	/* The hostile side: a prefilled sequence of P1 and an empty one of P2
 	 * in its tenant (through libkvclient), and a raw connection of the same
@@ -659,7 +673,7 @@ static void test_attend_ids_rewritten(void **state)
 
 	assert_int_equal(c.user_data, 7);
 	assert_int_equal(c.res, 0);
-	close(go[1]);
+	close(go_w);
 	expect_kid_ok(honest, 120, "honest client");
 	raw_close(&x);
 	assert_int_equal(kvc_seq_free(c1, s1), 0);
@@ -667,7 +681,7 @@ static void test_attend_ids_rewritten(void **state)
 	kvc_close(c1);
 	kvc_close(c2);
 	kvd_synth_free(&w);
-	close(ready[0]);
+	close(ready_r);
 }
 
 /* ==== 2. big ATTEND batches must not stall the loop ======================= */
@@ -1800,11 +1814,105 @@ static void test_share_per_uid(void **state)
 	raw_close(&o);
 }
 
+/* ==== non-finite queries ================================================== */
+
+/* A client's queries are floats it chose: NaN, infinities, the largest
+ * finite values.  Whatever kvd answers that client, it must not crash, the
+ * client's other q heads must get the answer they get without the poison
+ * (magicpig and the tail's exact part work per q head), the next clean
+ * query must be answered as before, and another tenant must see nothing.
+ * The hybrid estimators keep per-sequence state (heavy lists) that a
+ * poisoned query updates: there the clean query afterwards must still be
+ * finite everywhere, since the lists hold row ids, never scores. */
+static void test_nonfinite_queries(void **state)
+{
+	static const struct {
+		uint32_t dt, est;
+		const char *name;
+	} pr[] = {
+		{ KVC_KV_BF16, KVC_EST_MAGICPIG, "hostile-nf-bf16" },
+		{ KVC_KV_INT8, KVC_EST_MAGICPIG, "hostile-nf-int8" },
+		{ KVC_KV_INT8, KVC_EST_HYBRID, "hostile-nf-int8-hybrid" },
+		{ KVC_KV_BF16, KVC_EST_ADAPTIVE, "hostile-nf-bf16-adaptive" },
+	};
+	const float bad[] = { NAN, -NAN, INFINITY, -INFINITY, FLT_MAX, -FLT_MAX, 1e-45f };
+	const int sick[2] = { 0, 5 };   /* one q head in each kv group */
+	int go_w, ready_r, calls = 0;
+	pid_t honest = spawn_honest(&go_w, &ready_r);
+
+	for (size_t p = 0; p < sizeof pr / sizeof pr[0]; p++) {
+		struct kvc_model m = P1;
+		struct kvd_synth w;
+		struct kvc *c;
+		struct kvc_seq *s;
+		float q[8 * 128], o0[8 * 128], l0[8], o[8 * 128], l[8];
+		const int exact = pr[p].est == KVC_EST_MAGICPIG;
+
+		m.name = pr[p].name;
+		m.K = 4;
+		m.L = 32;
+		m.c = 2;
+		m.kv_dtype = pr[p].dt;
+		m.estimator = pr[p].est;
+		c = kconnect("nonfinite", &m, 4, 1 << 20);
+		assert_non_null(c);
+		s = kprefill(c, &m, 1500, 40 + p, &w);
+		assert_non_null(s);
+		for (uint32_t layer = 1; layer < m.layers; layer++) {
+			assert_int_equal(kvc_attend_kvd(c, layer, &s, 1, w.q, o0, l0), 0);
+			for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+				for (int all = 0; all < 2; all++) {
+					memcpy(q, w.q, sizeof q);
+					for (int k = 0; k < 2; k++)
+						for (int e = 0; e < 128; e++)
+							if (all || e == 17)
+								q[sick[k] * 128 + e] = bad[b];
+					int rc = kvc_attend_kvd(c, layer, &s, 1, q, o, l);
+
+					fail_if_dead("after a non-finite query");
+					if (rc)
+						fail_msg("%s layer %u: value %g (all %d): %s", m.name, layer,
+							 (double)bad[b], all, kvc_last_error(c));
+					calls++;
+					for (int h = 0; exact && h < 8; h++) {
+						if (h == sick[0] || h == sick[1])
+							continue;
+						if (memcmp(o + h * 128, o0 + h * 128, 128 * sizeof(float)) ||
+						    memcmp(&l[h], &l0[h], sizeof(float)))
+							fail_msg("%s layer %u: value %g (all %d) changed clean "
+								 "head %d", m.name, layer, (double)bad[b], all, h);
+					}
+				}
+			}
+			assert_int_equal(kvc_attend_kvd(c, layer, &s, 1, w.q, o, l), 0);
+			if (exact) {
+				assert_memory_equal(o, o0, sizeof o);
+				assert_memory_equal(l, l0, sizeof l);
+			}
+			for (int i = 0; i < 8 * 128; i++)
+				if (!isfinite(o[i]))
+					fail_msg("%s layer %u: a clean query after the poison: o[%d] = %g",
+						 m.name, layer, i, (double)o[i]);
+			for (int h = 0; h < 8; h++)
+				assert_true(isfinite(l[h]));
+		}
+		assert_int_equal(kvc_seq_free(c, s), 0);
+		kvc_close(c);
+		kvd_synth_free(&w);
+	}
+	print_message("  %d poisoned queries over 4 profiles, clean heads unchanged\n", calls);
+	fail_if_dead("after the non-finite queries");
+	close(go_w);
+	expect_kid_ok(honest, 120, "honest client");
+	close(ready_r);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_attend_ids_rewritten, start_plain, stop),
 		cmocka_unit_test_setup_teardown(test_loop_not_stalled, start_plain, stop),
+		cmocka_unit_test_setup_teardown(test_nonfinite_queries, start_plain, stop),
 		cmocka_unit_test_setup_teardown(test_seq_create_budget, start_seq_budget, stop),
 		cmocka_unit_test_setup_teardown(test_profiles_per_uid, start_profiles, stop),
 		cmocka_unit_test_setup_teardown(test_profile_namespace, start_open, stop),
