@@ -10,12 +10,18 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "invariant.h"
 #include "pool.h"
 
-#define SPIN_ITERS 20000        /* ~20-50 us of pause before a worker sleeps */
+/* How long a worker waiting for a job, or a submitter waiting for its job
+ * to finish, spins before it sleeps.  Bounded in time, not in pauses: a
+ * pause is 10 to 150 cycles depending on the CPU, and 20000 of them were
+ * 540 us on Zen 4, long enough that with as many workers as CPUs the
+ * spinning submitter took a core from its own job's workers. */
+#define SPIN_NS 30000
 
 struct job {
 	kvd_pool_fn fn;
@@ -52,6 +58,33 @@ static inline void cpu_relax(void)
 #endif
 }
 
+static uint64_t now_ns(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Pauses until *v != 0 (ne) or *v == want (!ne), or SPIN_NS have passed,
+ * reading the clock every 32 pauses.  Returns whether the wait ended. */
+static int spin(const _Atomic unsigned *v, unsigned want, int ne)
+{
+	uint64_t end = now_ns() + SPIN_NS;
+
+	for (;;) {
+		for (int i = 0; i < 32; i++) {
+			unsigned x = atomic_load_explicit(v, memory_order_acquire);
+
+			if (ne ? x != 0 : x == want)
+				return 1;
+			cpu_relax();
+		}
+		if (now_ns() >= end)
+			return 0;
+	}
+}
+
 /* Called with mu held; returns with it held.  Returns 0 when the pool stops. */
 static int wait_for_job(struct kvd_pool *p)
 {
@@ -59,8 +92,7 @@ static int wait_for_job(struct kvd_pool *p)
 		if (p->stop)
 			return 0;
 		pthread_mutex_unlock(&p->mu);
-		for (int i = 0; i < SPIN_ITERS && !atomic_load_explicit(&p->queued, memory_order_relaxed); i++)
-			cpu_relax();
+		spin(&p->queued, 0, 1);
 		pthread_mutex_lock(&p->mu);
 		if (p->head || p->stop)
 			continue;
@@ -142,11 +174,8 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 		pthread_cond_broadcast(&p->work);
 	pthread_mutex_unlock(&p->mu);
 
-	for (int i = 0; i < SPIN_ITERS; i++) {
-		if (atomic_load_explicit(&j.done, memory_order_acquire) == ntasks)
-			return;
-		cpu_relax();
-	}
+	if (spin(&j.done, ntasks, 0))
+		return;
 	pthread_mutex_lock(&p->mu);
 	while (atomic_load_explicit(&j.done, memory_order_acquire) != ntasks)
 		pthread_cond_wait(&p->fin, &p->mu);
