@@ -1900,7 +1900,8 @@ static void test_nonfinite_queries(void **state)
 		kvc_close(c);
 		kvd_synth_free(&w);
 	}
-	print_message("  %d poisoned queries over 4 profiles, clean heads unchanged\n", calls);
+	print_message("  %d poisoned queries over %zu profiles, clean heads unchanged\n", calls,
+		      sizeof pr / sizeof pr[0]);
 	fail_if_dead("after the non-finite queries");
 	close(go_w);
 	expect_kid_ok(honest, 120, "honest client");
