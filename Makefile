@@ -3,6 +3,7 @@
 #   make            build the engine library, kvbench and the unit tests
 #   make test       plain tests, then ASan+UBSan, then TSan, then a short fuzz run,
 #                   then the CUDA backend on the host emulation (make check-emu)
+#                   and the AVX-512 kernels on SIMDe (make check-avx512-emu)
 #   make test SAN=address,undefined   (or SAN=thread): only that variant
 #   make bench      the engine benchmark, JSON lines (bench/README in docs)
 #   make demo       the main job (see README.md); SPILL=1: sessions 3x the memory budget
@@ -140,6 +141,7 @@ GIT_REV ?= $(shell r=$$(sed -n 's/^ref: //p' .git/HEAD 2>/dev/null); \
 	  else cat .git/HEAD; fi; } 2>/dev/null | cut -c1-12)
 $(B)/obj/kvd/metrics.o: EXTRA := -DKVD_GIT_REV='"$(or $(GIT_REV),unknown)"'
 $(B)/obj/kvd/engine/kern_avx512.o: EXTRA := $(ISA_avx512)
+$(B)/obj/kvd/engine/kern_avx512vnni.o: EXTRA := $(ISA_avx512) -mavx512vnni
 
 $(B)/obj/%.o: %.c
 	$(call msg,CC,$<)
@@ -223,6 +225,7 @@ FUZZ_LIBS := -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxh
 
 build/fuzz/obj/kvd/engine/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
 build/fuzz/obj/kvd/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
+build/fuzz/obj/kvd/engine/kern_avx512vnni.o: FUZZ_ISA := $(ISA_avx512) -mavx512vnni
 
 build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
 	$(call msg,FUZZCC,$<)
@@ -265,6 +268,7 @@ test: deps
 	$(Q)$(MAKE) --no-print-directory check SAN=thread
 	$(Q)$(MAKE) --no-print-directory fuzz-smoke
 	$(Q)$(MAKE) --no-print-directory check-emu
+	$(Q)$(MAKE) --no-print-directory check-avx512-emu
 	$(Q)$(MAKE) --no-print-directory check-unit check-exports
 	$(Q)$(MAKE) --no-print-directory check-install
 	$(Q)$(MAKE) --no-print-directory check-python
@@ -370,6 +374,8 @@ clean:
 
 # check-emu: the CUDA backend on the host emulation (tests/emu/emu.mk)
 include tests/emu/emu.mk
+# check-avx512-emu: the AVX-512 kernels on SIMDe (tests/simd/simd.mk)
+include tests/simd/simd.mk
 
 -include $(CORE_OBJ:.o=.d) $(CLIENT_OBJ:.o=.d) $(BENCH_OBJ:.o=.d) $(TEST_COMMON_OBJ:.o=.d) \
 	$(TEST_OBJ:.o=.d) $(KVCTL_OBJ:.o=.d) $(B)/obj/kvd/main.d $(DECODE_OBJ:.o=.d) $(B)/obj/gpu-client/decode/main.d \

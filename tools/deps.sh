@@ -5,7 +5,7 @@
 set -eu
 pkgs="gcc g++ make clang libclang-rt-14-dev pkg-config
       liburing-dev libnuma-dev libprotobuf-c-dev protobuf-c-compiler
-      libcmocka-dev libinih-dev libsystemd-dev libisal-dev libxxhash-dev
+      libcmocka-dev libinih-dev libsystemd-dev libisal-dev libxxhash-dev libsimde-dev
       systemd fio libmicrohttpd-dev prometheus curl
       libhiredis-dev redis-server redis-tools
       python3-numpy python3-torch python3-pytest"

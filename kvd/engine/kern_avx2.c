@@ -337,7 +337,7 @@ static void pv_avx2(const float *w, size_t ldw, int G, int d, const uint16_t *ba
 
 /* ---- int8 qk / pv ------------------------------------------------------- */
 
-/* int8 rows (qk8, pv8; the AVX-512 tables use these too) are walked as in
+/* int8 rows (qk8, pv8; kern_i8_512.h does the same 512 bits wide) are walked as in
  * kern_walk.h, which counts in u16 elements: a row of d bytes is d/2 of
  * them, so walk_init(base, d/2) gives the same tiles and streams, and w->odd
  * the right answer for byte rows (the u16 pointers are only offset, never
@@ -657,8 +657,8 @@ INLINE void pv8_one(const int16_t *w, float ws, const int d, const int8_t *base,
 	}
 }
 
-void kvd_qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-		  const uint32_t *idx, size_t m, float *s, size_t lds)
+static void qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
+		     const uint32_t *idx, size_t m, float *s, size_t lds)
 {
 	_Alignas(32) __m256i tmp[GB_MAX * TILE];
 	int ng = (G + GB_MAX - 1) / GB_MAX;
@@ -802,8 +802,8 @@ typedef void pv8_fn(const int16_t *w, size_t ldw, const float *ws, float *o,
 BY_GB(PV8_TILE)
 static pv8_fn *const pv8_tiles[GB_MAX] = BY_GB_NAMES(pv8_tile);
 
-void kvd_pv8_avx2(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
-		  const int8_t *base, const uint32_t *idx, size_t m, float *o)
+static void pv8_avx2(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
+		     const int8_t *base, const uint32_t *idx, size_t m, float *o)
 {
 	int ng = (G + GB_MAX - 1) / GB_MAX;
 	struct walk wk;
@@ -1203,6 +1203,6 @@ const struct kvd_kern kvd_kern_avx2 = {
 	.expsum = expsum_avx2,
 	.logp = logp_avx2,
 	.kinv = kinv_avx2,
-	.qk8 = kvd_qk8_avx2,
-	.pv8 = kvd_pv8_avx2,
+	.qk8 = qk8_avx2,
+	.pv8 = pv8_avx2,
 };

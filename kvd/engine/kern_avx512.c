@@ -1,5 +1,7 @@
 /* AVX-512 kernels (F/BW/VL/DQ).  kvd_kern_avx512 executes no AVX512_BF16
- * instruction; kvd_kern_avx512bf16 differs only in qk, which uses VDPBF16PS.
+ * or VNNI instruction; kvd_kern_avx512bf16 differs only in qk, which uses
+ * VDPBF16PS, and kvd_kern_avx512vnni only in qk8 and pv8, which use
+ * VPDPWSSD (kern_avx512vnni.c).
  *
  * bf16 -> f32 is done 32 elements at a time without shuffles: a 64-byte row
  * chunk read as 16 u32 holds the pairs (2k, 2k+1); `<< 16` yields the even
@@ -476,15 +478,12 @@ static void pv_avx512(const float *w, size_t ldw, int G, int d, const uint16_t *
 
 /* ---- int8 qk / pv ------------------------------------------------------- */
 
-/* The AVX-512 tables use kern_avx2.c's qk8 and pv8: both sum 16-bit queries
- * or weights times int8 rows in integers (VPMADDWD), 256 bits wide.  A
- * 512-bit version, and VPDPWSSD (AVX512_VNNI: the multiply and the add in
- * one), would likely be faster; neither has been written, for want of an
- * AVX-512 host to measure them on.  VPDPBUSD was tried when qk8 was f32:
+/* kern_i8_512.h, summing with VPMADDWD + VPADDD; kern_avx512vnni.c builds
+ * the same code with VPDPWSSD.  VPDPBUSD was tried when qk8 was f32:
  * keeping q to ~23 bits took three signed-byte limbs, and it did not pay
- * (Zen 4, rows in L2: G = 1 slower, G = 4 and 8 even, G = 2 ~18% faster).
- * The int8 walk's notes (prefetch to L2, two tiles ahead) are in
- * kern_avx2.c. */
+ * (Zen 4, rows in L2: G = 1 slower, G = 4 and 8 even, G = 2 ~18% faster). */
+#define I8_VNNI 0
+#include "kern_i8_512.h"
 
 
 /* ---- softmax pieces ------------------------------------------------------ */
@@ -832,8 +831,8 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.expsum = expsum_avx512,
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
-	.qk8 = kvd_qk8_avx2,
-	.pv8 = kvd_pv8_avx2,
+	.qk8 = qk8_512,
+	.pv8 = pv8_512,
 };
 
 const struct kvd_kern kvd_kern_avx512bf16 = {
@@ -845,6 +844,19 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.expsum = expsum_avx512,
 	.logp = logp_avx512,
 	.kinv = kinv_avx512,
-	.qk8 = kvd_qk8_avx2,
-	.pv8 = kvd_pv8_avx2,
+	.qk8 = qk8_512,
+	.pv8 = pv8_512,
+};
+
+const struct kvd_kern kvd_kern_avx512vnni = {
+	.name = "avx512vnni",
+	.hash = hash_avx512,
+	.qk = qk_avx512,
+	.pv = pv_avx512,
+	.max = max_avx512,
+	.expsum = expsum_avx512,
+	.logp = logp_avx512,
+	.kinv = kinv_avx512,
+	.qk8 = kvd_qk8_avx512vnni,
+	.pv8 = kvd_pv8_avx512vnni,
 };

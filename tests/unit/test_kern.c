@@ -30,7 +30,7 @@
 static const struct kvd_kern *const ref = &kvd_kern_scalar;
 
 /* The variants under test: those of all[] this CPU runs (group setup). */
-static const char *const all[] = { "avx2", "avx512", "avx512bf16" };
+static const char *const all[] = { "avx2", "avx512", "avx512vnni", "avx512bf16" };
 #define NV (sizeof all / sizeof all[0])
 static const struct kvd_kern *var[NV];
 static size_t nvar;
