@@ -59,6 +59,10 @@ int bench_ipc_main(int argc, char **argv);
  * without a CUDA device. */
 int bench_gpu_main(int argc, char **argv);
 
+/* `kvbench kern` (bench/kern.c): the int8 and bf16 row kernels of each ISA
+ * variant, one core, cold. */
+int bench_kern_main(int argc, char **argv);
+
 /* kvbench demo / serve (bench/serve.c). */
 int bench_demo_main(int argc, char **argv);
 int bench_serve_main(int argc, char **argv);

@@ -653,6 +653,7 @@ static void usage(void)
 		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive|all]\n"
 		"                    [--steps N] [--measure N]\n"
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
+		"       kvbench kern [--json] [--reps N] [--gather ROWS] [--dense ROWS] [--table-mib MIB]\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n"
 		"       kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N] ...\n"
@@ -961,6 +962,8 @@ int main(int argc, char **argv)
 		return bench_serve_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "load"))
 		return bench_load_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "kern"))
+		return bench_kern_main(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "gpu"))
 		return bench_gpu_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "ipc"))
