@@ -2,9 +2,12 @@
 # included by the top-level Makefile.
 #
 #   make check-avx512-emu   build kern.c (every variant supported), kern_avx512.c
-#                           and kern_avx512vnni.c on SIMDe into build/emu512/ and
-#                           run test_kern there: each AVX-512 table against the
-#                           scalar reference, as on an AVX-512 machine.
+#                           and kern_avx512vnni.c on SIMDe into build/emu512/,
+#                           under ASan+UBSan, and run test_kern there: each
+#                           AVX-512 table against the scalar reference, as on
+#                           an AVX-512 machine.  SIMDe's loads are memcpy, so
+#                           ASan also sees a vector load past a row's end (a
+#                           half chunk read whole failed it).
 #
 # It checks what the code computes, not how fast; a real AVX-512 host runs
 # the ordinary test_kern on the real instructions.
@@ -12,8 +15,9 @@
 E512_B    := build/emu512
 E512_SRC  := kvd/engine/kern.c kvd/engine/kern_avx512.c kvd/engine/kern_avx512vnni.c
 E512_OBJ  := $(E512_SRC:kvd/engine/%.c=$(E512_B)/obj/%.o)
+E512_SAN    := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 # -O1: SIMDe at -O2 took minutes a file to compile.
-E512_CFLAGS := $(filter-out -Wshadow -O2,$(CFLAGS)) -O1 $(ISA_avx2) -DKVD_KERN_EMU
+E512_CFLAGS := $(filter-out -Wshadow -O2,$(CFLAGS)) -O1 $(ISA_avx2) $(E512_SAN) -DKVD_KERN_EMU
 
 .PHONY: check-avx512-emu
 
@@ -30,7 +34,7 @@ $(E512_B)/obj/%.o: kvd/engine/%.c tests/simd/avx512_simde.h
 # The objects above come first, so the archive's own kern*.o stay out.
 $(E512_B)/test_kern: $(B)/tests/obj/test_kern.o $(E512_OBJ) $(TEST_COMMON_OBJ) $(B)/libkvdcore.a
 	$(call msg,LD,$@)
-	$(Q)$(CC) $(LDFLAGS) $^ -lcmocka $(LDLIBS) -o $@
+	$(Q)$(CC) $(LDFLAGS) $(E512_SAN) $^ -lcmocka $(LDLIBS) -o $@
 
 check-avx512-emu: $(E512_B)/test_kern
 	$(Q)sh tests/run.sh $(E512_B) $(E512_B)/test_kern
