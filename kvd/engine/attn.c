@@ -391,11 +391,13 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
  * only its own sample.  A group's samples barely overlap (98k tokens, K10
  * L150, G = 4: the union holds 3.8 heads' worth), so sampled()'s union walk,
  * which the heavy list needs, would spend ~G times the kernel work on rows
- * whose weight is zero.  Rows shared by two heads are gathered twice. */
+ * whose weight is zero.  Rows shared by two heads are gathered twice.
+ * Only q heads g0, g0 + gstep, ... are attended, the others get the empty
+ * result: the layer driver spreads a group over several tasks. */
 static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 			const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
 			const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
-			float *o, float *lse, struct kvd_attn_stats *st)
+			float *o, float *lse, struct kvd_attn_stats *st, int g0, int gstep)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
@@ -403,7 +405,8 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 	float *sc = s->s;
 	uint64_t cand = 0, walked = 0;
 
-	for (int gi = 0; gi < G; gi++) {
+	empty_result(G, d, o, lse);
+	for (int gi = g0; gi < G; gi += gstep) {
 		const float *qg = q + (size_t)gi * d;
 		float *og = o + (size_t)gi * d;
 		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
@@ -423,8 +426,6 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 			s->rows[i] = s->cand[i];
 		rows_prefetch(seg, sh, s->rows, nc);
 		m = nc;
-		memset(og, 0, (size_t)d * sizeof(float));
-		lse[gi] = -INFINITY;
 		if (m == 0)
 			continue;
 		if (seg->kv_dtype == KVD_KV_INT8) {
@@ -459,7 +460,7 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
 		      float *o, float *lse, struct kvd_attn_stats *st)
 {
-	sampled_own(kk, g, tab, seg, h, q, qc, s, o, lse, st);
+	sampled_own(kk, g, tab, seg, h, q, qc, s, o, lse, st, 0, 1);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -557,14 +558,30 @@ void kvd_attn_dense(const struct kvd_kern *kk, const float *q, int G, int d,
 	dense(kk, q, G, d, &r, n, o, lse, s);
 }
 
+/* Rows [a, b) of kv head h of a segment. */
+static void dense_seg_rows(const struct kvd_kern *kk, const float *q, int G,
+			   const struct kvd_seg *seg, uint32_t h, size_t a, size_t b, float *o,
+			   float *lse, float *s)
+{
+	const struct kvd_seg_head *sh = &seg->h[h];
+	const size_t d = seg->d;
+	struct dense_rows r = { .kscale = sh->kscale };
+
+	if (seg->kv_dtype == KVD_KV_INT8) {
+		r.k8 = sh->k8 + a * d;
+		r.v8 = sh->v8 + a * d;
+		r.r8 = sh->r8 + a;
+	} else {
+		r.k = sh->k + a * d;
+		r.v = sh->v + a * d;
+	}
+	dense(kk, q, G, (int)d, &r, b - a, o, lse, s);
+}
+
 void kvd_attn_dense_seg(const struct kvd_kern *kk, const float *q, int G,
 			const struct kvd_seg *seg, uint32_t h, float *o, float *lse, float *s)
 {
-	const struct kvd_seg_head *sh = &seg->h[h];
-	struct dense_rows r = { .k = sh->k, .v = sh->v, .k8 = sh->k8, .v8 = sh->v8,
-				.kscale = sh->kscale, .r8 = sh->r8 };
-
-	dense(kk, q, G, (int)seg->d, &r, seg->n, o, lse, s);
+	dense_seg_rows(kk, q, G, seg, h, 0, seg->n, o, lse, s);
 }
 
 void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, int G, int d)
@@ -592,10 +609,23 @@ void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, in
 
 /* ---- one layer ---------------------------------------------------------- */
 
-/* Tasks are (request, part, kv head) with part < nseg a segment and part ==
- * nseg the tail; each writes its own slot of `part_o`/`part_lse`, merged
- * afterwards in part order, so a request's result depends neither on
- * scheduling nor on which other requests share the job. */
+/* Tasks are (request, kv head, part, sub) with part < nseg a segment and
+ * part == nseg the tail; each writes its own slot of `part_o`/`part_lse`,
+ * merged afterwards in (part, sub) order, so a request's result depends
+ * neither on scheduling nor on which other requests share the job (nor on
+ * the pool's size: the split is fixed).
+ *
+ * A (kv head, part) pair alone is too coarse to keep a many-core host busy:
+ * 8 kv heads over 3 segments and a tail are 32 tasks, and 48 cores would
+ * idle a third of them; with 24 tasks on 16 cores the second wave runs half
+ * empty.  So each pair is split KVD_ATTN_SPLIT ways: sampled parts by q
+ * head (sub s attends heads s, s + SPLIT, ...; MagicPIG's heads are
+ * independent), dense parts and the tail by rows (a range of whole
+ * DENSE_BLOCKs each, so the G heads still share every K and V row read).
+ * Requests with estimator state are not split: their heads share the
+ * group's union and its heavy list.  Nor are requests of KVD_ATTN_SPLIT_MIN
+ * pairs or more, which feed a pool on their own: the split multiplies the
+ * slots to merge (and part_o), and this bounds what it adds. */
 struct layer_job {
 	struct kvd_attn_scratch *scr;
 	const struct kvd_kern *kk;
@@ -641,6 +671,24 @@ static uint32_t nparts_of(const struct kvd_layer_view *lv)
 	return lv->nseg + (lv->tail_n ? 1 : 0);
 }
 
+#define KVD_ATTN_SPLIT     4u
+#define KVD_ATTN_SPLIT_MIN 128u
+
+static uint32_t split_of(const struct kvd_attn_req *r)
+{
+	return has_state(r) || nparts_of(r->lv) * r->g->kv_heads >= KVD_ATTN_SPLIT_MIN ?
+		       1 : KVD_ATTN_SPLIT;
+}
+
+/* Sub `sub` of `split`'s rows of n: whole DENSE_BLOCKs, the last one short. */
+static void rows_of(size_t n, uint32_t sub, uint32_t split, size_t *a, size_t *b)
+{
+	size_t per = ((n + split - 1) / split + DENSE_BLOCK - 1) / DENSE_BLOCK * DENSE_BLOCK;
+
+	*a = (size_t)sub * per < n ? (size_t)sub * per : n;
+	*b = *a + per < n ? *a + per : n;
+}
+
 static void layer_task(void *arg, uint32_t task, unsigned worker)
 {
 	struct layer_job *j = arg;
@@ -653,9 +701,10 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 	const struct kvd_attn_req *r = &j->r[ri];
 	const struct kvd_geom *g = r->g;
 	const struct kvd_layer_view *lv = r->lv;
-	uint32_t G = kvd_geom_group(g), d = g->d, nparts = nparts_of(lv);
-	uint32_t h = task / nparts, part = task % nparts;
+	uint32_t G = kvd_geom_group(g), d = g->d, nparts = nparts_of(lv), split = split_of(r);
+	uint32_t h = task / split / nparts, part = task / split % nparts, sub = task % split;
 	const float *q = r->q + (size_t)h * G * d;
+	size_t a, b;
 	float *o = j->part_o + j->po[ri] + (size_t)task * G * d;
 	float *lse = j->part_lse + j->pl[ri] + (size_t)task * G;
 	struct kvd_attn_scratch *s = &j->scr[worker];
@@ -673,16 +722,17 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		sampled(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
 			o, lse, j->st ? &j->st[worker] : NULL, &hv, &top);
 	} else if (part < lv->nseg && r->tab) {
-		kvd_attn_sampled(j->kk, g, r->tab, lv->seg[part], h, q,
-				 r->qc + (size_t)h * G * g->L, s, o, lse,
-				 j->st ? &j->st[worker] : NULL);
+		sampled_own(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
+			    o, lse, j->st ? &j->st[worker] : NULL, (int)sub, (int)split);
 	} else if (part < lv->nseg) {
-		kvd_attn_dense_seg(j->kk, q, (int)G, lv->seg[part], h, o, lse, s->s);
+		rows_of(lv->seg[part]->n, sub, split, &a, &b);
+		dense_seg_rows(j->kk, q, (int)G, lv->seg[part], h, a, b, o, lse, s->s);
 	} else {
 		size_t off = (size_t)h * (lv->tail_cap ? lv->tail_cap : lv->tail_n) * d;
 
-		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off, lv->tail_v + off,
-			       lv->tail_n, o, lse, s->s);
+		rows_of(lv->tail_n, sub, split, &a, &b);
+		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off + a * d,
+			       lv->tail_v + off + a * d, b - a, o, lse, s->s);
 	}
 }
 
@@ -764,7 +814,7 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		r[i].rc = req_check(&r[i], scr);
 		if (!r[i].rc) {
 			G = kvd_geom_group(r[i].g);
-			tasks = nparts_of(r[i].lv) * r[i].g->kv_heads;
+			tasks = nparts_of(r[i].lv) * r[i].g->kv_heads * split_of(&r[i]);
 			ok++;
 		}
 		first[i + 1] = first[i] + tasks;
@@ -812,19 +862,19 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 
 	for (uint32_t i = 0; i < n; i++) {
 		const struct kvd_geom *g = r[i].g;
-		uint32_t G, d, nparts;
+		uint32_t G, d, nslots;
 
 		if (r[i].rc)
 			continue;
 		G = kvd_geom_group(g);
 		d = g->d;
-		nparts = nparts_of(r[i].lv);
+		nslots = nparts_of(r[i].lv) * split_of(&r[i]);
 		for (uint32_t h = 0; h < g->kv_heads; h++) {
 			float *oh = r[i].o + (size_t)h * G * d, *lh = r[i].lse + (size_t)h * G;
 
 			empty_result((int)G, (int)d, oh, lh);
-			for (uint32_t p = 0; p < nparts; p++) {
-				uint32_t t = h * nparts + p;
+			for (uint32_t p = 0; p < nslots; p++) {
+				uint32_t t = h * nslots + p;
 
 				kvd_attn_merge(oh, lh, part_o + po[i] + (size_t)t * G * d,
 					       part_o + no + pl[i] + (size_t)t * G, (int)G, (int)d);

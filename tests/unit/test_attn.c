@@ -487,14 +487,25 @@ static void test_layer_parts_and_tail(void **state)
 	kvd_pool_destroy(pool);
 }
 
+/* The whole layer, segments and a tail, both cut into row ranges by the
+ * driver (2048-row segments and 700 tail rows: ranges of 512 and 256 rows,
+ * one short, one empty), against the reference over each part whole. */
 static void test_layer_dense_matches_double(void **state)
 {
+	enum { TAIL = 700 };
 	struct kvd_pool *pool;
 	struct layer_fix f;
 	struct kvd_attn_scratch scr[2];
 	float o[8 * 128], lse[8];
 	double ro[8 * 128], rlse[8];
+	struct kvd_rng r = kvd_rng_make(11);
+	uint16_t *tk = xmalloc((size_t)2 * TAIL * 128 * 2), *tv = xmalloc((size_t)2 * TAIL * 128 * 2);
+	float *tkf = xmalloc((size_t)2 * TAIL * 128 * 4), *tvf = xmalloc((size_t)2 * TAIL * 128 * 4);
 
+	fill_bf16(tk, (size_t)2 * TAIL * 128, &r, 0.0, 1.0);
+	fill_bf16(tv, (size_t)2 * TAIL * 128, &r, 0.5, 1.0);
+	kvd_bf16_to_f32_n(tkf, tk, (size_t)2 * TAIL * 128);
+	kvd_bf16_to_f32_n(tvf, tv, (size_t)2 * TAIL * 128);
 	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
 	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++) {
 	fix_make_dt(&f, KVD_WL_NEEDLE, 5000, 2048, 4, 4, 1, 9, dt);
@@ -503,6 +514,9 @@ static void test_layer_dense_matches_double(void **state)
 
 		rlse[qh] = -INFINITY;
 		memset(ro + qh * 128, 0, 128 * sizeof(double));
+		kvd_ref_dense(f.w.q + qh * 128, 128, tkf + (size_t)(qh / 4) * TAIL * 128,
+			      tvf + (size_t)(qh / 4) * TAIL * 128, NULL, TAIL, po, &pl);
+		kvd_ref_merge(ro + qh * 128, &rlse[qh], po, pl, 128);
 		for (uint32_t s = 0; s < f.p.nseg; s++) {
 			const struct kvd_seg *seg = f.p.seg[s];
 			float *kf = xmalloc((size_t)seg->n * 128 * 4), *vf = xmalloc((size_t)seg->n * 128 * 4);
@@ -522,6 +536,9 @@ static void test_layer_dense_matches_double(void **state)
 	for (int i = 0; i < nkv; i++) {
 		struct kvd_layer_view lv = kvd_prep_view(&f.p);
 
+		lv.tail_k = tk;
+		lv.tail_v = tv;
+		lv.tail_n = TAIL;
 		assert_int_equal(kvd_attn_layer_dense(pool, scr, kv[i], &f.g, &lv, f.w.q, o, lse), 0);
 		assert_true(rel_err_fd(o, ro, sizeof o / sizeof o[0]) < 1e-4);
 		for (int h = 0; h < 8; h++)
@@ -532,6 +549,10 @@ static void test_layer_dense_matches_double(void **state)
 	fix_free(&f);
 	}
 	kvd_pool_destroy(pool);
+	free(tk);
+	free(tv);
+	free(tkf);
+	free(tvf);
 }
 
 static void test_bad_geometry(void **state)
