@@ -63,6 +63,10 @@ int bench_gpu_main(int argc, char **argv);
  * variant, one core, cold. */
 int bench_kern_main(int argc, char **argv);
 
+/* `kvbench lsh` (bench/lsh.c): the candidate walk against the whole
+ * sampled path, bf16 and int8, one core, cold. */
+int bench_lsh_main(int argc, char **argv);
+
 /* kvbench demo / serve (bench/serve.c). */
 int bench_demo_main(int argc, char **argv);
 int bench_serve_main(int argc, char **argv);

@@ -654,6 +654,7 @@ static void usage(void)
 		"                    [--steps N] [--measure N]\n"
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench kern [--json] [--reps N] [--gather ROWS] [--dense ROWS] [--table-mib MIB]\n"
+		"       kvbench lsh [--json] [--ctx 2048..65536] [--reps N]\n"
 		"       kvbench demo\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n"
 		"       kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N] ...\n"
@@ -964,6 +965,8 @@ int main(int argc, char **argv)
 		return bench_load_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "kern"))
 		return bench_kern_main(argc - 1, argv + 1);
+	if (!strcmp(argv[1], "lsh"))
+		return bench_lsh_main(argc - 1, argv + 1);
 	if (!strcmp(argv[1], "gpu"))
 		return bench_gpu_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "ipc"))

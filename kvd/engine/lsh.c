@@ -359,9 +359,11 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
 /* Tables whose buckets are looked up (and their ids prefetched) ahead of the
  * walk: each table is a separate region, so every bucket is a cache miss,
  * and issuing a batch of them at once overlaps the misses.  Every table's
- * offset line is prefetched before the first batch, and each batch's ids
- * while the batch before it is walked, so that on cold tables (as in
- * decoding) the walk rarely waits for either. */
+ * offset line is prefetched before the first batch, and every line of each
+ * batch's buckets while the batch before it is walked, so that on cold
+ * tables (as in decoding) the walk rarely waits for either.  (The first and
+ * last line only, which left the middle of the ~100-byte buckets of a 32k
+ * segment to the hardware, took ~10 % longer per cold call on Zen 4.) */
 #define CAND_BATCH 16
 
 /*
@@ -395,6 +397,8 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 		for (uint32_t k = 0; k < CAND_BATCH && t0 + k < t->L; k++) {
 			len[cur][k] = kvd_lsh_bucket(t, t0 + k, qcodes[t0 + k] & mask, &ids[cur][k]);
 			__builtin_prefetch(ids[cur][k]);
+			for (uint32_t l = 32; l < len[cur][k]; l += 32)
+				__builtin_prefetch(ids[cur][k] + l);
 			__builtin_prefetch(ids[cur][k] + len[cur][k] - (len[cur][k] > 0));
 		}
 		if (t0 == 0)
