@@ -623,9 +623,10 @@ void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, in
  * independent), dense parts and the tail by rows (a range of whole
  * DENSE_BLOCKs each, so the G heads still share every K and V row read).
  * Requests with estimator state are not split: their heads share the
- * group's union and its heavy list.  Nor are requests of KVD_ATTN_SPLIT_MIN
- * pairs or more, which feed a pool on their own: the split multiplies the
- * slots to merge (and part_o), and this bounds what it adds. */
+ * group's union and its heavy list.  Nor are requests whose pairs hold
+ * KVD_ATTN_SPLIT_FLOATS output floats or more (128 pairs at G = 4, d = 128),
+ * which feed a pool on their own: the split multiplies the slots to merge
+ * and part_o, and this bounds what it adds to 3 * 256 KiB a request. */
 struct layer_job {
 	struct kvd_attn_scratch *scr;
 	const struct kvd_kern *kk;
@@ -671,13 +672,14 @@ static uint32_t nparts_of(const struct kvd_layer_view *lv)
 	return lv->nseg + (lv->tail_n ? 1 : 0);
 }
 
-#define KVD_ATTN_SPLIT     4u
-#define KVD_ATTN_SPLIT_MIN 128u
+#define KVD_ATTN_SPLIT        4u
+#define KVD_ATTN_SPLIT_FLOATS 65536u
 
 static uint32_t split_of(const struct kvd_attn_req *r)
 {
-	return has_state(r) || nparts_of(r->lv) * r->g->kv_heads >= KVD_ATTN_SPLIT_MIN ?
-		       1 : KVD_ATTN_SPLIT;
+	size_t floats = (size_t)nparts_of(r->lv) * r->g->q_heads * r->g->d;
+
+	return has_state(r) || floats >= KVD_ATTN_SPLIT_FLOATS ? 1 : KVD_ATTN_SPLIT;
 }
 
 /* Sub `sub` of `split`'s rows of n: whole DENSE_BLOCKs, the last one short. */
