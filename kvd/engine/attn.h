@@ -73,7 +73,8 @@ void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, in
 /* One layer: all q heads over the segments and the tail (tail_k/tail_v
  * [kv_heads][tail_cap][d] holding tail_n rows per head, may be 0).  q[q_heads][d], qc[q_heads][L];
  * o[q_heads][d], lse[q_heads].  Tasks are (segment, kv head) pairs plus the
- * tail, spread over the pool, whose workers use scr[worker]. */
+ * tail, each split in up to 4 (by q head, or by rows for dense parts),
+ * spread over the pool, whose workers use scr[worker]. */
 struct kvd_layer_view {
 	const struct kvd_seg *const *seg;
 	uint32_t nseg;
