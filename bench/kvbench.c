@@ -10,6 +10,8 @@
  *   kvbench share [--json] ...                    (sequence fork vs prefill, shared memory: bench/share.c)
  *   kvbench remote [--json] ...                   (Redis Cluster tier: client vs redis-benchmark,
  *                                                  restore vs prefill: bench/remote.c)
+ *   kvbench kern [--json] ...                     (row kernels of every ISA, int8 vs bf16: bench/kern.c)
+ *   kvbench lsh [--json] ...                      (the candidate walk's share of the sampled path: bench/lsh.c)
  *
  * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
  * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and

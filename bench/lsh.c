@@ -137,7 +137,6 @@ int bench_lsh_main(int argc, char **argv)
 			t[k] = walk(r, 0);
 			for (int dt = 0; dt < 2; dt++) {
 				bench_sweep(pool, sw);
-				r->g.kv_dtype = (uint32_t)dt;
 				t[(1 + dt) * reps + k] = sampled(r, dt);
 			}
 			t[3 * reps + k] = walk(r, 0);
