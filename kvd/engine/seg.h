@@ -61,10 +61,10 @@ struct kvd_row8 {
 
 /* bf16 segments set k, v and kinv; int8 segments set k8, v8, kscale and r8
  * instead, with key e of row i = r8[i].kfac * kscale[e] * k8[i][e] (a scale
- * per channel per segment head: centered keys have outlier channels, and a
- * per-token scale alone would let them crush every other channel; then a
- * per-row least-squares factor) and value e of row i = r8[i].vscale *
- * v8[i][e]. */
+ * per channel per segment head, from a power of the channel's range searched
+ * per head: centered keys have outlier channels, and a per-token scale alone
+ * would let them crush every other channel; then a per-row least-squares
+ * factor) and value e of row i = r8[i].vscale * v8[i][e]. */
 struct kvd_seg_head {
 	uint16_t *k, *v;                /* [n][d] bf16 */
 	float *kinv;                    /* [n] bf16: 1/|k| */
@@ -94,9 +94,11 @@ struct kvd_seg {
 /* Builds a segment from centered rows k, v ([kv_heads][n][d] bf16) and the
  * keys' codes ([kv_heads][L][n]); copies (or, for g->kv_dtype int8,
  * quantizes) everything it keeps.  Quantization is round to nearest with
- * scales from the largest finite |x| (a channel of a head for keys, a row for
- * values); infinities saturate and NaN becomes -127, so every scale and 1/|k|
- * of a built segment is finite and kvd_seg_check accepts it.  Work is split
+ * scales from the largest finite |x| (of a row for values; for keys, the
+ * channels' ranges to the power, of 1, 3/4, 1/2, 1/4 and 0, that rounds a
+ * sample of the head's rows closest, then each row's own); infinities
+ * saturate and NaN becomes -127, so every scale and 1/|k| of a built segment
+ * is finite and kvd_seg_check accepts it.  Work is split
  * over the pool (NULL: the calling thread).  0, -KVD_EGEOM, -ENOMEM. */
 int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,

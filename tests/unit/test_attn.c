@@ -590,6 +590,85 @@ static void test_bad_geometry(void **state)
 	assert_int_equal(kvd_seg_build(&g, KVD_SEG_MAX + 1, NULL, NULL, NULL, NULL, &seg), -KVD_EGEOM);
 }
 
+/* Mean over rows of |k - k~|^2 / |k|^2 with keys rounded on channel scales
+ * mx^a (the least-squares factor leaves 1 - cos^2), in double: the
+ * reference for the scale search. */
+static double key_err_pow(const uint16_t *k, uint32_t n, uint32_t d, const double *mx, double a)
+{
+	double sum = 0;
+
+	for (uint32_t i = 0; i < n; i++) {
+		double s[128], t = 0, kk = 0, ky = 0, yy = 0;
+
+		for (uint32_t e = 0; e < d; e++) {
+			double x = kvd_bf16_to_f32(k[(size_t)i * d + e]);
+
+			s[e] = pow(mx[e], a);
+			t = fmax(t, fabs(x) / s[e]);
+		}
+		for (uint32_t e = 0; e < d; e++) {
+			double x = kvd_bf16_to_f32(k[(size_t)i * d + e]);
+			double y = s[e] * fmin(127, fmax(-127, nearbyint(x / s[e] * 127 / t)));
+
+			kk += x * x, ky += x * y, yy += y * y;
+		}
+		sum += 1 - ky * ky / (kk * yy);
+	}
+	return sum / n;
+}
+
+/* The channel scales are searched, not fixed: on keys where a tenth of the
+ * rows lack the outlier channels the rest have (a planted needle), the
+ * build's keys are at least as close as with scales from the channels'
+ * ranges (a = 1) or with none (a = 0), and clearly closer than a = 1. */
+static void test_int8_key_scale_search(void **state)
+{
+	const struct kvd_geom g = { .q_heads = 4, .kv_heads = 1, .d = 128, .K = 8, .L = 4, .c = 1,
+				    .kv_dtype = KVD_KV_INT8 };
+	const uint32_t n = 8192, d = 128;
+	struct kvd_rng r = kvd_rng_make(33);
+	uint16_t *k = xmalloc((size_t)n * d * 2), *v = xmalloc((size_t)n * d * 2);
+	uint16_t *codes = xmalloc((size_t)g.L * n * 2);
+	float *kf = xmalloc((size_t)n * d * 4), *vf = xmalloc((size_t)n * d * 4);
+	double mx[128] = { 0 }, got = 0;
+	struct kvd_seg *seg;
+
+	(void)state;
+	memset(codes, 0, (size_t)g.L * n * 2);
+	for (uint32_t i = 0; i < n; i++) {
+		int plain = i % 10 == 3;
+
+		for (uint32_t e = 0; e < d; e++) {
+			double x = kvd_rng_normal(&r) * (!plain && e % 32 == 5 ? 6.0 : 1.0);
+
+			k[(size_t)i * d + e] = kvd_f32_to_bf16((float)x);
+			v[(size_t)i * d + e] = kvd_f32_to_bf16((float)kvd_rng_normal(&r));
+			mx[e] = fmax(mx[e], fabs(kvd_bf16_to_f32(k[(size_t)i * d + e])));
+		}
+	}
+	assert_int_equal(kvd_seg_build(&g, n, k, v, codes, NULL, &seg), 0);
+	seg_rows_f32(seg, 0, kf, vf);
+	for (uint32_t i = 0; i < n; i++) {
+		double kk = 0, dd = 0;
+
+		for (uint32_t e = 0; e < d; e++) {
+			double x = kvd_bf16_to_f32(k[(size_t)i * d + e]), y = kf[(size_t)i * d + e];
+
+			kk += x * x, dd += (x - y) * (x - y);
+		}
+		got += dd / kk;
+	}
+	got /= n;
+
+	double e1 = key_err_pow(k, n, d, mx, 1.0), e0 = key_err_pow(k, n, d, mx, 0.0);
+
+	print_message("  key error %g, a = 1 %g, a = 0 %g\n", got, e1, e0);
+	if (!(got <= 1.01 * fmin(e1, e0) && got < 0.95 * e1))
+		fail_msg("key error %g: a = 1 gives %g, a = 0 %g", got, e1, e0);
+	kvd_seg_free(seg);
+	free(k), free(v), free(codes), free(kf), free(vf);
+}
+
 /* int8 segments: the quantization bounds the format promises, the scales
  * per channel, non-finite input made finite, kvd_seg_check on corrupted
  * scales, adopt, and the byte budget. */
@@ -630,8 +709,21 @@ static void test_int8_segments(void **state)
 		for (uint32_t i = 0; i < n; i++)
 			for (uint32_t e = 0; e < d; e++)
 				mx[e] = fmaxf(mx[e], fabsf(kvd_bf16_to_f32(k[((size_t)h * n + i) * d + e])));
+		/* Whatever power the scale search picked: the largest channel
+		 * sets M / 127, a channel is scaled iff it holds a nonzero
+		 * value, and a larger range never gets a smaller scale. */
+		float M = 0.0f;
+
 		for (uint32_t e = 0; e < d; e++)
-			assert_true(sh->kscale[e] == mx[e] / 127.0f);
+			M = fmaxf(M, mx[e]);
+		for (uint32_t e = 0; e < d; e++) {
+			if (mx[e] == M)
+				assert_float_equal(sh->kscale[e], M / 127.0f, M * 1e-6f);
+			assert_true((sh->kscale[e] > 0.0f) == (mx[e] > 0.0f));
+			for (uint32_t j = 0; j < d; j++)
+				if (mx[j] < mx[e])
+					assert_true(sh->kscale[j] <= sh->kscale[e]);
+		}
 		for (uint32_t i = 0; i < n; i++) {
 			const uint16_t *kr = k + ((size_t)h * n + i) * d, *vr = v + ((size_t)h * n + i) * d;
 			double err = 0, nn = 0, t = 0, bound = 0;
@@ -1241,6 +1333,7 @@ int main(void)
 		cmocka_unit_test(test_layer_dense_matches_double),
 		cmocka_unit_test(test_bad_geometry),
 		cmocka_unit_test(test_int8_segments),
+		cmocka_unit_test(test_int8_key_scale_search),
 		cmocka_unit_test(test_batched_layers_equal_alone),
 		cmocka_unit_test(test_hybrid_matches_double),
 		cmocka_unit_test(test_heavy_state_bounds_and_adaptive),
