@@ -269,12 +269,8 @@ static void quant_key(const uint16_t *kr, const float *ks, const float *cinv, si
 static const float kscale_pow[] = { 1.0f, 0.75f, 0.5f, 0.25f, 0.0f };
 #define KSCALE_SAMPLE 256u
 
-static void kscale_of(const float *mx, size_t d, float a, float *ks, float *cinv)
+static void kscale_of(const float *mx, float M, size_t d, float a, float *ks, float *cinv)
 {
-	float M = 0.0f;
-
-	for (size_t e = 0; e < d; e++)
-		M = fmaxf(M, mx[e]);
 	for (size_t e = 0; e < d; e++) {
 		ks[e] = mx[e] <= 0.0f ? 0.0f : a == 1.0f ? mx[e] / 127.0f : M * powf(mx[e] / M, a) / 127.0f;
 		cinv[e] = ks[e] > 0.0f ? 1.0f / ks[e] : 0.0f;
@@ -318,6 +314,7 @@ static void seg_build_kscale(void *arg, uint32_t h, unsigned worker)
 	size_t n = s->n, d = s->d;
 	const uint16_t *k = b->k + h * n * d;
 	float mx[KVD_DMAX] = { 0 }, ks[KVD_DMAX], cinv[KVD_DMAX];
+	float M = 0.0f;
 	double best = INFINITY;
 
 	(void)worker;
@@ -327,9 +324,11 @@ static void seg_build_kscale(void *arg, uint32_t h, unsigned worker)
 
 			mx[e] = a > mx[e] ? a : mx[e];
 		}
+	for (size_t e = 0; e < d; e++)
+		M = fmaxf(M, mx[e]);
 	/* Ties keep the earlier (larger) power: a = 1 unless another is better. */
 	for (size_t j = 0; j < sizeof kscale_pow / sizeof kscale_pow[0]; j++) {
-		kscale_of(mx, d, kscale_pow[j], ks, cinv);
+		kscale_of(mx, M, d, kscale_pow[j], ks, cinv);
 		double err = kscale_err(k, n, d, ks, cinv);
 
 		if (err < best) {
