@@ -130,21 +130,26 @@ INLINE __m512 hsum16(const __m512 *v)
 /* Dot products of GB heads with the rows of a tile.  NR rows at a time share
  * each load of q: with one load of q per FMA the L1 was too busy to take
  * fills from memory at full speed.  An accumulator's FMAs form a chain (4
- * cycles each), two FMAs per chunk, so about 12 or more accumulators keep
- * both FMA ports busy; for GB <= 2 even and odd elements get separate ones
- * to get there.  When the NR * GB sums of a group are exactly 16 (GB = 4 or
- * 8) they are reduced and stored at once; otherwise they wait in
- * tmp[g*TILE + slot] until the tile is done. */
+ * cycles each), two FMAs per chunk.  Every (row, head) sum takes the same
+ * chain whatever GB is, so a score does not depend on how many heads were
+ * scored with it (attention's hybrid estimator scores a group's union where
+ * magicpig scores each head alone, and with no heavy keys the two must
+ * agree bit for bit).  Splitting even and odd elements over two
+ * accumulators for GB <= 2, as this once did for the FMA ports' sake, broke
+ * that; those are the gathered cases, bound by memory, not by the chains.
+ * When the NR * GB sums of a group are exactly 16 (GB = 4 or 8) they are
+ * reduced and stored at once; otherwise they wait in tmp[g*TILE + slot]
+ * until the tile is done. */
 INLINE void qk_tile(const int GB, const float *qp, size_t dp, const struct walk *w,
 		    const struct tile *tl, __m512 *tmp, float *s, size_t lds, int pf)
 {
-	const int SPLIT = GB <= 2, NR = GB <= 4 ? 4 : 2, DIRECT = GB * NR == TILE;
+	const int NR = GB <= 4 ? 4 : 2, DIRECT = GB * NR == TILE;
 	const int d = w->d, nc = d / 32, half = d & 16;
 
 	for (int r0 = 0; r0 < TILE; r0 += NR) {
 		const int j = r0 / 4, k0 = r0 % 4;
 		const uint16_t *rp[4], *pp[4];
-		__m512 ae[4][GB_MAX], ao[4][GB_MAX];
+		__m512 acc[4][GB_MAX];
 
 		if (k0 >= tl->cnt[j]) {
 			for (int k = 0; k < NR && !DIRECT; k++)
@@ -160,7 +165,7 @@ INLINE void qk_tile(const int GB, const float *qp, size_t dp, const struct walk 
 				prefetch_last(pp[k], d);
 #pragma GCC unroll 8
 			for (int g = 0; g < GB; g++)
-				ae[k][g] = ao[k][g] = _mm512_setzero_ps();
+				acc[k][g] = _mm512_setzero_ps();
 		}
 		for (int c = 0; c < nc + !!half; c++) {
 			__m512 xe[4], xo[4];
@@ -177,13 +182,9 @@ INLINE void qk_tile(const int GB, const float *qp, size_t dp, const struct walk 
 				__m512 qo = _mm512_load_ps(qp + g * dp + 32 * c + 16);
 
 #pragma GCC unroll 4
-				for (int k = 0; k < NR; k++) {
-					ae[k][g] = _mm512_fmadd_ps(qe, xe[k], ae[k][g]);
-					if (SPLIT)
-						ao[k][g] = _mm512_fmadd_ps(qo, xo[k], ao[k][g]);
-					else
-						ae[k][g] = _mm512_fmadd_ps(qo, xo[k], ae[k][g]);
-				}
+				for (int k = 0; k < NR; k++)
+					acc[k][g] = _mm512_fmadd_ps(qo, xo[k],
+								    _mm512_fmadd_ps(qe, xe[k], acc[k][g]));
 			}
 		}
 		if (DIRECT) {
@@ -197,7 +198,7 @@ INLINE void qk_tile(const int GB, const float *qp, size_t dp, const struct walk 
 			for (int g = 0; g < GB; g++)
 #pragma GCC unroll 4
 				for (int k = 0; k < NR; k++)
-					v[g * NR + k] = ae[k][g];
+					v[g * NR + k] = acc[k][g];
 			_mm512_store_ps(out, hsum16(v));
 #pragma GCC unroll 8
 			for (int g = 0; g < GB; g++)
@@ -209,7 +210,7 @@ INLINE void qk_tile(const int GB, const float *qp, size_t dp, const struct walk 
 		for (int k = 0; k < NR; k++)
 #pragma GCC unroll 8
 			for (int g = 0; g < GB; g++)
-				tmp[g * TILE + r0 + k] = SPLIT ? _mm512_add_ps(ae[k][g], ao[k][g]) : ae[k][g];
+				tmp[g * TILE + r0 + k] = acc[k][g];
 	}
 	if (DIRECT)
 		return;

@@ -138,6 +138,7 @@ static void check_qk(struct kvd_rng *r, int d, int G, size_t m, int gather)
 	float *q = rand_f32(r, (size_t)G * d, 1.0);
 	size_t lds = m + 3, ns = (G - 1) * lds + m;
 	float *s0 = xmalloc(ns * sizeof *s0), *s1 = xmalloc(ns * sizeof *s1);
+	float *one = xmalloc((m ? m : 1) * sizeof *one);
 	float *mag = xmalloc(ns * sizeof *mag);
 
 	ref->qk(q, G, d, rows, idx, m, s0, lds);
@@ -171,7 +172,16 @@ static void check_qk(struct kvd_rng *r, int d, int G, size_t m, int gather)
 			for (size_t i = m; g + 1 < G && i < lds; i++)
 				assert_true(s1[g * lds + i] == 12345.0f);
 		}
+		/* A head's scores do not depend on the heads scored with it
+		 * (attention's union and per-head paths must agree). */
+		for (int g = 0; g < G && G > 1; g++) {
+			k->qk(q + (size_t)g * d, 1, d, rows, idx, m, one, m);
+			if (memcmp(one, s1 + g * lds, m * sizeof *one))
+				fail_msg("%s qk d=%d G=%d m=%zu idx=%d: head %d alone differs",
+					 k->name, d, G, m, gather, g);
+		}
 	}
+	free(one);
 	free(rows);
 	free(idx);
 	free(q);
