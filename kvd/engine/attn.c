@@ -179,31 +179,32 @@ static uint32_t bits_drain(uint64_t *bits, uint32_t words, uint32_t *rows)
 }
 
 /* A sampled row's 1/|k| (and int8's kfac and vscale) is a random read as
- * its K and V rows are: rows_prefetch requests their lines (into L2, as the
- * kernels do the rows) as soon as the row list exists, and rows_consts reads
- * them once, after the scores, into kinv and (int8) the G score rows of sc
- * (stride m), instead of a loop stalling on a miss per row before the
- * kernels start (57 % of the per-head path's own perf samples). */
-static void rows_prefetch(const struct kvd_seg *seg, const struct kvd_seg_head *sh,
-			  const uint32_t *rows, uint32_t m)
-{
-	for (uint32_t i = 0; i < m; i++)
-		__builtin_prefetch(seg->kv_dtype == KVD_KV_INT8 ? (const void *)&sh->r8[rows[i]]
-								: (const void *)&sh->kinv[rows[i]],
-				   0, 2);  /* locality 2: T1 on x86 */
-}
+ * its K and V rows are.  rows_consts reads them once, after the scores, into
+ * kinv and (int8) the G score rows of sc (stride m), prefetching
+ * CONSTS_AHEAD rows ahead.  Prefetching every row's line as soon as the row
+ * list existed, as this did before, issued ~500 prefetches at once, and the
+ * int8 loop after the kernels still stalled on a miss a row (the lines had
+ * not come, or the rows' own lines had pushed them out); a window ahead of
+ * the reads took int8's qk8 + pv8 + consts from 0.67 to 0.58 of bf16's
+ * qk + pv + consts (Zen 4, kvbench lsh, perf samples). */
+#define CONSTS_AHEAD 32
 
 static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh,
 			const uint32_t *rows, uint32_t m, int G, float *sc, float *kinv)
 {
 	if (seg->kv_dtype != KVD_KV_INT8) {
-		for (uint32_t i = 0; i < m; i++)
+		for (uint32_t i = 0; i < m; i++) {
+			if (i + CONSTS_AHEAD < m)
+				__builtin_prefetch(&sh->kinv[rows[i + CONSTS_AHEAD]]);
 			kinv[i] = sh->kinv[rows[i]];
+		}
 		return;
 	}
 	for (uint32_t i = 0; i < m; i++) {
 		const struct kvd_row8 *r = &sh->r8[rows[i]];
 
+		if (i + CONSTS_AHEAD < m)
+			__builtin_prefetch(&sh->r8[rows[i + CONSTS_AHEAD]]);
 		kinv[i] = r->kinv;
 		for (int gi = 0; gi < G; gi++)
 			sc[(size_t)gi * m + i] *= r->kfac;
@@ -302,7 +303,6 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 	float *sc = s->s;
 	const float scale = 1.0f / sqrtf((float)d);
 
-	rows_prefetch(seg, sh, s->rows, m);
 	if (seg->kv_dtype == KVD_KV_INT8) {
 		/* q . (kscale * k8) = (q * kscale) . k8 */
 		float qs[KVD_GMAX * KVD_DMAX], qsc[KVD_GMAX];
@@ -424,7 +424,6 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		 * forwards and the sums do not depend on the tables' bucket order. */
 		for (uint32_t i = 0; i < nc; i++)
 			s->rows[i] = s->cand[i];
-		rows_prefetch(seg, sh, s->rows, nc);
 		m = nc;
 		if (m == 0)
 			continue;
