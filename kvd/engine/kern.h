@@ -42,7 +42,10 @@ struct kvd_kern {
 	void (*hash)(const float *W, int d, int K, int L, const float *x, size_t ldx,
 		     size_t n, uint16_t *codes, size_t ldc);
 
-	/* s[g*lds + i] = q_g . row_i for g < G, i < m; q_g = q + g*d (float32). */
+	/* s[g*lds + i] = q_g . row_i for g < G, i < m; q_g = q + g*d (float32).
+	 * Head g's scores are bit for bit those of a call with q_g alone
+	 * (G = 1): attention scores a group's union or each head alone and
+	 * the two must agree. */
 	void (*qk)(const float *q, int G, int d, const uint16_t *base,
 		   const uint32_t *idx, size_t m, float *s, size_t lds);
 

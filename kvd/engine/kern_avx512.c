@@ -136,7 +136,8 @@ INLINE __m512 hsum16(const __m512 *v)
  * magicpig scores each head alone, and with no heavy keys the two must
  * agree bit for bit).  Splitting even and odd elements over two
  * accumulators for GB <= 2, as this once did for the FMA ports' sake, broke
- * that; those are the gathered cases, bound by memory, not by the chains.
+ * that.  GB = 1 is the gathered path, bound by memory, not by its 4 chains;
+ * GB = 2 keeps 8 chains in flight, enough for both FMA ports.
  * When the NR * GB sums of a group are exactly 16 (GB = 4 or 8) they are
  * reduced and stored at once; otherwise they wait in tmp[g*TILE + slot]
  * until the tile is done. */
