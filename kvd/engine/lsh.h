@@ -93,6 +93,7 @@ static inline uint32_t kvd_lsh_bucket(const struct kvd_lsh_tables *t, uint32_t t
  * bitmaps are zero between calls. */
 struct kvd_lsh_scratch {
 	uint32_t cap;
+	uint32_t slots;         /* the drain's unrolled slots a word (lsh.c), from the last call */
 	uint64_t *once, *twice; /* [(cap + 63) / 64]: ids seen in >= 1, >= 2 tables */
 };
 
