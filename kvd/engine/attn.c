@@ -54,13 +54,15 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->cand = malloc(cap * sizeof *s->cand);
 	s->rows = malloc(cap * sizeof *s->rows);
 	s->kinv = malloc(cap * sizeof *s->kinv);
+	s->vsc = malloc(cap * sizeof *s->vsc);
 	s->own = malloc(cap * sizeof *s->own);
 	s->w16 = malloc(cap * sizeof *s->w16);
 	s->okinv = malloc(cap * sizeof *s->okinv);
+	s->ovsc = malloc(cap * sizeof *s->ovsc);
 	/* Dense attention reuses s in blocks of DENSE_BLOCK rows. */
 	s->s = aligned_alloc(64, ALIGN64((size_t)KVD_GMAX * (cap > 256 ? cap : 256) * sizeof(float)));
-	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->own || !s->w16 ||
-	    !s->okinv || !s->s ||
+	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->vsc ||
+	    !s->own || !s->w16 || !s->okinv || !s->ovsc || !s->s ||
 	    kvd_lsh_scratch_init(&s->lsh, cap)) {
 		kvd_attn_scratch_free(s);
 		return -ENOMEM;
@@ -77,9 +79,11 @@ void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 	free(s->cand);
 	free(s->rows);
 	free(s->kinv);
+	free(s->vsc);
 	free(s->own);
 	free(s->w16);
 	free(s->okinv);
+	free(s->ovsc);
 	free(s->s);
 	memset(s, 0, sizeof *s);
 }
@@ -180,7 +184,7 @@ static uint32_t bits_drain(uint64_t *bits, uint32_t words, uint32_t *rows)
 
 /* A sampled row's 1/|k| (and int8's kfac and vscale) is a random read as
  * its K and V rows are.  rows_consts reads them once, after the scores, into
- * kinv and (int8) the G score rows of sc (stride m), prefetching
+ * kinv, (int8) vsc and the G score rows of sc (stride m), prefetching
  * CONSTS_AHEAD rows ahead.  Prefetching every row's line as soon as the row
  * list existed, as this did before, issued ~500 prefetches at once, and the
  * int8 loop after the kernels still stalled on a miss a row (the lines had
@@ -190,7 +194,7 @@ static uint32_t bits_drain(uint64_t *bits, uint32_t words, uint32_t *rows)
 #define CONSTS_AHEAD 32
 
 static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh,
-			const uint32_t *rows, uint32_t m, int G, float *sc, float *kinv)
+			const uint32_t *rows, uint32_t m, int G, float *sc, float *kinv, float *vsc)
 {
 	if (seg->kv_dtype != KVD_KV_INT8) {
 		for (uint32_t i = 0; i < m; i++) {
@@ -206,6 +210,7 @@ static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh
 		if (i + CONSTS_AHEAD < m)
 			__builtin_prefetch(&sh->r8[rows[i + CONSTS_AHEAD]]);
 		kinv[i] = r->kinv;
+		vsc[i] = r->vscale;
 		for (int gi = 0; gi < G; gi++)
 			sc[(size_t)gi * m + i] *= r->kfac;
 	}
@@ -213,10 +218,12 @@ static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh
 
 /* One q head's softmax over the m corrected scores sc of rows (overwritten
  * with weights) and the weighted sum of their V rows into og, which is
- * zero; returns the lse, or -inf when no score is above -inf. */
+ * zero; returns the lse, or -inf when no score is above -inf.  int8: vsc
+ * holds the rows' vscale as rows_consts read it (reading r8 here again
+ * was a second random pass, ~4 % of a sampled int8 head). */
 static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 		       const struct kvd_seg_head *sh, int d, float *sc, const uint32_t *rows,
-		       uint32_t m, int16_t *w16, float *og)
+		       const float *vsc, uint32_t m, int16_t *w16, float *og)
 {
 	float mx = kk->max(sc, m), sum, r;
 
@@ -229,7 +236,7 @@ static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 		/* Each weight takes its row's value scale; the sum above stays
 		 * that of the softmax. */
 		for (uint32_t i = 0; i < m; i++)
-			sc[i] *= sh->r8[rows[i]].vscale;
+			sc[i] *= vsc[i];
 		kvd_q16(sc, 1, (int)m, w16, &wsc);
 		kk->pv8(w16, m, &wsc, 1, d, sh->v8, rows, m, og);
 	} else {
@@ -316,7 +323,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 	} else {
 		kk->qk(q, G, d, sh->k, s->rows, m, sc, m);
 	}
-	rows_consts(seg, sh, s->rows, m, G, sc, s->kinv);
+	rows_consts(seg, sh, s->rows, m, G, sc, s->kinv, s->vsc);
 	/* Exact scores, before the sampling correction: the next step's
 	 * heavy candidates are every row of the union, which every q head of
 	 * the group has scored anyway. */
@@ -366,6 +373,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			}
 			s->own[k] = id;
 			s->okinv[k] = s->kinv[i];
+			s->ovsc[k] = s->vsc[i];
 			sg[k++] = sg[i];
 		}
 		for (int e = 0; e < d; e++)
@@ -379,7 +387,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		kk->logp(sg, k, s->okinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
 		for (uint32_t j = 0; j < nh; j++)
 			sg[hidx[j]] = hraw[j] * scale;
-		lse[gi] = softmax_v(kk, seg, sh, d, sg, s->own, k, s->w16, og);
+		lse[gi] = softmax_v(kk, seg, sh, d, sg, s->own, s->ovsc, k, s->w16, og);
 	}
 	for (uint32_t i = 0; i < m; i++) {
 		s->mask[s->rows[i]] = 0;
@@ -438,13 +446,13 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		} else {
 			kk->qk(qg, 1, d, sh->k, s->rows, m, sc, m);
 		}
-		rows_consts(seg, sh, s->rows, m, 1, sc, s->kinv);
+		rows_consts(seg, sh, s->rows, m, 1, sc, s->kinv, s->vsc);
 		float nn = 0.0f;
 
 		for (int e = 0; e < d; e++)
 			nn += qg[e] * qg[e];
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
-		lse[gi] = softmax_v(kk, seg, sh, d, sc, s->rows, m, s->w16, og);
+		lse[gi] = softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
 	}
 	if (st) {
 		st->cand += cand;

@@ -40,8 +40,9 @@ struct kvd_attn_scratch {
 	uint16_t *cand;                 /* [cap] */
 	uint32_t *rows;                 /* [cap]: the union, ascending */
 	float *kinv;                    /* [cap] */
+	float *vsc;                     /* [cap]: int8's vscale, read with kinv */
 	uint32_t *own;                  /* [cap]: one q head's rows of the union */
-	float *okinv;                   /* [cap] */
+	float *okinv, *ovsc;            /* [cap] each: kinv and vsc of own */
 	int16_t *w16;                   /* [cap]: one q head's weights for pv8 */
 	float *s;                       /* [KVD_GMAX][cap] */
 };
