@@ -344,13 +344,17 @@ static void pv_avx2(const float *w, size_t ldw, int G, int d, const uint16_t *ba
  * read).  A chunk is 16 elements in natural order; a 64-byte line holds 4
  * chunks and is prefetched with the first of them.
  *
- * Prefetches go to L2 (T1), two tiles ahead when gathering: T0 prefetches
+ * Prefetches go to L2 (T1), four tiles ahead when gathering: T0 prefetches
  * find the L1 miss buffers full, and on Zen 4 a gather then ran at ~15 ns a
  * row whatever the distance (8000 rows of d = 128 out of 64 MiB, G = 4,
  * the f32 kernels of the time: qk8 + pv8 in 426 us with T0, 226 us with T1
- * two tiles ahead; streams gain a few % as well). */
+ * two tiles ahead; streams gain a few % as well).  Four tiles, not bf16's
+ * two: an int8 row is done in about half the time, so the same lead in
+ * rows was half the lead in time (kvbench lsh, Zen 5, sampled int8 per q
+ * head: 21.4-21.7 -> 19.2-19.9 us needle, 38.8-39.6 -> 34.2-35.8 mixed;
+ * bf16 at four tiles did not gain). */
 #define PF8_HINT _MM_HINT_T1
-#define PF8_GATHER (2 * TILE)
+#define PF8_GATHER (4 * TILE)
 #define PF8_STREAM PF_STREAM
 
 static inline const int8_t *p8(const uint16_t *p)
