@@ -59,8 +59,11 @@ static void stream_task(void *arg, uint32_t t, unsigned w)
 	j->sink[(t % 64) * 8] += a0 ^ a1 ^ a2 ^ a3 ^ a4 ^ a5 ^ a6 ^ a7;
 }
 
-/* As the kernels prefetch (kern_walk.h): two tiles ahead, into L2. */
-#define GATHER_AHEAD 32
+/* As the kernels prefetch, into L2: bf16 rows two tiles ahead (kern_walk.h),
+ * int8 rows four (kern_i8_512.h; the probe itself measured the same with
+ * either on Zen 5: it does no work between rows and runs at the misses a
+ * core keeps in flight). */
+#define GATHER_AHEAD (j->row_words * 8 <= 128 ? 64 : 32)
 
 static void gather_task(void *arg, uint32_t t, unsigned w)
 {
