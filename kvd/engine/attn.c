@@ -54,7 +54,7 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->cand = malloc(cap * sizeof *s->cand);
 	s->rows = malloc(cap * sizeof *s->rows);
 	s->kinv = malloc(cap * sizeof *s->kinv);
-	s->vsc = malloc(cap * sizeof *s->vsc);
+	s->vsc = calloc(cap, sizeof *s->vsc);      /* bf16 leaves it 0; sampled() copies it */
 	s->own = malloc(cap * sizeof *s->own);
 	s->w16 = malloc(cap * sizeof *s->w16);
 	s->okinv = malloc(cap * sizeof *s->okinv);
