@@ -138,7 +138,16 @@ INLINE void qk8_tile_512(const int GB, const int DC, const int16_t *q, const flo
 {
 	const int NR = GB == 1 ? 4 : GB == 2 ? 2 : 1;
 	const int d = DC ? DC : 2 * w->d, nc = (d + 31) / 32, half = d % 32 != 0;
+	/* q in registers when it fits (d = 128, G <= 4: 16 of the 32): stores to
+	 * tmp may alias q (__m512i may alias anything), so without the copy every
+	 * row reloads it */
+	const int QR = DC == 128 && GB <= 4;
+	__m512i qr[4][4];
 
+	if (QR)
+		for (int g = 0; g < GB; g++)
+			for (int c = 0; c < 4; c++)
+				qr[g][c] = i8_q(q + g * d, c, 0);
 	for (int r0 = 0; r0 < TILE; r0 += NR) {
 		const int j = r0 / 4, k0 = r0 % 4;
 		const int8_t *rp[4], *pp[4];
@@ -173,7 +182,7 @@ INLINE void qk8_tile_512(const int GB, const int DC, const int16_t *q, const flo
 			}
 #pragma GCC unroll 8
 			for (int g = 0; g < GB; g++) {
-				__m512i qv = i8_q(q + g * d, c, hc);
+				__m512i qv = QR ? qr[g][c] : i8_q(q + g * d, c, hc);
 
 #pragma GCC unroll 4
 				for (int k = 0; k < NR; k++)
