@@ -101,7 +101,8 @@ int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap);
 void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s);
 
 /* Local ids of the tokens whose code equals qcodes[t] in at least c of the L
- * tables (c is 1 or 2), in ascending order, into out (room for n).
+ * tables (c is 1 or 2), in ascending order, into out (room for n; entries
+ * past the returned count may be overwritten with scratch values).
  * Returns how many; 0 when the segment has more tokens than s->cap or c is
  * not 1 or 2.  Codes are masked to K bits (they come from clients).  Cost:
  * the total length of the L buckets visited, plus n/64 words to drain. */
