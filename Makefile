@@ -142,6 +142,7 @@ GIT_REV ?= $(shell r=$$(sed -n 's/^ref: //p' .git/HEAD 2>/dev/null); \
 $(B)/obj/kvd/metrics.o: EXTRA := -DKVD_GIT_REV='"$(or $(GIT_REV),unknown)"'
 $(B)/obj/kvd/engine/kern_avx512.o: EXTRA := $(ISA_avx512)
 $(B)/obj/kvd/engine/kern_avx512vnni.o: EXTRA := $(ISA_avx512) -mavx512vnni
+$(B)/obj/kvd/engine/kern_amx.o: EXTRA := $(ISA_avx512) -mamx-tile -mamx-int8
 
 $(B)/obj/%.o: %.c
 	$(call msg,CC,$<)
@@ -226,6 +227,7 @@ FUZZ_LIBS := -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxh
 build/fuzz/obj/kvd/engine/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
 build/fuzz/obj/kvd/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
 build/fuzz/obj/kvd/engine/kern_avx512vnni.o: FUZZ_ISA := $(ISA_avx512) -mavx512vnni
+build/fuzz/obj/kvd/engine/kern_amx.o: FUZZ_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
 
 build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
 	$(call msg,FUZZCC,$<)

@@ -27,7 +27,7 @@
 
 #define D 128
 #define G_DENSE 4
-#define MAXV 4
+#define MAXV 5
 
 struct kcase {
 	const char *name;
@@ -79,7 +79,7 @@ static int cmp_u32(const void *a, const void *b)
 
 int bench_kern_main(int argc, char **argv)
 {
-	static const char *const names[MAXV] = { "avx2", "avx512", "avx512vnni", "scalar" };
+	static const char *const names[MAXV] = { "avx2", "avx512", "avx512vnni", "avx512amx", "scalar" };
 	uint32_t reps = 9, gather = 8192, dense = 98304, mb = 512;
 	int json = 0;
 
@@ -107,7 +107,7 @@ int bench_kern_main(int argc, char **argv)
 
 	/* scalar only where nothing else runs: it is the reference, not a contender */
 	for (int v = 0; v < MAXV; v++)
-		if ((var[nv] = kvd_kern_by_name(names[v])) && (v < 3 || nv == 0))
+		if ((var[nv] = kvd_kern_by_name(names[v])) && (v < MAXV - 1 || nv == 0))
 			nv++;
 	nver = nv;
 

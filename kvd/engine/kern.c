@@ -6,6 +6,36 @@
 
 #include "kern.h"
 
+#if defined(__linux__) && !defined(KVD_KERN_EMU)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX-TILE and AMX-INT8: CPUID leaf 7 EDX bits 24 and 25 (read directly:
+ * clang's __builtin_cpu_supports does not know them). */
+static int amx_cpu(void)
+{
+	unsigned a, b, c, d;
+
+	return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 3) == 3;
+}
+
+/* Linux hands out AMX's 8 KiB of tile state only on request, once per
+ * process (kernel 5.16 or later); a tile instruction before it faults. */
+static int amx_granted(void)
+{
+	static _Atomic int granted;     /* 0 unknown, 1 yes, -1 no */
+	int g = granted;
+
+	if (g == 0) {
+		g = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+			    18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+		granted = g;
+	}
+	return g > 0;
+}
+#endif
+
 /* tests/simd builds the AVX-512 files on SIMDe and this file with
  * KVD_KERN_EMU, where every variant "runs" (make check-avx512-emu). */
 #ifdef KVD_KERN_EMU
@@ -28,10 +58,18 @@ static int supported(const struct kvd_kern *k)
 		return supported(&kvd_kern_avx512) && cpu_has("avx512bf16");
 	if (k == &kvd_kern_avx512vnni)
 		return supported(&kvd_kern_avx512) && cpu_has("avx512vnni");
+#if defined(__linux__) && !defined(KVD_KERN_EMU)
+	if (k == &kvd_kern_avx512amx)
+		return supported(&kvd_kern_avx512vnni) && amx_cpu() && amx_granted();
+#endif
 	return 0;
 }
 
-/* In order of preference.  avx512vnni first: it is avx512 with VPDPWSSD in
+/* In order of preference.  avx512amx first where the CPU and kernel allow
+ * it: it is avx512vnni except for int8 rows read in order (dense attention,
+ * a segment's tail), where on an Emerald Rapids VM (kvbench kern, one core,
+ * G = 4 over 98304 rows) qk8 + pv8 took 0.66-0.79 of avx512vnni's time
+ * cold and 0.57-0.68 warm.  Then avx512vnni: it is avx512 with VPDPWSSD in
  * the int8 kernels, which on Sapphire Rapids (kvbench kern, one core, cold)
  * gathered int8 rows in 0.91 of avx512's time and 0.63 of avx2's, and took
  * dense G = 4 to 0.62 of avx2's.  avx512bf16 comes after avx512: on
@@ -40,6 +78,9 @@ static int supported(const struct kvd_kern *k)
  * precision) ran at ~65% of the f32 one; KVD_ISA=avx512bf16 still selects
  * it. */
 static const struct kvd_kern *const all[] = {
+#if defined(__linux__) && !defined(KVD_KERN_EMU)
+	&kvd_kern_avx512amx,
+#endif
 	&kvd_kern_avx512vnni, &kvd_kern_avx512, &kvd_kern_avx512bf16, &kvd_kern_avx2, &kvd_kern_scalar,
 };
 

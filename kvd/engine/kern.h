@@ -6,11 +6,14 @@
  * (tests/unit/test_kern.c).  On int8 rows, qk8 and pv8 take 16-bit
  * queries and weights and sum exactly in integers (qk8 equals scalar bit
  * for bit; pv8 as closely as pv does, its exact partial sums added in f32);
- * the AVX-512 tables sum 512 bits wide (kern_i8_512.h), and "avx512vnni"
- * is the avx512 table with VPDPWSSD doing those sums.
+ * the AVX-512 tables sum 512 bits wide (kern_i8_512.h), "avx512vnni"
+ * is the avx512 table with VPDPWSSD doing those sums, and "avx512amx" is
+ * avx512vnni with qk8 and pv8 over contiguous rows on AMX tiles
+ * (kern_amx.c; qk8 still bit for bit).
  *
- * kvd_kern_get() picks avx512vnni, else avx512, else avx2, else scalar, once,
- * unless the environment says KVD_ISA=scalar|avx2|avx512|avx512vnni|avx512bf16.  avx512bf16 is not
+ * kvd_kern_get() picks avx512amx, else avx512vnni, else avx512, else avx2,
+ * else scalar, once, unless the environment says
+ * KVD_ISA=scalar|avx2|avx512|avx512vnni|avx512bf16|avx512amx.  avx512bf16 is not
  * the default: on Sapphire Rapids VDPBF16PS issues at half the rate of FMA
  * and its qk runs at ~17 GB/s against ~27 for the f32 path.
  * kvd_kern_by_name() lets tests walk every variant; NULL for one this CPU
@@ -101,6 +104,7 @@ extern const struct kvd_kern kvd_kern_avx2;
 extern const struct kvd_kern kvd_kern_avx512;
 extern const struct kvd_kern kvd_kern_avx512bf16;
 extern const struct kvd_kern kvd_kern_avx512vnni;
+extern const struct kvd_kern kvd_kern_avx512amx;
 
 /* kern_avx2.c's kvd_q16 (kern.c picks it on AVX2 hosts, AVX-512 ones
  * included). */
@@ -110,5 +114,10 @@ void kvd_qk8_avx512vnni(const int16_t *q, const float *qscale, int G, int d, con
 			const uint32_t *idx, size_t m, float *s, size_t lds);
 void kvd_pv8_avx512vnni(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
 			const int8_t *base, const uint32_t *idx, size_t m, float *o);
+/* kern_amx.c's, for kern_avx512.c's avx512amx table. */
+void kvd_qk8_amx(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
+		 const uint32_t *idx, size_t m, float *s, size_t lds);
+void kvd_pv8_amx(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
+		 const int8_t *base, const uint32_t *idx, size_t m, float *o);
 
 #endif

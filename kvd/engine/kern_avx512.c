@@ -862,3 +862,20 @@ const struct kvd_kern kvd_kern_avx512vnni = {
 	.qk8 = kvd_qk8_avx512vnni,
 	.pv8 = kvd_pv8_avx512vnni,
 };
+
+#ifndef KVD_KERN_EMU
+/* avx512vnni with qk8 and pv8 over contiguous rows on AMX (kern_amx.c);
+ * SIMDe has no AMX, so the emulated build (tests/simd) leaves it out. */
+const struct kvd_kern kvd_kern_avx512amx = {
+	.name = "avx512amx",
+	.hash = hash_avx512,
+	.qk = qk_avx512,
+	.pv = pv_avx512,
+	.max = max_avx512,
+	.expsum = expsum_avx512,
+	.logp = logp_avx512,
+	.kinv = kinv_avx512,
+	.qk8 = kvd_qk8_amx,
+	.pv8 = kvd_pv8_amx,
+};
+#endif

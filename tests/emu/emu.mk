@@ -47,6 +47,7 @@ $(EMU_B)/obj/kvd/engine/kern_avx2.o: EMU_ISA := $(ISA_avx2)
 $(EMU_B)/obj/gpu-client/kvg_cuda.o: EMU_ISA := -O0
 $(EMU_B)/obj/kvd/engine/kern_avx512.o: EMU_ISA := $(ISA_avx512)
 $(EMU_B)/obj/kvd/engine/kern_avx512vnni.o: EMU_ISA := $(ISA_avx512) -mavx512vnni
+$(EMU_B)/obj/kvd/engine/kern_amx.o: EMU_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
 
 $(EMU_B)/obj/%.o: %.c
 	$(call msg,EMUCC,$<)

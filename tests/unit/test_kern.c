@@ -30,7 +30,7 @@
 static const struct kvd_kern *const ref = &kvd_kern_scalar;
 
 /* The variants under test: those of all[] this CPU runs (group setup). */
-static const char *const all[] = { "avx2", "avx512", "avx512vnni", "avx512bf16" };
+static const char *const all[] = { "avx2", "avx512", "avx512vnni", "avx512bf16", "avx512amx" };
 #define NV (sizeof all / sizeof all[0])
 static const struct kvd_kern *var[NV];
 static size_t nvar;
@@ -515,8 +515,10 @@ static void check_pv8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 }
 
 /* As test_qk, over d that are odd multiples of 16 and over 64, and every
- * head-group size a variant specialises on (1..16) on the short grid. */
-static const int ds8[] = { 16, 48, 80, 128, 256 };
+ * head-group size a variant specialises on (1..16) on the short grid; the
+ * multiples of 64 are the d avx512amx takes to its tiles (in groups of up to
+ * 7 heads, pv8 a window of 16384 / d rows at a time). */
+static const int ds8[] = { 16, 48, 64, 80, 128, 192, 256 };
 static const int gs8[] = { 1, 2, 3, 4, 5, 8, 9, 16 };
 
 static void test_qk8(void **state)
@@ -533,6 +535,8 @@ static void test_qk8(void **state)
 		for (int G = 1; G <= KVD_GMAX; G++)
 			for (int gather = 0; gather < 2; gather++)
 				check_qk8(&r, G % 2 ? 48 : 80, G, 37, gather);
+		for (int G = 1; G <= KVD_GMAX; G++)
+			check_qk8(&r, G % 2 ? 64 : 128, G, 37 + 100 * (size_t)G, 0);
 		for (size_t m = 255; m < 4200 && s == 0; m = m * 2 + 1) {
 			check_qk8(&r, 128, 4, m, 0);
 			check_qk8(&r, 80, 1 + (int)(m % 7), m + 1, 0);
@@ -554,6 +558,8 @@ static void test_pv8(void **state)
 		for (int G = 1; G <= KVD_GMAX; G++)
 			for (int gather = 0; gather < 2; gather++)
 				check_pv8(&r, G % 2 ? 48 : 80, G, 37, gather);
+		for (int G = 1; G <= KVD_GMAX; G++)
+			check_pv8(&r, G % 2 ? 64 : 128, G, 37 + 100 * (size_t)G, 0);
 		for (size_t m = 255; m < 4200 && s == 0; m = m * 2 + 1) {
 			check_pv8(&r, 128, 4, m, 0);
 			check_pv8(&r, 80, 1 + (int)(m % 7), m + 1, 0);

@@ -59,7 +59,7 @@ static inline double rel_err_ff(const float *a, const float *b, size_t n)
 /* The kernel variants this CPU runs, scalar first. */
 static inline int kern_variants(const struct kvd_kern **out)
 {
-	static const char *const names[] = { "scalar", "avx2", "avx512", "avx512bf16" };
+	static const char *const names[] = { "scalar", "avx2", "avx512", "avx512bf16", "avx512amx" };
 	int n = 0;
 
 	for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
