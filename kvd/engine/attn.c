@@ -482,10 +482,20 @@ struct dense_rows {
 	const struct kvd_row8 *r8;
 };
 
+/* s[i] *= f[i] for i < n, n a multiple of 16: the fixed inner length lets
+ * the compiler vectorize it at -O2. */
+static void row_mul(float *restrict s, const float *restrict f, size_t n)
+{
+	for (size_t i = 0; i < n; i += 16)
+		for (int j = 0; j < 16; j++)
+			s[i + j] *= f[i + j];
+}
+
 static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		  const struct dense_rows *rw, size_t n, float *o, float *lse, float *s)
 {
 	float qs[KVD_GMAX * KVD_DMAX], mx[KVD_GMAX], sum[KVD_GMAX], qsc[KVD_GMAX];
+	float kf[DENSE_BLOCK], vf[DENSE_BLOCK];
 	int16_t q16[KVD_GMAX * KVD_DMAX];
 	const float scale = 1.0f / sqrtf((float)d);
 
@@ -505,13 +515,20 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 	memset(o, 0, (size_t)G * d * sizeof(float));
 
 	for (size_t at = 0; at < n; at += DENSE_BLOCK) {
-		size_t b = n - at < DENSE_BLOCK ? n - at : DENSE_BLOCK;
+		size_t b = n - at < DENSE_BLOCK ? n - at : DENSE_BLOCK, bu = (b + 15) & ~(size_t)15;
 
 		if (rw->k8) {
+			/* The row factors out of r8 once, up to a multiple of 16
+			 * (zeros past b), so the loops over heads are fixed-length
+			 * vector multiplies: read at r8's stride head by head, in
+			 * scalar, they took a fifth of int8's dense time. */
+			for (size_t i = 0; i < bu; i++) {
+				kf[i] = i < b ? rw->r8[at + i].kfac : 0.0f;
+				vf[i] = i < b ? rw->r8[at + i].vscale : 0.0f;
+			}
 			kk->qk8(q16, qsc, G, d, rw->k8 + at * d, NULL, b, s, DENSE_BLOCK);
 			for (int gi = 0; gi < G; gi++)
-				for (size_t i = 0; i < b; i++)
-					s[(size_t)gi * DENSE_BLOCK + i] *= rw->r8[at + i].kfac;
+				row_mul(s + (size_t)gi * DENSE_BLOCK, kf, bu);
 		} else
 			kk->qk(qs, G, d, rw->k + at * d, NULL, b, s, DENSE_BLOCK);
 		for (int gi = 0; gi < G; gi++) {
@@ -534,8 +551,7 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 		}
 		if (rw->v8) {
 			for (int gi = 0; gi < G; gi++)
-				for (size_t i = 0; i < b; i++)
-					s[(size_t)gi * DENSE_BLOCK + i] *= rw->r8[at + i].vscale;
+				row_mul(s + (size_t)gi * DENSE_BLOCK, vf, bu);
 			int16_t w16[KVD_GMAX * DENSE_BLOCK];
 			float wsc[KVD_GMAX];
 
