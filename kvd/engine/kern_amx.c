@@ -9,8 +9,8 @@
  * 16-bit x is split exactly as x = 256 hi + lo' + 128 with hi = x >> 8 and
  * lo' = (x & 255) - 128, both int8, so one TDPBSSD over [hi | lo' | 1]
  * gives three integer sums and 256 A + B + 128 C is the exact sum the
- * scalar reference takes: qk8 equals it bit for bit, and pv8 adds exact
- * partial sums of up to AMX_WIN rows in f32.  2G + 1 columns (rows for pv8)
+ * scalar reference takes: qk8 equals it bit for bit, and pv8 adds the exact
+ * sums of a window of AMX_VBUF / d rows to o in f32.  2G + 1 columns (rows for pv8)
  * fit in a tile's 16 when G <= 7; larger G goes in groups.
  *
  * qk8: A = 16 key rows x 64 bytes straight from the store (stride d), B =
@@ -21,8 +21,8 @@
  * the flush.
  *
  * Tiles are configured at entry and released at exit, so a thread that is
- * not in a kernel holds no tile state.  The kernels keep ~30 KiB on the
- * stack.
+ * not in a kernel holds no tile state.  The kernels keep up to ~25 KiB on
+ * the stack.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -32,14 +32,18 @@
 
 #define AMX_GB   7      /* heads per group: 2 GB + 1 <= 16 */
 #define AMX_VBUF 16384  /* pv8's rearranged rows: AMX_VBUF / d rows a window */
-#define AMX_PF   64     /* rows ahead to prefetch (32-256, T0 or T1: alike) */
+#define AMX_PF   64     /* rows ahead to prefetch (32-512, T0 or T1: alike) */
 
-/* Tile loads of cold rows keep few misses in flight; prefetches past the
- * rows (the caller's next block, usually) cannot fault. */
-static inline void pf_rows(const int8_t *p, size_t n, int d)
+/* Rows [i, i + n) of base prefetched: tile loads of cold rows keep few
+ * misses in flight.  Rows past the end (the caller's next block, usually)
+ * are fine, a prefetch cannot fault; the address is formed as an integer
+ * because such a pointer would be out of its array. */
+static inline void pf_rows(const int8_t *base, size_t i, size_t n, int d)
 {
+	uintptr_t p = (uintptr_t)base + i * (size_t)d;
+
 	for (size_t b = 0; b < n * (size_t)d; b += 64)
-		_mm_prefetch((const char *)p + b, _MM_HINT_T1);
+		_mm_prefetch((const char *)(p + b), _MM_HINT_T1);
 }
 
 struct tilecfg {
@@ -166,7 +170,7 @@ static void qk8_group(const int16_t *q, const float *qs, int GB, int d, const in
 			else
 				b = pad;
 		}
-		pf_rows(base + (i0 + AMX_PF) * (size_t)d, 32, d);
+		pf_rows(base, i0 + AMX_PF, 32, d);
 		QK_BLOCK(6, a, nch, d);
 		if (nb)
 			QK_BLOCK(7, b, nch, d);
@@ -215,7 +219,7 @@ static void pv8_rearrange(const int8_t *base, size_t n, int d, int8_t *vb)
 #pragma GCC unroll 4
 		for (int t = 0; t < 4; t++)
 			p[t] = 4 * r4 + t < n ? base + (4 * r4 + t) * (size_t)d : zero_row;
-		pf_rows(base + (4 * r4 + AMX_PF) * (size_t)d, 4, d);
+		pf_rows(base, 4 * r4 + AMX_PF, 4, d);
 		for (int h = 0; h < d / 64; h++) {
 			__m512i x[4];
 
