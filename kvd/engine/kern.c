@@ -66,10 +66,11 @@ static int supported(const struct kvd_kern *k)
 }
 
 /* In order of preference.  avx512amx first where the CPU and kernel allow
- * it: it is avx512vnni except for int8 rows read in order (dense attention,
- * a segment's tail), where on an Emerald Rapids VM (kvbench kern, one core,
- * G = 4 over 98304 rows) qk8 + pv8 took 0.66-0.79 of avx512vnni's time
- * cold and 0.57-0.68 warm.  Then avx512vnni: it is avx512 with VPDPWSSD in
+ * it: it is avx512vnni except for int8 rows read in order (exact attention
+ * over int8 segments: requests without tables, the dense baseline), where
+ * on an Emerald Rapids VM (kvbench kern, one core, G = 4 over 98304 rows)
+ * qk8 + pv8 took 0.68-0.78 of avx512vnni's time cold and 0.58-0.68 warm.
+ * Then avx512vnni: it is avx512 with VPDPWSSD in
  * the int8 kernels, which on Sapphire Rapids (kvbench kern, one core, cold)
  * gathered int8 rows in 0.91 of avx512's time and 0.63 of avx2's, and took
  * dense G = 4 to 0.62 of avx2's.  avx512bf16 comes after avx512: on

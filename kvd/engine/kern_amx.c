@@ -1,5 +1,5 @@
 /* The int8 kernels of kvd_kern_avx512amx: qk8 and pv8 over contiguous rows
- * (dense attention, a segment's tail) on the AMX tile unit; gathered rows
+ * (exact attention over int8 segments) on the AMX tile unit; gathered rows
  * and a d that is not a multiple of 64 go to the avx512vnni ones.  This
  * file alone is built with -mamx-tile -mamx-int8; the table is in
  * kern_avx512.c, and kern.c asks the kernel for the tile state
