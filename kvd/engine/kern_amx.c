@@ -60,9 +60,10 @@ static void tile_shape(struct tilecfg *c, int t, int rows, int colsb)
 
 /* ---- qk8 ----------------------------------------------------------------- */
 
-/* C tile c = the sums of the 16 rows at a, chunk by chunk; the chunks'
- * loads alternate between tiles 0 and 1 (a tile is not renamed: a load into
- * the one the last TDPBSSD reads would wait for it). */
+/* C tile c = the sums of the 16 rows at a, chunk by chunk.  The chunks'
+ * loads alternate between tiles 0 and 1 in case a load into the tile the
+ * last TDPBSSD reads waits for it; that was not measured against one tile
+ * (pv8 loads all its blocks into tile 1). */
 #define QK_BLOCK(c, a, nch, d)                                         \
 	do {                                                           \
 		_tile_zero(c);                                         \
