@@ -29,6 +29,14 @@ struct bench_sweep;
 double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps,
 			 struct bench_sweep *sw);
 
+/* The same probe, one gather at a time, for timing it between other reps:
+ * bench_gather_once returns the GB/s of one pass (after a sweep when sw is
+ * not NULL).  bench_gather_new returns NULL when out of memory. */
+struct bench_gather;
+struct bench_gather *bench_gather_new(struct kvd_pool *pool, size_t bytes, size_t row);
+double bench_gather_once(struct bench_gather *g, struct bench_sweep *sw);
+void bench_gather_free(struct bench_gather *g);
+
 /* The largest CPU cache's size (sysfs, cpu0), or 64 MiB when sysfs does not
  * say.  A VM may report a shared LLC far above the socket's real one. */
 size_t bench_llc_bytes(void);

@@ -78,6 +78,7 @@ struct probes {
 	double gather8_gbps;            /* rows of 128 B: an int8 row of d = 128 */
 	size_t llc;
 	struct bench_sweep *sw;         /* NULL with --warm */
+	struct bench_gather *g[2];      /* cold: 256 B and 128 B rows, timed with the reps */
 };
 
 static void die(const char *what, int err)
@@ -227,6 +228,7 @@ struct result {
 	double cand_frac, rows_frac, build_ms, seg_build_ms, hash_ms, sampled_ms, dense_ms;
 	double sampled_warm_ms, dense_warm_ms;
 	double bytes_touched, rel_err, topk_rel_err, bytes_per_token;
+	double gather_gbps;             /* the floor's probe, for this row's dtype */
 };
 
 /* One layer's attention, sampled or dense, as a callable for time_reps. */
@@ -268,15 +270,16 @@ static void layer_once(const struct layer_call *c)
 
 /* Median ms of `reps` calls of each of the n calls c[], the calls taken in
  * turn within a rep (each after a sweep when sw is not NULL), so that every
- * estimator sees the same machine: ms[i] for c[i]. */
+ * estimator sees the same machine: ms[i] for c[i].  Each of the np gather
+ * probes pg[] runs once a rep too, after the calls; gbps[i] is its median. */
 static void time_reps(const struct layer_call *c, int n, int reps, struct bench_sweep *sw,
-		      double *ms)
+		      double *ms, struct bench_gather *const *pg, int np, double *gbps)
 {
-	double *ts = malloc((size_t)n * reps * sizeof *ts);
+	double *ts = malloc((size_t)(n + np) * reps * sizeof *ts);
 
 	if (!ts)
 		die("timing", -ENOMEM);
-	for (int r = 0; r < reps; r++)
+	for (int r = 0; r < reps; r++) {
 		for (int i = 0; i < n; i++) {
 			double t;
 
@@ -286,109 +289,140 @@ static void time_reps(const struct layer_call *c, int n, int reps, struct bench_
 			layer_once(&c[i]);
 			ts[(size_t)i * reps + r] = bench_now_ms() - t;
 		}
+		for (int i = 0; i < np; i++)
+			ts[(size_t)(n + i) * reps + r] = bench_gather_once(pg[i], sw);
+	}
 	for (int i = 0; i < n; i++)
 		ms[i] = bench_median(ts + (size_t)i * reps, reps);
+	for (int i = 0; i < np; i++)
+		gbps[i] = bench_median(ts + (size_t)(n + i) * reps, reps);
 	free(ts);
 }
 
-/* One layer of one dtype, built once, answered by every estimator asked for
- * (res[e] for op->est[e]): steps before the last `measure` only feed an
- * estimator's state (one without state skips them); accuracy is over the
- * last `measure`, time of the last, every rep of it starting from the
- * state the earlier steps left. */
-static void run_config(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
-		       const struct probes *pr, uint32_t K, uint32_t L, uint32_t dt,
-		       struct refs *rf, struct result *res)
+/* One layer of one dtype, built once and answered by every estimator asked
+ * for (sc[e] for op->est[e]).  It stays built while the dtypes' reps are
+ * timed together (run_dtypes), so it does not move once set up: the calls
+ * point into it. */
+struct cfg {
+	struct kvd_geom g;
+	uint32_t dt, lo, hi, nm, t0;
+	float *W, *o, *lse, *od, *lsed, *mo, *ml;
+	uint16_t *qc;
+	struct kvd_logp_tab *tab;
+	struct kvd_attn_scratch *scr;
+	struct kvd_prep p;
+	struct kvd_layer_view lv;
+	struct kvd_attn_stats st[KVD_EST_MAX + 1];
+	struct layer_call sc[KVD_EST_MAX + 1], dc;
+};
+
+/* Builds cf's layer and answers every step: steps before the last `measure`
+ * only feed an estimator's state (one without state skips them); accuracy
+ * is over the last `measure` (kept in mo, ml), time of the last, every rep
+ * of it starting from the state the earlier steps left. */
+static void cfg_setup(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
+		      uint32_t K, uint32_t L, uint32_t dt, struct cfg *cf)
 {
-	struct kvd_geom g = { in->q_heads, in->kv_heads, in->d, K, L, op->c, dt };
-	uint32_t lo = SINKS, hi = in->n - WINDOW, d = in->d, nq = in->q_heads, ne = op->nest;
+	uint32_t d = in->d, nq = in->q_heads, ne = op->nest;
 	unsigned nw = kvd_pool_size(pool);
 	const struct kvd_kern *kk = kvd_kern_get();
-	float *W = malloc((size_t)d * K * L * sizeof *W);
-	uint16_t *qc = malloc((size_t)nq * L * sizeof *qc);
-	float *o = malloc((size_t)ne * nq * d * sizeof *o), *lse = malloc((size_t)ne * nq * sizeof *lse);
-	float *od = malloc((size_t)nq * d * sizeof *od), *lsed = malloc(nq * sizeof *lsed);
-	struct kvd_logp_tab *tab = malloc(sizeof *tab);
-	struct kvd_attn_scratch *scr = calloc(nw, sizeof *scr);
-	struct kvd_prep p;
-	struct kvd_attn_stats st[KVD_EST_MAX + 1];
-	struct layer_call sc[KVD_EST_MAX + 1];
-	double ms[KVD_EST_MAX + 1];
 	int rc;
 
-	if (!W || !qc || !o || !lse || !od || !lsed || !tab || !scr)
+	cf->g = (struct kvd_geom){ in->q_heads, in->kv_heads, in->d, K, L, op->c, dt };
+	cf->dt = dt;
+	cf->lo = SINKS;
+	cf->hi = in->n - WINDOW;
+	cf->W = malloc((size_t)d * K * L * sizeof *cf->W);
+	cf->qc = malloc((size_t)nq * L * sizeof *cf->qc);
+	cf->o = malloc((size_t)ne * nq * d * sizeof *cf->o);
+	cf->lse = malloc((size_t)ne * nq * sizeof *cf->lse);
+	cf->od = malloc((size_t)nq * d * sizeof *cf->od);
+	cf->lsed = malloc(nq * sizeof *cf->lsed);
+	cf->tab = malloc(sizeof *cf->tab);
+	cf->scr = calloc(nw, sizeof *cf->scr);
+	if (!cf->W || !cf->qc || !cf->o || !cf->lse || !cf->od || !cf->lsed || !cf->tab || !cf->scr)
 		die("buffers", -ENOMEM);
-	rc = kvd_geom_check(&g);
+	rc = kvd_geom_check(&cf->g);
 	if (rc)
 		die("geometry", rc);
-	kvd_lsh_make_w(op->seed ^ 0x5eed0000ull, (int)d, (int)K, (int)L, W);
-	rc = kvd_prep_layer(&p, &g, W, in->k, in->v, in->n, lo, hi, op->seg, pool);
+	kvd_lsh_make_w(op->seed ^ 0x5eed0000ull, (int)d, (int)K, (int)L, cf->W);
+	rc = kvd_prep_layer(&cf->p, &cf->g, cf->W, in->k, in->v, in->n, cf->lo, cf->hi, op->seg, pool);
 	if (rc)
 		die("prefill", rc);
-	kvd_logp_tab_init(tab, (int)K, (int)L, (int)op->c);
+	kvd_logp_tab_init(cf->tab, (int)K, (int)L, (int)op->c);
 	for (unsigned w = 0; w < nw; w++)
-		if ((rc = kvd_attn_scratch_init(&scr[w], op->seg)))
+		if ((rc = kvd_attn_scratch_init(&cf->scr[w], op->seg)))
 			die("scratch", rc);
 
-	struct kvd_layer_view lv = kvd_prep_view(&p);
-	struct layer_call dc = { pool, scr, kk, &g, tab, &lv, in->q, qc, od, lsed, 1,
-				 KVD_EST_MAGICPIG, NULL, NULL, 0, NULL };
+	cf->lv = kvd_prep_view(&cf->p);
+	cf->dc = (struct layer_call){ pool, cf->scr, kk, &cf->g, cf->tab, &cf->lv, in->q, cf->qc,
+				      cf->od, cf->lsed, 1, KVD_EST_MAGICPIG, NULL, NULL, 0, NULL };
 	/* Accuracy is measured over the last nm steps (one query's error is
 	 * a noisy figure): their answers, per estimator, kept here. */
 	uint32_t nm = op->measure < in->steps ? op->measure : in->steps, t0 = in->steps - nm;
-	float *mo = malloc((size_t)ne * nm * nq * d * sizeof *mo);
-	float *ml = malloc((size_t)ne * nm * nq * sizeof *ml);
 
-	if (!mo || !ml)
+	cf->nm = nm;
+	cf->t0 = t0;
+	cf->mo = malloc((size_t)ne * nm * nq * d * sizeof *cf->mo);
+	cf->ml = malloc((size_t)ne * nm * nq * sizeof *cf->ml);
+	if (!cf->mo || !cf->ml)
 		die("buffers", -ENOMEM);
 	for (uint32_t e = 0; e < ne; e++) {
 		uint32_t est = op->est[e];
-		size_t hw = est != KVD_EST_MAGICPIG ? kvd_heavy_words(&g) : 0;
+		size_t hw = est != KVD_EST_MAGICPIG ? kvd_heavy_words(&cf->g) : 0;
 		uint32_t *heavy = hw ? calloc(hw, sizeof *heavy) : NULL;
 		uint32_t *heavy0 = hw ? calloc(hw, sizeof *heavy0) : NULL;
+		struct layer_call *sc = &cf->sc[e];
 
 		if (hw && (!heavy || !heavy0))
 			die("estimator state", -ENOMEM);
-		sc[e] = (struct layer_call){ pool, scr, kk, &g, tab, &lv, in->q, qc,
-					     o + (size_t)e * nq * d, lse + (size_t)e * nq, 0,
-					     est, heavy, heavy0, hw, NULL };
+		*sc = (struct layer_call){ pool, cf->scr, kk, &cf->g, cf->tab, &cf->lv, in->q, cf->qc,
+					   cf->o + (size_t)e * nq * d, cf->lse + (size_t)e * nq, 0,
+					   est, heavy, heavy0, hw, NULL };
 		for (uint32_t t = hw ? 0 : t0; t + 1 < in->steps; t++) {
-			struct layer_call c1 = sc[e];
+			struct layer_call c1 = *sc;
 
 			c1.q = in->qs + (size_t)t * nq * d;
-			kvd_prep_query_codes(&g, W, c1.q, qc);
+			kvd_prep_query_codes(&cf->g, cf->W, c1.q, cf->qc);
 			layer_once(&c1);
 			if (hw)
 				memcpy(heavy0, heavy, hw * sizeof *heavy);
 			if (t >= t0) {
-				memcpy(mo + ((size_t)e * nm + t - t0) * nq * d, c1.o,
-				       (size_t)nq * d * sizeof *mo);
-				memcpy(ml + ((size_t)e * nm + t - t0) * nq, c1.lse, nq * sizeof *ml);
+				memcpy(cf->mo + ((size_t)e * nm + t - t0) * nq * d, c1.o,
+				       (size_t)nq * d * sizeof *cf->mo);
+				memcpy(cf->ml + ((size_t)e * nm + t - t0) * nq, c1.lse,
+				       nq * sizeof *cf->ml);
 			}
 		}
-		kvd_prep_query_codes(&g, W, in->q, qc);
-		/* the last step: timed below, and the stats of its sample (the
+		kvd_prep_query_codes(&cf->g, cf->W, in->q, cf->qc);
+		/* the last step: timed later, and the stats of its sample (the
 		 * same every repetition) */
-		sc[e].st = &st[e];
-		layer_once(&sc[e]);
-		sc[e].st = NULL;
-		memcpy(mo + ((size_t)e * nm + nm - 1) * nq * d, sc[e].o, (size_t)nq * d * sizeof *mo);
-		memcpy(ml + ((size_t)e * nm + nm - 1) * nq, sc[e].lse, nq * sizeof *ml);
+		sc->st = &cf->st[e];
+		layer_once(sc);
+		sc->st = NULL;
+		memcpy(cf->mo + ((size_t)e * nm + nm - 1) * nq * d, sc->o,
+		       (size_t)nq * d * sizeof *cf->mo);
+		memcpy(cf->ml + ((size_t)e * nm + nm - 1) * nq, sc->lse, nq * sizeof *cf->ml);
 	}
 	/* Timed reps write the same answers again into o. */
-	time_reps(sc, (int)ne, op->reps, NULL, ms);
-	for (uint32_t e = 0; e < ne; e++)
-		res[e].sampled_warm_ms = ms[e];
-	if (pr->sw)
-		time_reps(sc, (int)ne, op->reps, pr->sw, ms);
-	for (uint32_t e = 0; e < ne; e++)
-		res[e].sampled_ms = ms[e];
-	layer_once(&dc);
-	time_reps(&dc, 1, op->reps, NULL, &res[0].dense_warm_ms);
-	if (pr->sw)
-		time_reps(&dc, 1, op->reps, pr->sw, &res[0].dense_ms);
-	else
-		res[0].dense_ms = res[0].dense_warm_ms;
+	layer_once(&cf->dc);
+}
+
+/* Accuracy and sizes of cf's answers into res[e] (whose times are set),
+ * then frees cf. */
+static void cfg_finish(const struct opts *op, const struct layer_in *in, struct cfg *cf,
+		       struct refs *rf, struct result *res)
+{
+	const struct kvd_geom g = cf->g;
+	const struct kvd_prep p = cf->p;
+	const struct kvd_attn_stats *st = cf->st;
+	const uint32_t K = g.K, L = g.L, dt = cf->dt, lo = cf->lo, hi = cf->hi;
+	const uint32_t d = in->d, nq = in->q_heads, ne = op->nest, nm = cf->nm, t0 = cf->t0;
+	const float *W = cf->W, *mo = cf->mo, *ml = cf->ml;
+	uint16_t *qc = cf->qc;
+	struct kvd_attn_scratch *scr = cf->scr;
+	const struct kvd_kern *kk = cf->sc[0].kk;
+	unsigned nw = kvd_pool_size(cf->sc[0].pool);
 
 	/* Per measured step: exact attention, TopK at magicpig's per-head
 	 * sample size of that step, and each estimator's error; the figures
@@ -453,8 +487,8 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 			err2[e] += x * x;
 		}
 	}
-	free(mo);
-	free(ml);
+	free(cf->mo);
+	free(cf->ml);
 	for (uint32_t s = 0; s < p.nseg; s++)
 		bytes_seg += p.seg[s]->bytes;
 	/* A gathered row: K and V, 1/|k|, and for int8 its value scale. */
@@ -475,8 +509,6 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		r->nseg = p.nseg;
 		r->isa = kk->name;
 		r->workload = in->name;
-		r->dense_ms = res[0].dense_ms;
-		r->dense_warm_ms = res[0].dense_warm_ms;
 		r->cand_frac = (double)st[e].cand / ((double)nq * (hi - lo));
 		r->rows_frac = (double)st[e].rows / ((double)in->kv_heads * (hi - lo));
 		r->build_ms = p.tables_ms;
@@ -489,21 +521,21 @@ static void run_config(const struct opts *op, struct kvd_pool *pool, const struc
 		r->topk_rel_err = sqrt(rf->topk2 / nm);
 		r->measured = nm;
 		r->bytes_per_token = (double)bytes_seg / ((double)in->kv_heads * (hi - lo));
-		free(sc[e].heavy);
-		free((void *)sc[e].heavy0);
+		free(cf->sc[e].heavy);
+		free((void *)cf->sc[e].heavy0);
 	}
 	free(full);
 	for (unsigned w = 0; w < nw; w++)
 		kvd_attn_scratch_free(&scr[w]);
 	free(scr);
-	kvd_prep_free(&p);
-	free(W);
-	free(qc);
-	free(o);
-	free(lse);
-	free(od);
-	free(lsed);
-	free(tab);
+	kvd_prep_free(&cf->p);
+	free(cf->W);
+	free(cf->qc);
+	free(cf->o);
+	free(cf->lse);
+	free(cf->od);
+	free(cf->lsed);
+	free(cf->tab);
 }
 
 /* base: the bf16 row of the same configuration in this run, or NULL; mp:
@@ -513,7 +545,7 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 			 const struct result *base, const struct result *mp, int *header)
 {
 	int i8 = r->kv_dtype == KVD_KV_INT8;
-	double floor_ms = r->bytes_touched / ((i8 ? pr->gather8_gbps : pr->gather_gbps) * 1e6);
+	double floor_ms = r->bytes_touched / (r->gather_gbps * 1e6);
 	double kv_bytes = (double)in->kv_heads * (in->n - SINKS - WINDOW) * in->d * 2.0 *
 			  (i8 ? 1.0 : 2.0);
 	double dense_gbps = kv_bytes / (r->dense_ms * 1e6);
@@ -557,7 +589,7 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 		       kvd_estimator_name(r->est), in->steps, r->measured, vm,
 		       r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
 		       r->dense_warm_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
-		       floor_ms, pr->mem_read_gbps, i8 ? pr->gather8_gbps : pr->gather_gbps,
+		       floor_ms, pr->mem_read_gbps, r->gather_gbps,
 		       dense_gbps, dense_gbps / pr->mem_read_gbps, r->sampled_ms / floor_ms, r->rel_err,
 		       r->topk_rel_err, vs_topk, r->bytes_per_token,
 		       bench_cpu_name());
@@ -797,21 +829,61 @@ static void defaults(struct opts *op)
 
 /* One configuration for every dtype and estimator asked for, on the same
  * data: int8 rows compare with the bf16 row of the same estimator, other
- * estimators with magicpig's row of the same dtype. */
+ * estimators with magicpig's row of the same dtype.  Every dtype's layer is
+ * built first and their reps are timed in turn (time_reps), so that a ratio
+ * between dtypes compares times from the same minutes of a shared machine:
+ * timed one dtype after the other, minutes apart, int8's sampled_vs_bf16
+ * moved from 0.59 to 0.76 between two runs on a noisy VM. */
 static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
 		       const struct probes *pr, uint32_t K, uint32_t L, int *header)
 {
 	struct result r[KVD_KV_DTYPE_MAX + 1][KVD_EST_MAX + 1];
 	int have[KVD_KV_DTYPE_MAX + 1][KVD_EST_MAX + 1] = { { 0 } };
+	struct cfg *cf = calloc(op->ndt, sizeof *cf);
+	struct layer_call sc[(KVD_KV_DTYPE_MAX + 1) * (KVD_EST_MAX + 1)];
+	struct layer_call dc[KVD_KV_DTYPE_MAX + 1];
+	double ms[(KVD_KV_DTYPE_MAX + 1) * (KVD_EST_MAX + 1)];
+	double gbps[2] = { pr->gather_gbps, pr->gather8_gbps };
+	uint32_t ne = op->nest, n = op->ndt * ne;
 	struct refs rf = { 0 };
+
+	if (!cf)
+		die("buffers", -ENOMEM);
+	memset(r, 0, sizeof r);
+	memset(sc, 0, sizeof sc);
+	memset(dc, 0, sizeof dc);
+	for (uint32_t i = 0; i < op->ndt; i++) {
+		cfg_setup(op, pool, in, K, L, op->dt[i], &cf[i]);
+		for (uint32_t e = 0; e < ne; e++)
+			sc[i * ne + e] = cf[i].sc[e];
+		dc[i] = cf[i].dc;
+	}
+	time_reps(sc, (int)n, op->reps, NULL, ms, NULL, 0, NULL);
+	for (uint32_t k = 0; k < n; k++)
+		r[op->dt[k / ne]][k % ne].sampled_warm_ms = ms[k];
+	if (pr->sw)
+		time_reps(sc, (int)n, op->reps, pr->sw, ms, pr->g, 2, gbps);
+	for (uint32_t k = 0; k < n; k++) {
+		struct result *x = &r[op->dt[k / ne]][k % ne];
+
+		x->sampled_ms = ms[k];
+		x->gather_gbps = op->dt[k / ne] == KVD_KV_INT8 ? gbps[1] : gbps[0];
+	}
+	time_reps(dc, (int)op->ndt, op->reps, NULL, ms, NULL, 0, NULL);
+	for (uint32_t k = 0; k < n; k++)
+		r[op->dt[k / ne]][k % ne].dense_warm_ms = ms[k / ne];
+	if (pr->sw)
+		time_reps(dc, (int)op->ndt, op->reps, pr->sw, ms, NULL, 0, NULL);
+	for (uint32_t k = 0; k < n; k++)
+		r[op->dt[k / ne]][k % ne].dense_ms = ms[k / ne];
 
 	for (uint32_t i = 0; i < op->ndt; i++) {
 		uint32_t dt = op->dt[i];
 
-		run_config(op, pool, in, pr, K, L, dt, &rf, r[dt]);
-		for (uint32_t e = 0; e < op->nest; e++)
+		cfg_finish(op, in, &cf[i], &rf, r[dt]);
+		for (uint32_t e = 0; e < ne; e++)
 			have[dt][op->est[e]] = e + 1;
-		for (uint32_t e = 0; e < op->nest; e++) {
+		for (uint32_t e = 0; e < ne; e++) {
 			uint32_t est = op->est[e];
 			int b = have[KVD_KV_BF16][est], m = have[dt][KVD_EST_MAGICPIG];
 
@@ -821,6 +893,7 @@ static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struc
 		}
 	}
 	refs_free(&rf);
+	free(cf);
 }
 
 static int cmd_attn(struct opts *op)
@@ -842,6 +915,10 @@ static int cmd_attn(struct opts *op)
 	pr.mem_read_gbps = bench_stream_read_gbps(pool, probe, 5);
 	pr.gather_gbps = bench_gather_gbps(pool, probe, 256, 3, pr.sw);
 	pr.gather8_gbps = bench_gather_gbps(pool, probe, 128, 3, pr.sw);
+	pr.g[0] = pr.g[1] = NULL;
+	if (pr.sw && (!(pr.g[0] = bench_gather_new(pool, probe, 256)) ||
+		      !(pr.g[1] = bench_gather_new(pool, probe, 128))))
+		die("gather probe", -ENOMEM);
 	if (!op->json)
 		printf("kvbench attn: %s, %u threads, kernels %s; streaming read %.1f GB/s, "
 		       "random 256 B gathers %.1f GB/s, 128 B %.1f GB/s; %s timing (LLC %zu MiB)\n",
@@ -883,6 +960,8 @@ static int cmd_attn(struct opts *op)
 			kvd_synth_free(&w);
 		}
 	}
+	bench_gather_free(pr.g[0]);
+	bench_gather_free(pr.g[1]);
 	bench_sweep_free(pr.sw);
 	kvd_pool_destroy(pool);
 	return 0;

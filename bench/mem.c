@@ -123,37 +123,76 @@ double bench_stream_read_gbps(struct kvd_pool *pool, size_t bytes, int reps)
 	return best;
 }
 
+struct bench_gather {
+	struct kvd_pool *pool;
+	struct mem_job j;
+	size_t bytes, row;
+};
+
+struct bench_gather *bench_gather_new(struct kvd_pool *pool, size_t bytes, size_t row)
+{
+	struct bench_gather *g = calloc(1, sizeof *g);
+	struct kvd_rng rng = kvd_rng_make(42);
+	uint32_t *idx;
+
+	if (!g)
+		return NULL;
+	g->pool = pool;
+	g->bytes = bytes;
+	g->row = row;
+	g->j.buf = big_buffer(bytes);
+	g->j.row_words = row / 8;
+	g->j.nrows = bytes / row;
+	g->j.nw = kvd_pool_size(pool);
+	g->j.nidx = g->j.nrows / 2;
+	idx = malloc(g->j.nidx * sizeof *idx);
+	if (!g->j.buf || !idx) {
+		free(idx);
+		g->j.idx = NULL;
+		bench_gather_free(g);
+		return NULL;
+	}
+	for (size_t i = 0; i < g->j.nidx; i++)
+		idx[i] = kvd_rng_below(&rng, (uint32_t)g->j.nrows);
+	g->j.idx = idx;
+	return g;
+}
+
+double bench_gather_once(struct bench_gather *g, struct bench_sweep *sw)
+{
+	double t;
+
+	if (sw)
+		bench_sweep(g->pool, sw);
+	t = bench_now_ms();
+	kvd_pool_run(g->pool, g->j.nw, gather_task, &g->j);
+	return (double)(g->j.nidx / g->j.nw * g->j.nw * g->row) / ((bench_now_ms() - t) * 1e6);
+}
+
+void bench_gather_free(struct bench_gather *g)
+{
+	if (!g)
+		return;
+	free((void *)g->j.idx);
+	if (g->j.buf)
+		kvd_mem_free((void *)g->j.buf, g->bytes);
+	free(g);
+}
+
 double bench_gather_gbps(struct kvd_pool *pool, size_t bytes, size_t row, int reps,
 			 struct bench_sweep *sw)
 {
-	struct mem_job *j = calloc(1, sizeof *j);
-	struct kvd_rng rng = kvd_rng_make(42);
+	struct bench_gather *g = bench_gather_new(pool, bytes, row);
 	double best = 0;
-	uint32_t *idx;
 
-	j->buf = big_buffer(bytes);
-	j->row_words = row / 8;
-	j->nrows = bytes / row;
-	j->nw = kvd_pool_size(pool);
-	j->nidx = j->nrows / 2;
-	idx = malloc(j->nidx * sizeof *idx);
-	for (size_t i = 0; i < j->nidx; i++)
-		idx[i] = kvd_rng_below(&rng, (uint32_t)j->nrows);
-	j->idx = idx;
+	if (!g)
+		return 0;
 	for (int r = 0; r < reps; r++) {
-		double t;
-
-		if (sw)
-			bench_sweep(pool, sw);
-		t = bench_now_ms();
-		kvd_pool_run(pool, j->nw, gather_task, j);
-		double gbps = (double)(j->nidx / j->nw * j->nw * row) / ((bench_now_ms() - t) * 1e6);
+		double gbps = bench_gather_once(g, sw);
 
 		best = gbps > best ? gbps : best;
 	}
-	free(idx);
-	kvd_mem_free((void *)j->buf, bytes);
-	free(j);
+	bench_gather_free(g);
 	return best;
 }
 
