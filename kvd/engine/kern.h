@@ -84,6 +84,11 @@ struct kvd_kern {
 		    const uint32_t *idx, size_t m, float *s, size_t lds);
 	void (*pv8)(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
 		    const int8_t *base, const uint32_t *idx, size_t m, float *o);
+
+	/* The candidate walk's counts (lsh.c) as bits: bit j of bits[w] =
+	 * (cnt[64w + j] >= c) for w < words, and cnt[0 .. 64 words) zeroed.
+	 * cnt is 64-byte aligned. */
+	void (*ge8)(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits);
 };
 
 /* q[G][d] (floats) as qk8 and pv8 take them (queries, or weights with d the

@@ -1198,6 +1198,23 @@ static void hash_avx2(const float *W, int d, int K, int L, const float *x, size_
 	}
 }
 
+/* a >= c as max(a, c) == a: AVX2 compares bytes only as signed. */
+static void ge8_avx2(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits)
+{
+	const __m256i t = _mm256_set1_epi8((char)c), z = _mm256_setzero_si256();
+
+	for (size_t w = 0; w < words; w++) {
+		__m256i *p = (__m256i *)(cnt + w * 64);
+		__m256i a = _mm256_load_si256(p), b = _mm256_load_si256(p + 1);
+		uint32_t lo = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(a, t), a));
+		uint32_t hi = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(b, t), b));
+
+		bits[w] = (uint64_t)hi << 32 | lo;
+		_mm256_store_si256(p, z);
+		_mm256_store_si256(p + 1, z);
+	}
+}
+
 const struct kvd_kern kvd_kern_avx2 = {
 	.name = "avx2",
 	.hash = hash_avx2,
@@ -1209,4 +1226,5 @@ const struct kvd_kern kvd_kern_avx2 = {
 	.kinv = kinv_avx2,
 	.qk8 = qk8_avx2,
 	.pv8 = pv8_avx2,
+	.ge8 = ge8_avx2,
 };

@@ -824,6 +824,18 @@ static void hash_avx512(const float *W, int d, int K, int L, const float *x, siz
 	}
 }
 
+static void ge8_avx512(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits)
+{
+	const __m512i t = _mm512_set1_epi8((char)c), z = _mm512_setzero_si512();
+
+	for (size_t w = 0; w < words; w++) {
+		void *p = cnt + w * 64;
+
+		bits[w] = _mm512_cmpge_epu8_mask(_mm512_load_si512(p), t);
+		_mm512_store_si512(p, z);
+	}
+}
+
 const struct kvd_kern kvd_kern_avx512 = {
 	.name = "avx512",
 	.hash = hash_avx512,
@@ -835,6 +847,7 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.kinv = kinv_avx512,
 	.qk8 = qk8_512,
 	.pv8 = pv8_512,
+	.ge8 = ge8_avx512,
 };
 
 const struct kvd_kern kvd_kern_avx512bf16 = {
@@ -848,6 +861,7 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.kinv = kinv_avx512,
 	.qk8 = qk8_512,
 	.pv8 = pv8_512,
+	.ge8 = ge8_avx512,
 };
 
 const struct kvd_kern kvd_kern_avx512vnni = {
@@ -861,6 +875,7 @@ const struct kvd_kern kvd_kern_avx512vnni = {
 	.kinv = kinv_avx512,
 	.qk8 = kvd_qk8_avx512vnni,
 	.pv8 = kvd_pv8_avx512vnni,
+	.ge8 = ge8_avx512,
 };
 
 #ifndef KVD_KERN_EMU
@@ -877,5 +892,6 @@ const struct kvd_kern kvd_kern_avx512amx = {
 	.kinv = kinv_avx512,
 	.qk8 = kvd_qk8_amx,
 	.pv8 = kvd_pv8_amx,
+	.ge8 = ge8_avx512,
 };
 #endif

@@ -1,6 +1,7 @@
 /* The reference kernels: plain C, float32 accumulation in index order.  The
  * SIMD variants are checked against these, so they stay obvious. */
 #include <math.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "kern.h"
@@ -163,6 +164,36 @@ static void kinv_scalar(const uint16_t *rows, size_t n, int d, float *out)
 	}
 }
 
+/* Eight counts at a time for c <= 128 (the walk's c is 1 or 2): a byte b
+ * of y is >= c when its top bit is set, or else when (b | 0x80) - c keeps
+ * it, which never borrows from the next byte; the eight top bits are then
+ * gathered into a byte by one multiply. */
+static void ge8_scalar(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits)
+{
+	const uint64_t H = 0x8080808080808080ull, L = 0x0101010101010101ull;
+
+	for (size_t w = 0; w < words; w++) {
+		uint64_t x = 0;
+
+		for (int k = 0; k < 8; k++) {
+			const uint8_t *p = cnt + w * 64 + k * 8;
+			uint64_t y, ge = 0;
+
+			if (c <= 128) {
+				memcpy(&y, p, 8);
+				ge = ((((y & ~H) | H) - c * L) | y) & H;
+				ge = (ge >> 7) * 0x0102040810204080ull >> 56;
+			} else {
+				for (int j = 0; j < 8; j++)
+					ge |= (uint64_t)(p[j] >= c) << j;
+			}
+			x |= ge << (8 * k);
+		}
+		bits[w] = x;
+	}
+	memset(cnt, 0, words * 64);
+}
+
 const struct kvd_kern kvd_kern_scalar = {
 	.name = "scalar",
 	.hash = hash_scalar,
@@ -174,4 +205,5 @@ const struct kvd_kern kvd_kern_scalar = {
 	.kinv = kinv_scalar,
 	.qk8 = qk8_scalar,
 	.pv8 = pv8_scalar,
+	.ge8 = ge8_scalar,
 };

@@ -339,12 +339,13 @@ int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap)
 	memset(s, 0, sizeof *s);
 	if (cap < 1 || cap > KVD_SEG_MAX)
 		return -KVD_EGEOM;
-	s->once = calloc((cap + 63) / 64, sizeof(uint64_t));
-	s->twice = calloc((cap + 63) / 64, sizeof(uint64_t));
-	if (!s->once || !s->twice) {
+	s->cnt = aligned_alloc(64, (size_t)(cap + 63) / 64 * 64);
+	s->bits = calloc((cap + 63) / 64, sizeof(uint64_t));
+	if (!s->cnt || !s->bits) {
 		kvd_lsh_scratch_free(s);
 		return -ENOMEM;
 	}
+	memset(s->cnt, 0, (size_t)(cap + 63) / 64 * 64);
 	s->cap = cap;
 	s->slots = 2;
 	return 0;
@@ -352,8 +353,8 @@ int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap)
 
 void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
 {
-	free(s->once);
-	free(s->twice);
+	free(s->cnt);
+	free(s->bits);
 	memset(s, 0, sizeof *s);
 }
 
@@ -367,17 +368,7 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
  * segment to the hardware, took ~10 % longer per cold call on Zen 4.) */
 #define CAND_BATCH 16
 
-/* One id of a bucket into the two bitmaps (below). */
-static inline void count_id(uint64_t *restrict once, uint64_t *restrict twice, uint32_t id)
-{
-	uint32_t w = id >> 6;
-	uint64_t bit = 1ull << (id & 63), o = once[w];
-
-	twice[w] |= o & bit;
-	once[w] = o | bit;
-}
-
-/* The ids set in want[0..words) into out, ascending; clears once and twice.
+/* The ids set in want[0..words) into out, ascending; clears want.
  * A loop that runs once per id mispredicts about once a word (a word holds
  * 0, 1 or 2 candidates at random), which took a quarter of the walk.
  * Instead each word fills W slots unconditionally, each advancing out by
@@ -389,10 +380,8 @@ static inline void count_id(uint64_t *restrict once, uint64_t *restrict twice, u
  * out.  The walk went from ~10 to ~7 us a call (Zen 5,
  * 32k tokens, needle and dense, cold). */
 static inline __attribute__((always_inline)) uint32_t drain(const uint32_t W,
-							    const uint64_t *want,
-							    uint64_t *once, uint64_t *twice,
-							    uint32_t words, uint32_t n,
-							    uint16_t *out)
+							    uint64_t *want, uint32_t words,
+							    uint32_t n, uint16_t *out)
 {
 	uint32_t m = 0;
 
@@ -400,8 +389,7 @@ static inline __attribute__((always_inline)) uint32_t drain(const uint32_t W,
 		uint64_t x = want[w];
 		uint32_t base = w * 64;
 
-		once[w] = 0;
-		twice[w] = 0;
+		want[w] = 0;
 		if (m + W <= n)
 			for (uint32_t k = 0; k < W; k++) {
 				out[m] = (uint16_t)(base + (uint32_t)__builtin_ctzll(x | 1ull << 63));
@@ -417,29 +405,42 @@ static inline __attribute__((always_inline)) uint32_t drain(const uint32_t W,
 }
 
 /*
- * Two bitmaps count to two: an id goes into `once` on its first table and
- * into `twice` on its second (a table never holds an id twice), with no
- * branch on "first sight", which is unpredictable for random-looking ids.
- * At 2 bits per token they stay in L1 (16 KiB at 64k tokens), where a byte
- * count per token and a list of the ids touched did not, and the walk went
- * from ~18 to ~8 us per call on Zen 4 with every table cached (K10 L150,
- * 32k tokens).  Counting in bytes lost on Intel too, where L1 is 48 KiB:
- * a byte count cleared by one memset, each id appended to a list as its
- * count reached c and the list drained through a bitmap, took 5-10 % longer
- * than the two bitmaps (Emerald Rapids VM, 32k tokens, cold and hot, the
- * same candidates).  Buckets are walked two at a time, an id from each in
- * turn: the two streams of loads and stores are independent, and a walked
- * id took ~9 % less (Zen 5, needle and dense, 32k tokens, cold).  The
- * drain (above) scans the wanted map in ascending order and clears both,
- * one pass over n/64 words.
+ * A byte per token counts the tables an id is in (a table never holds an id
+ * twice): one add to memory an id.  The kernels' ge8 then turns the counts
+ * into a bitmap of the ids seen c times or more, 64 ids an instruction or
+ * two, and zeroes them; the drain (above) lists that bitmap in ascending
+ * order.  This replaced two bitmaps, `once` and `twice`, that counted to
+ * two with two loads and two stores an id: on an Emerald Rapids VM (48 KiB
+ * L1), one process alternating the two, a 32k-token call took 0.71-0.90
+ * of their time cold, 0.66-0.85 right after the same call and 0.61-0.66
+ * looping on one head; 0.72-0.75 cold at L300, and 0.75-0.92 at 64k
+ * tokens, whose counts outgrow L1 (same candidates).  On Zen 4 a byte
+ * count had lost to the bitmaps (~18 against ~8 us a call, tables
+ * cached), but that one kept a list of the ids it touched to clear them.
+ *
+ * Counts above 255 would wrap (L may reach KVD_LSH_LMAX): every FOLD
+ * tables they are capped at 2, which keeps "at least c" for c <= 2 and
+ * every count at most 2 + FOLD = 242.
+ *
+ * Buckets are walked two at a time, an id from each in turn: the two
+ * streams of loads and stores are independent, and a walked id took ~9 %
+ * less (Zen 5, needle and dense, 32k tokens, cold).
  */
+#define FOLD (15 * CAND_BATCH)
+
+static void fold(uint8_t *cnt, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		cnt[i] = cnt[i] < 2 ? cnt[i] : 2;
+}
+
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out)
 {
 	if (t->n > s->cap || c < 1 || c > 2)
 		return 0;
 
-	uint64_t *restrict once = s->once, *restrict twice = s->twice;
+	uint8_t *restrict cnt = s->cnt;
 	uint32_t mask = (1u << t->K) - 1, words = (t->n + 63) / 64, m = 0;
 
 	const uint16_t *ids[2][CAND_BATCH];
@@ -471,30 +472,31 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 			uint32_t both = la < lb ? la : lb, j = 0;
 
 			for (; j < both; j++) {
-				count_id(once, twice, a[j]);
-				count_id(once, twice, b[j]);
+				cnt[a[j]]++;
+				cnt[b[j]]++;
 			}
 			for (uint32_t i = j; i < la; i++)
-				count_id(once, twice, a[i]);
+				cnt[a[i]]++;
 			for (uint32_t i = j; i < lb; i++)
-				count_id(once, twice, b[i]);
+				cnt[b[i]]++;
 		}
+		if ((p0 + CAND_BATCH) % FOLD == 0 && p0 + CAND_BATCH < t->L)
+			fold(cnt, (size_t)words * 64);
 	}
-
-	const uint64_t *want = c == 1 ? once : twice;
+	kvd_kern_get()->ge8(cnt, words, (uint8_t)c, s->bits);
 
 	switch (s->slots) {
 	case 2:
-		m = drain(2, want, once, twice, words, t->n, out);
+		m = drain(2, s->bits, words, t->n, out);
 		break;
 	case 4:
-		m = drain(4, want, once, twice, words, t->n, out);
+		m = drain(4, s->bits, words, t->n, out);
 		break;
 	case 8:
-		m = drain(8, want, once, twice, words, t->n, out);
+		m = drain(8, s->bits, words, t->n, out);
 		break;
 	default:
-		m = drain(16, want, once, twice, words, t->n, out);
+		m = drain(16, s->bits, words, t->n, out);
 		break;
 	}
 	/* Slots for the next call, most likely the next q head of the same

@@ -89,12 +89,13 @@ static inline uint32_t kvd_lsh_bucket(const struct kvd_lsh_tables *t, uint32_t t
 	return cnt;
 }
 
-/* Per-thread retrieval state, sized for segments of up to `cap` tokens.  Both
- * bitmaps are zero between calls. */
+/* Per-thread retrieval state, sized for segments of up to `cap` tokens.  The
+ * counts are zero between calls. */
 struct kvd_lsh_scratch {
 	uint32_t cap;
 	uint32_t slots;         /* the drain's unrolled slots a word (lsh.c), from the last call */
-	uint64_t *once, *twice; /* [(cap + 63) / 64]: ids seen in >= 1, >= 2 tables */
+	uint8_t *cnt;           /* [cap rounded up to 64], 64-byte aligned: tables an id is in */
+	uint64_t *bits;         /* [(cap + 63) / 64]: the ids counted c times or more */
 };
 
 int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap);

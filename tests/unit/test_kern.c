@@ -814,6 +814,56 @@ static void test_kinv(void **state)
 	report("kinv", "worst relative error %.2e");
 }
 
+/* ---- ge8 ------------------------------------------------------------------- */
+
+/* Every variant, scalar included, against the definition: counts of every
+ * size (the walk's are mostly 0-2, up to 242; 255 and 128 cross AVX2's
+ * signed compares), thresholds from 1 up, and cnt left zero. */
+static void test_ge8(void **state)
+{
+	static const size_t nw[] = { 1, 2, 7, 64, 513, 1024 };
+	static const uint8_t cs[] = { 1, 2, 3, 127, 128, 200, 255 };
+
+	start();
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0x9e8);
+
+		for (size_t a = 0; a < N_OF(nw); a++) {
+			size_t words = nw[a];
+			uint8_t *cnt = aligned_alloc(64, words * 64), *src = xmalloc(words * 64);
+			uint64_t *bits = xmalloc(words * sizeof *bits);
+
+			assert_non_null(cnt);
+			for (size_t i = 0; i < words * 64; i++) {
+				uint32_t x = kvd_rng_below(&r, 8);
+
+				src[i] = (uint8_t)(x < 6 ? x / 2 : kvd_rng_below(&r, 256));
+			}
+			for (size_t c = 0; c < N_OF(cs); c++)
+				for (size_t v = 0; v <= nvar; v++) {
+					const struct kvd_kern *k = v < nvar ? var[v] : ref;
+
+					memcpy(cnt, src, words * 64);
+					memset(bits, 0xa5, words * sizeof *bits);
+					k->ge8(cnt, words, cs[c], bits);
+					for (size_t i = 0; i < words * 64; i++) {
+						int want = src[i] >= cs[c], got = (int)(bits[i / 64] >> (i % 64) & 1);
+
+						if (got != want)
+							fail_msg("%s ge8 words=%zu c=%u: id %zu (count %u) %d, want %d",
+								 k->name, words, cs[c], i, src[i], got, want);
+						if (cnt[i])
+							fail_msg("%s ge8: count %zu left %u", k->name, i, cnt[i]);
+					}
+				}
+			free(cnt);
+			free(src);
+			free(bits);
+		}
+	}
+	report("ge8", "%.0f mismatches");
+}
+
 /* ---- hash ------------------------------------------------------------------ */
 
 static void check_hash(struct kvd_rng *r, int d, int K, int L, size_t n)
@@ -928,6 +978,7 @@ int main(void)
 		cmocka_unit_test(test_logp),
 		cmocka_unit_test(test_logp_nan),
 		cmocka_unit_test(test_kinv),
+		cmocka_unit_test(test_ge8),
 		cmocka_unit_test(test_hash),
 	};
 

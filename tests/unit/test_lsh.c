@@ -269,10 +269,15 @@ static void brute_hits(const uint16_t *codes, size_t ldc, uint32_t n, int K, int
 
 static void assert_scratch_clean(const struct kvd_lsh_scratch *s)
 {
-	for (uint32_t w = 0; w < (s->cap + 63) / 64; w++)
-		if (s->once[w] || s->twice[w])
-			fail_msg("scratch word %u = %#llx / %#llx after a query", w,
-				 (unsigned long long)s->once[w], (unsigned long long)s->twice[w]);
+	for (uint32_t w = 0; w < (s->cap + 63) / 64; w++) {
+		if (s->bits[w])
+			fail_msg("scratch word %u = %#llx after a query", w,
+				 (unsigned long long)s->bits[w]);
+		for (uint32_t j = 0; j < 64; j++)
+			if (s->cnt[w * 64 + j])
+				fail_msg("scratch count %u = %u after a query", w * 64 + j,
+					 s->cnt[w * 64 + j]);
+	}
 }
 
 /* Queries: random; one token's codes (so it and its twins collide
@@ -359,16 +364,21 @@ static void test_retrieval_matches_brute_force(void **state)
 	int cases = 0, big = 0;
 
 	assert_int_equal(kvd_lsh_scratch_init(&s, KVD_SEG_MAX), 0);
-	for (int cs = 0; cs < 14; cs++) {
+	for (int cs = 0; cs < 15; cs++) {
 		uint32_t n;
 		int K, L;
 		enum dist dist = (enum dist)kvd_rng_below(&r, D_COUNT);
 
 		switch (cs) {
-		case 0:         /* L > 255: per-id counts saturate instead of wrapping */
+		case 0:         /* L > 255: per-id byte counts must not wrap */
 			n = 500;
 			K = 1;
 			L = 300;
+			break;
+		case 4:         /* a token in all 256 tables: a wrapped count reads 0 */
+			n = 500;
+			K = 1;
+			L = 256;
 			break;
 		case 1:
 			n = 65536;
@@ -419,7 +429,7 @@ static void test_retrieval_matches_brute_force(void **state)
 		big += n == 65536;
 	}
 	kvd_lsh_scratch_free(&s);
-	printf("retrieval: %d table sets (%d with n = 65536, one with L = 300), %llu queries x "
+	printf("retrieval: %d table sets (%d with n = 65536, L = 300 and 256 once each), %llu queries x "
 	       "c in {1, 2} x 4 drain widths on one scratch, %llu candidates, scratch clean after "
 	       "each\n",
 	       cases, big, (unsigned long long)queries, (unsigned long long)cands);
