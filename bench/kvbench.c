@@ -781,10 +781,15 @@ static void parse(int argc, char **argv, struct opts *op)
 
 			snprintf(buf, sizeof buf, "%s", v);
 			op->ndt = 0;
-			for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+			/* each at most once: results are kept per dtype */
+			for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
 				if (op->ndt > KVD_KV_DTYPE_MAX ||
 				    kvd_kv_dtype_parse(tok, &op->dt[op->ndt++]))
 					usage();
+				for (uint32_t j = 0; j + 1 < op->ndt; j++)
+					if (op->dt[j] == op->dt[op->ndt - 1])
+						usage();
+			}
 			if (!op->ndt)
 				usage();
 		} else {
