@@ -206,17 +206,13 @@ static int own_seq(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	return kvd_wire_payload(e, *p, msg, msglen);
 }
 
-static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
-		   size_t msglen)
+static int rows_unit(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
+		     struct kvd_seqn *q, const struct kvd_profile *p, char *msg, size_t msglen)
 {
-	struct kvd_seqn *q;
-	const struct kvd_profile *p;
 	const char *base;
 	struct kvd_rows_layout lay;
 	int rc;
 
-	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
-		return rc;
 	/* The layer must be resident, and the rows need room: staging plus
 	 * the segment they seal into, about twice the payload. */
 	if ((rc = kvd_tier_want(s->tier, q, e->layer, msg, msglen)) ||
@@ -238,19 +234,33 @@ static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe 
 	return rc;
 }
 
-/* LOCAL: the client's own rows of a layer, put for a publish or got after an
- * attach.  A put copies the rows out of the slot once (a client rewriting
- * them garbles only its own rows); a get writes into the client's slot. */
-static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
-		    size_t msglen)
+/* A unit that changes a sequence pins it from start to end: others' records
+ * run between its slices (slice_yield) and may need room, and the sequence
+ * in the middle of this change must not be what they write out. */
+static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
+		   size_t msglen)
 {
 	struct kvd_seqn *q;
 	const struct kvd_profile *p;
-	struct kvd_local_layout lay;
 	int rc;
 
 	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
 		return rc;
+	kvd_store_seq_pin(q);
+	rc = rows_unit(s, c, e, q, p, msg, msglen);
+	kvd_store_seq_unpin(q);
+	return rc;
+}
+
+/* LOCAL: the client's own rows of a layer, put for a publish or got after an
+ * attach.  A put copies the rows out of the slot once (a client rewriting
+ * them garbles only its own rows); a get writes into the client's slot. */
+static int local_unit(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
+		      struct kvd_seqn *q, const struct kvd_profile *p, char *msg, size_t msglen)
+{
+	struct kvd_local_layout lay;
+	int rc;
+
 	/* The rows live with the sequence's RAM (a file holds them while it is
 	 * on disk): resident first, every layer. */
 	if ((rc = kvd_tier_want(s->tier, q, UINT32_MAX, msg, msglen)))
@@ -286,6 +296,21 @@ static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe
 		return -ERANGE;
 	}
 	return 0;
+}
+
+static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
+		    size_t msglen)
+{
+	struct kvd_seqn *q;
+	const struct kvd_profile *p;
+	int rc;
+
+	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
+		return rc;
+	kvd_store_seq_pin(q);
+	rc = local_unit(s, c, e, q, p, msg, msglen);
+	kvd_store_seq_unpin(q);
+	return rc;
 }
 
 /* ATTEND pass 1: copy every record's sequence id out once, then check that
@@ -678,6 +703,11 @@ static int exec_pass(struct kvd_server *s)
 		s->unit_client = NULL;
 		/* What ran for others inside the unit is theirs, not c's. */
 		charge(c, kvd_now_ns() - t0 - s->nested_ns);
+		/* Records that ran inside it and wait for room only its
+		 * sequence could give: it is unpinned now. */
+		if (kvd_tier_take_pin_waits(s->tier))
+			for (struct client *o = s->clients; o; o = o->next)
+				o->parked = 0;
 	}
 	kvd_tier_balance(s->tier);
 	return 1;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "invariant.h"
 #include "mem.h"
 #include "pool.h"
 #include "rng.h"
@@ -1096,7 +1097,13 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 	 * fetch) describe the sequence as it was: new rows make them stale. */
 	local_unref(s, p, q->loc);
 	q->loc = NULL;
+	/* A seal yields to other requests between its slices (kvd_pool_yield):
+	 * pinned, q is not theirs to write out, and the gen after the change
+	 * makes stale whatever was seen of it before the change was done. */
+	kvd_store_seq_pin(q);
 	rc = is_append ? append(s, q, l, k, v, codes, n) : prefill(s, q, l, last, k, v, codes, n);
+	q->gen++;
+	kvd_store_seq_unpin(q);
 	if (rc)
 		snprintf(msg, msglen, "layer %u: %s", layer, s->why[0] ? s->why : kvd_strerror(rc));
 	return rc;
@@ -1330,6 +1337,23 @@ size_t kvd_store_seq_freeable(const struct kvd_seqn *q)
 			if (q->ly[i].seg[j]->refs > 1)
 				n -= q->ly[i].seg[j]->bytes;
 	return n;
+}
+
+void kvd_store_seq_pin(struct kvd_seqn *q)
+{
+	q->pins++;
+}
+
+void kvd_store_seq_unpin(struct kvd_seqn *q)
+{
+	if (NEVER(q->pins == 0))
+		return;
+	q->pins--;
+}
+
+int kvd_store_seq_pinned(const struct kvd_seqn *q)
+{
+	return q->pins != 0;
 }
 
 uint64_t kvd_store_seq_gen(const struct kvd_seqn *q)

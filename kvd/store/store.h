@@ -207,6 +207,14 @@ size_t kvd_store_install_bytes(const struct kvd_seqn *q, int mean, uint32_t tn, 
 /* Whether every sparse layer's prefill staging is empty: only then can the
  * sequence be written out whole (sealed segments, tails, means). */
 int kvd_store_spillable(const struct kvd_seqn *q);
+/* A unit that may change q is running: the executor's for its whole unit,
+ * and kvd_store_rows for its own change, during which other requests run
+ * between the slices of a seal.  While pinned, q is no write-back's victim
+ * and no file may capture it (a file must hold a state q really had when
+ * the change was done, see gen).  Pins nest; each pin has its unpin. */
+void kvd_store_seq_pin(struct kvd_seqn *q);
+void kvd_store_seq_unpin(struct kvd_seqn *q);
+int kvd_store_seq_pinned(const struct kvd_seqn *q);
 
 /* Rows entering a layer: PREFILL (append to staging, seal full segments,
  * and everything with `last`) or APPEND (the tail, sealed at seal_tokens).

@@ -61,7 +61,10 @@ struct kvd_seqn {
 					 * every holder (kvd_store_seq_freeable) */
 	size_t fixed;                   /* the struct and its layer array: charged, and
 					 * kept when dropped, but not in bytes */
-	uint64_t gen;                   /* bumped by every change to the data */
+	uint64_t gen;                   /* bumped before and after every change to the
+					 * data: a state seen mid-change has a gen the
+					 * sequence no longer has once it is done */
+	uint32_t pins;                  /* units changing it now (kvd_store_seq_pin) */
 	uint8_t state;                  /* enum kvd_seq_state */
 	uint32_t ready;                 /* RESTORING: layers [0, ready) are usable */
 	uint32_t node;                  /* NUMA node (index into the store's nodes) */

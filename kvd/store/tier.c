@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "err.h"
+#include "invariant.h"
 #include "log.h"
 #include "metrics.h"
 #include "remote.h"
@@ -100,6 +101,8 @@ struct kvd_tier {
 	uint32_t dry_uid;
 	uint64_t rem_down_until;        /* the cluster failed us: keep local files till then */
 	int stopping;
+	int pin_wait;                   /* a request waits for a pinned sequence's unit
+					 * to end (kvd_tier_take_pin_waits) */
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
 
@@ -352,6 +355,11 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	unsigned n = count_extents(q), i = 0;
 	struct kvd_sfmt_ext e;
 
+	/* A file taken in the middle of a change would be current (the change
+	 * bumped gen before it began) for rows the sequence is still adding:
+	 * write_out refuses pinned sequences, so none gets here. */
+	if (NEVER(kvd_store_seq_pinned(q)))
+		return -EBUSY;
 	for (uint32_t ly = 0; ly < p->layers; ly++)
 		for (uint32_t sgi = 0; sgi < q->ly[ly].nseg; sgi++)
 			if (q->ly[ly].seg[sgi]->wbusy) {
@@ -485,6 +493,9 @@ nomem:
 /* Drops q's resident data; a current file holds it. */
 static void drop(struct kvd_tier *t, struct rec *r)
 {
+	/* The unit changing a pinned sequence still uses its buffers. */
+	if (NEVER(kvd_store_seq_pinned(r->q)))
+		return;
 	t->dry = 0;
 	kvd_store_seq_drop(t->st, r->q);
 	r->q->state = KVD_SEQ_DISK;
@@ -510,6 +521,8 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 	struct kvd_seqn *q = r->q;
 	int rc;
 
+	if (kvd_store_seq_pinned(q))
+		return -EBUSY;          /* a unit is changing it (see victim()) */
 	if (!evict && (q->state != KVD_SEQ_RAM || clean(r) || r->busy))
 		return 0;
 	if (q->state == KVD_SEQ_SPILLING) {
@@ -1242,6 +1255,32 @@ void kvd_tier_begin(struct kvd_tier *t)
 	t->epoch++;
 }
 
+/* Whether r may be written out now for the current request: not a
+ * sequence the request itself uses (epoch), nor one whose I/O is in flight
+ * or whose write failed a moment ago, and never one a running unit is
+ * changing.  Requests run between the slices of another's seal: the seal's
+ * sequence is in the LRU under an older epoch, and writing it out there
+ * captured half a change under a generation that counted as current.  A
+ * pinned one sets *pinned: the room comes when its unit ends. */
+static int victim(struct kvd_tier *t, const struct rec *r, uint64_t now, int *pinned)
+{
+	if (r->epoch == t->epoch || r->busy || r->backoff_until > now)
+		return 0;
+	if (kvd_store_seq_pinned(r->q)) {
+		*pinned = 1;
+		return 0;
+	}
+	return 1;
+}
+
+int kvd_tier_take_pin_waits(struct kvd_tier *t)
+{
+	int w = t->pin_wait;
+
+	t->pin_wait = 0;
+	return w;
+}
+
 int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 {
 	uint64_t u = used(t);
@@ -1250,13 +1289,13 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 		return 0;
 	if (t->sp) {
 		uint64_t now = now_ns();
-		int later = 0;
+		int later = 0, pinned = 0;
 
 		for (struct rec *r = t->head, *nx; r && u + bytes > t->cfg.limit + t->pending; r = nx) {
 			int rc;
 
 			nx = r->next;
-			if (r->epoch == t->epoch || r->busy || r->backoff_until > now)
+			if (!victim(t, r, now, &pinned))
 				continue;
 			rc = evict(t, r);
 			if (rc == 0)
@@ -1266,7 +1305,8 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 		u = used(t);
 		if (u + bytes <= t->cfg.limit)
 			return 0;
-		if (later || (t->pending && u + bytes <= t->cfg.limit + t->pending)) {
+		t->pin_wait |= pinned;
+		if (later || pinned || (t->pending && u + bytes <= t->cfg.limit + t->pending)) {
 			kvd_log(LOG_DEBUG, "room for %llu bytes: waiting for %llu being written out",
 				(unsigned long long)bytes, (unsigned long long)t->pending);
 			return -EINPROGRESS;
@@ -1291,7 +1331,7 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 {
 	uint64_t cap = lim(t) ? kvd_limits_cfg(lim(t))->per_uid[KVD_RES_MEMORY] : 0;
 	uint64_t pend = 0, now = now_ns();
-	int later = 0;
+	int later = 0, pinned = 0;
 
 	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap)
 		return kvd_tier_room(t, bytes, msg, msglen);
@@ -1307,14 +1347,17 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 		}
 		if (uid_mem(t, uid) + bytes <= cap + pend)
 			break;
-		if (r->epoch == t->epoch || r->busy || r->backoff_until > now)
+		if (!victim(t, r, now, &pinned))
 			continue;
 		rc = evict(t, r);
 		later |= rc == -EAGAIN;
 		if (rc == 0 && r->evict_after)
 			pend += r->pend;
 	}
-	if (uid_mem(t, uid) + bytes > cap && (later || uid_mem(t, uid) + bytes <= cap + pend)) {
+	if (uid_mem(t, uid) + bytes > cap && pinned)
+		t->pin_wait = 1;
+	if (uid_mem(t, uid) + bytes > cap &&
+	    (later || pinned || uid_mem(t, uid) + bytes <= cap + pend)) {
 		kvd_log(LOG_DEBUG, "uid %u: room for %llu bytes under memory_per_uid: waiting for "
 			"%llu being written out", uid, (unsigned long long)bytes,
 			(unsigned long long)pend);
@@ -1399,6 +1442,8 @@ int kvd_tier_evict(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msg
 		snprintf(msg, msglen, "%s", t->why);
 	else if (rc == -EAGAIN)
 		snprintf(msg, msglen, "its stale file is being deleted: try again");
+	else if (rc == -EBUSY && kvd_store_seq_pinned(q))
+		snprintf(msg, msglen, "a request is changing it: try again");
 	else if (rc == -EBUSY)
 		snprintf(msg, msglen, "a layer's prefill is in progress: finish it first");
 	else if (rc)
@@ -1509,11 +1554,12 @@ void kvd_tier_balance(struct kvd_tier *t)
 	now = now_ns();
 	for (struct rec *r = t->head, *nx; r; r = nx) {
 		uint64_t u = used(t);
+		int pinned = 0;
 
 		nx = r->next;
 		if (u <= t->cfg.low + t->pending)
 			break;
-		if (r->busy || r->epoch == t->epoch || r->backoff_until > now)
+		if (!victim(t, r, now, &pinned))
 			continue;
 		evict(t, r);
 	}

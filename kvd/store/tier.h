@@ -18,8 +18,12 @@
  *
  * A file is current only while it holds exactly the sequence's data (its
  * generation equals the sequence's); a change makes it stale, and a stale
- * file is deleted.  With persist, files survive kvd (clean stop or crash)
- * and kvd_tier_load() finds them at start-up; without it they are deleted.
+ * file is deleted.  A sequence a running unit has pinned
+ * (kvd_store_seq_pin) is never written out or dropped: requests run between
+ * the slices of a change, and a file of half a change would be current for
+ * rows the sequence does not have.  With persist, files survive kvd (clean
+ * stop or crash) and kvd_tier_load() finds them at start-up; without it
+ * they are deleted.
  *
  * Single-threaded: the event loop only.  The I/O runs on kvd_spill's thread.
  */
@@ -77,6 +81,11 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen);
  * the charge that follows, which refuses it (-EDQUOT, naming the limit). */
 int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *msg,
 		      size_t msglen);
+/* Whether a request was told to wait (-EINPROGRESS) because the only room
+ * to be had is a sequence a running unit has pinned (kvd_store_seq_pin);
+ * clears it.  The executor asks after each unit: then the waiting requests
+ * try again, and the sequence, unpinned, can go. */
+int kvd_tier_take_pin_waits(struct kvd_tier *t);
 /* After q's data changed: its file, if any, is stale and goes. */
 void kvd_tier_changed(struct kvd_tier *t, struct kvd_seqn *q);
 

@@ -894,6 +894,86 @@ static void test_local_rows_spill(void **state)
 	env_close(&e);
 }
 
+/* Between the slices of a seal the executor runs other clients' records
+ * (kvd_pool_set_yield), and one of them may restore its sequence and need
+ * room.  The sequence being sealed must not be what goes: written out
+ * there, its file held half the change under the generation the change had
+ * already bumped, counted as current, and the rows appended after it were
+ * lost with the drop.  The hook forces that interleaving: at the seal's
+ * first yield B is restored, and the only room there is is A. */
+struct mid_seal {
+	struct env *e;
+	struct kvd_seqn *a, *b;
+	int calls, rc;
+	enum kvd_seq_state a_state;
+};
+
+static void mid_seal_hook(void *arg)
+{
+	struct mid_seal *m = arg;
+	char msg[200];
+
+	if (m->calls++)
+		return;
+	kvd_tier_begin(m->e->t);        /* another client's request */
+	m->rc = kvd_tier_want(m->e->t, m->b, 1, msg, sizeof msg);
+	m->a_state = kvd_store_seq_state(m->a);
+}
+
+static void test_no_write_back_inside_seal(void **state)
+{
+	uint64_t base, per;
+	struct snap *sa = xmalloc(sizeof *sa);
+	struct mid_seal m = { 0 };
+	char msg[200];
+	struct env e;
+	int rc;
+
+	measure(&base, &per);
+	env_open(&e, base + per + per / 2, 0, 0, 1, "");      /* one fits, not two */
+	m.e = &e;
+	m.b = seq_full(&e, 90, NULL);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, m.b, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(m.b) == KVD_SEQ_DISK);
+	m.a = seq_full(&e, 91, NULL);
+	/* The tail holds TAIL rows: SEAL more fill it, seal it, and start the
+	 * next tail with TAIL. */
+	kvd_pool_set_yield(mid_seal_hook, &m);
+	kvd_tier_begin(e.t);
+	rc = rows(&e, m.a, 1, 1, 0, SEAL, 92, NULL, msg, sizeof msg);
+	kvd_pool_set_yield(NULL, NULL);
+	assert_int_equal(rc, 0);
+	assert_true(m.calls > 0);
+	assert_int_equal(kvd_store_layer_tokens(m.a, 1), TOK + TAIL + SEAL);
+	snap_take(m.a, sa);
+
+	/* B comes back once A's unit is over: A goes whole, and returns as
+	 * it was after the append. */
+	kvd_tier_begin(e.t);
+	restore(&e, m.b);
+	assert_int_equal(kvd_store_seq_state(m.a), KVD_SEQ_DISK);
+	kvd_tier_begin(e.t);
+	restore(&e, m.a);
+	snap_equal(m.a, sa);
+	assert_int_equal(stats(&e).lost, 0);
+
+	/* Inside the seal B was told to wait for A's unit, A was untouched,
+	 * and the executor was told to retry the waiting after the unit. */
+	assert_int_equal(m.rc, -EINPROGRESS);
+	assert_int_equal(m.a_state, KVD_SEQ_RAM);
+	assert_int_equal(kvd_tier_take_pin_waits(e.t), 1);
+	assert_int_equal(kvd_tier_take_pin_waits(e.t), 0);
+	/* A pinned sequence is refused by SeqEvict too, saying why. */
+	kvd_store_seq_pin(m.a);
+	assert_int_equal(kvd_tier_evict(e.t, m.a, msg, sizeof msg), -EBUSY);
+	assert_non_null(strstr(msg, "changing"));
+	kvd_store_seq_unpin(m.a);
+	snap_free(sa);
+	free(sa);
+	env_close(&e);
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -916,6 +996,7 @@ int main(void)
 		cmocka_unit_test(test_uid_share_evicts_own),
 		cmocka_unit_test(test_shared_segments_write_in_turn),
 		cmocka_unit_test(test_local_rows_spill),
+		cmocka_unit_test(test_no_write_back_inside_seal),
 	};
 	int rc;
 

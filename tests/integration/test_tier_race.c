@@ -1,0 +1,361 @@
+/* APPENDs, seals, evictions and restores of several client processes under
+ * a memory budget that holds about two of their three sequences, every
+ * answer compared to a private twin: the same entries sent to a second kvd
+ * without a budget, where nothing is ever written out.
+ *
+ * The appender's APPENDs seal a few segments each, and between a seal's
+ * slices the executor runs the other clients' ATTEND records; the other two
+ * clients write their own sequence out and attend it again, so each of their
+ * records restores and needs room that only the appender's sequence can
+ * give.  Once, such a record wrote the appender's sequence out in the middle
+ * of its seal: the file held half the change under a generation that
+ * counted as current, the drop lost the rest, and every later answer drifted
+ * from the twin's.  (test_tier_policy forces that interleaving exactly; this
+ * is the same property with real processes and the real executor.)
+ *
+ * Under this budget an entry may be refused -ENOMEM while the others'
+ * restores hold the room; kvd refuses an entry whole before it changes
+ * anything, so the clients send it again, to kvd only: the twin's copy of
+ * the sequence must still match.  magicpig: no estimator state that a spill
+ * would drop, so answers match bit for bit. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <sys/mman.h>
+
+#include "ctl.h"
+#include "daemon.h"
+#include "err.h"
+#include "kvc.h"
+#include "kvd_ring.h"
+#include "raw.h"
+#include "rng.h"
+#include "shm.h"
+#include "testutil.h"
+
+#define QH 4
+#define KVH 2
+#define HD 128
+#define KB 6
+#define LT 40
+#define PROMPT 1536             /* tokens the appender's sequence starts with */
+#define RPROMPT 2560            /* and each restorer's */
+#define CHUNK 512               /* PREFILL chunk */
+#define APPEND_N 100            /* rows an APPEND: three seals of 32 and four left */
+#define ROUNDS 8
+#define RESTORERS 2
+#define RETRY_MS 10000          /* how long an entry may be refused for room */
+
+static struct daemon D, twin;
+static char spill[64];
+
+/* Between the processes: the appender is done; why a child failed. */
+struct shared {
+	volatile int done;
+	volatile int ready;             /* clients with their prompt in: one at a time */
+	volatile int cycles;            /* restorers' write-out and attend rounds */
+	char why[RESTORERS + 1][200];
+};
+static struct shared *sh;
+
+static void kid_fail(int i, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void kid_fail(int i, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(sh->why[i], sizeof sh->why[i], fmt, ap);
+	va_end(ap);
+	sh->done = 1;
+	_exit(code);
+}
+
+/* ---- the appender: raw entries, to both daemons ------------------------- */
+
+struct side {
+	struct raw x;
+	uint64_t seq;
+};
+
+static int side_open(struct side *s, const char *sock)
+{
+	Kvd__Profile p = KVD__PROFILE__INIT;
+	uint32_t pid;
+	int rc;
+
+	p.name = "race";
+	p.layers = 1;
+	p.q_heads = QH;
+	p.kv_heads = KVH;
+	p.head_dim = HD;
+	p.k_bits = KB;
+	p.tables = LT;
+	p.min_collisions = 2;
+	p.seed = 21;
+	p.segment_tokens = 256;
+	p.seal_tokens = 32;
+	if ((rc = raw_open(&s->x, sock, 0)) || (rc = raw_hello(&s->x, "appender", "t", 2, 1 << 20)) ||
+	    (rc = raw_profile_create(&s->x, &p, &pid)) || (rc = raw_seq_create(&s->x, pid, 0, &s->seq)))
+		return rc;
+	return 0;
+}
+
+static uint64_t ms_now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* e with the payload already in slot 0; refused for room, it goes again
+ * (to kvd: the twin has no budget). */
+static int side_run(struct side *s, struct kvd_sqe e)
+{
+	uint64_t until = ms_now() + RETRY_MS;
+	int rc;
+
+	e.seq = s->seq;
+	while ((rc = raw_ring(&s->x, &e)) == -ENOMEM && ms_now() < until)
+		daemon_sleep_ms(1);
+	return rc;
+}
+
+/* n rows (and the mean, first) into both, from one generator. */
+static int put_rows(struct side *s, int n_sides, struct kvd_rng *r, uint8_t op, int mean, int last,
+		    uint32_t n)
+{
+	const struct kvd_rows_layout lay = kvd_rows_layout(KVH, HD, LT, n, mean);
+	uint8_t *buf = malloc(lay.bytes);
+	int rc = 0;
+
+	if (!buf)
+		return -ENOMEM;
+	memset(buf, 0, lay.bytes);
+	if (mean)
+		fill_normal((float *)buf, KVH * HD, r, 0, 0.1);
+	fill_bf16((uint16_t *)(buf + lay.k), (size_t)KVH * n * HD, r, 0, 1);
+	fill_bf16((uint16_t *)(buf + lay.v), (size_t)KVH * n * HD, r, 0, 1);
+	for (size_t i = 0; i < (size_t)KVH * LT * n; i++)
+		((uint16_t *)(buf + lay.codes))[i] = (uint16_t)kvd_rng_below(r, 1u << KB);
+	for (int i = 0; i < n_sides && !rc; i++) {
+		struct kvd_sqe e = { .op = op, .slot = 0, .len = (uint32_t)lay.bytes, .ntok = n,
+				     .flags = (uint8_t)((mean ? KVD_RF_MEAN : 0) |
+							(last ? KVD_RF_LAST : 0)) };
+
+		memcpy(shm_slot(&s[i].x.r, 0), buf, lay.bytes);
+		rc = side_run(&s[i], e);
+	}
+	free(buf);
+	return rc;
+}
+
+/* One ATTEND of a random query on both: 0 when the answers are the same
+ * bit for bit, 1 when not, else the error. */
+static int attend_same(struct side *s, struct kvd_rng *r)
+{
+	const struct kvd_attend_layout lay = kvd_attend_layout(QH, HD, LT);
+	const size_t ob = (size_t)QH * HD * 4, lb = (size_t)QH * 4;
+	uint8_t in[lay.in];
+	float out[2][QH * HD], lse[2][QH];
+	int rc;
+
+	memset(in, 0, sizeof in);
+	fill_normal((float *)(in + lay.q_off), QH * HD, r, 0, 1);
+	for (size_t i = 0; i < (size_t)QH * LT; i++)
+		((uint16_t *)(in + lay.codes_off))[i] = (uint16_t)kvd_rng_below(r, 1u << KB);
+	for (int i = 0; i < 2; i++) {
+		uint8_t *slot = shm_slot(&s[i].x.r, 0);
+		struct kvd_sqe e = { .op = KVD_OP_ATTEND, .slot = 0, .len = (uint32_t)lay.in,
+				     .nseq = 1, .out_off = 4096, .out_len = (uint32_t)lay.out };
+
+		memcpy(slot, in, sizeof in);
+		memcpy(slot, &s[i].seq, sizeof s[i].seq);
+		if ((rc = side_run(&s[i], e)))
+			return rc;
+		memcpy(out[i], slot + 4096, ob);
+		memcpy(lse[i], slot + 4096 + lay.lse_off, lb);
+	}
+	return memcmp(out[0], out[1], ob) || memcmp(lse[0], lse[1], lb) ? 1 : 0;
+}
+
+/* Until *v >= n, 30 s at most. */
+static void wait_for(volatile int *v, int n)
+{
+	for (uint64_t until = ms_now() + 30000; *v < n && ms_now() < until;)
+		daemon_sleep_ms(1);
+}
+
+/* What a daemon holds resident, in bytes (0 when it does not answer). */
+static uint64_t held_bytes(struct raw *x)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__Response *r;
+	uint64_t b = 0;
+
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	if (!raw_expect(x, &rq, KVD__RESPONSE__BODY_SERVER_STATS, &r)) {
+		b = r->server_stats->bytes;
+		kvd_ctl_free_response(r);
+	}
+	return b;
+}
+
+static void appender(void)
+{
+	struct side s[2];
+	struct kvd_rng r = kvd_rng_make(77);
+	int rc;
+
+	if ((rc = side_open(&s[0], D.sock)) || (rc = side_open(&s[1], twin.sock)))
+		kid_fail(0, 2, "connect: %d %s", rc, s[0].x.msg);
+	for (uint32_t t = 0; t < PROMPT; t += CHUNK)
+		if ((rc = put_rows(s, 2, &r, KVD_OP_PREFILL, t == 0, t + CHUNK >= PROMPT, CHUNK)))
+			kid_fail(0, 2, "prefill at %u: %d %s", t, rc, s[0].x.msg);
+	__atomic_add_fetch(&sh->ready, 1, __ATOMIC_SEQ_CST);
+	wait_for(&sh->ready, RESTORERS + 1);
+	uint64_t b0 = held_bytes(&s[1].x);
+
+	for (int round = 0; round < ROUNDS; round++) {
+		/* Let the restorers go around, so that their restores are
+		 * what the seals meet. */
+		wait_for(&sh->cycles, 4 * round);
+		if ((rc = put_rows(s, 2, &r, KVD_OP_APPEND, 0, 0, APPEND_N)))
+			kid_fail(0, 2, "append of round %d: %d %s", round, rc, s[0].x.msg);
+		if ((rc = attend_same(s, &r)) == 1)
+			kid_fail(0, 1, "round %d: the answer differs from the twin's", round);
+		if (rc)
+			kid_fail(0, 2, "attend of round %d: %d %s / %s", round, rc, s[0].x.msg,
+				 s[1].x.msg);
+	}
+	snprintf(sh->why[0], sizeof sh->why[0], "the twin held %llu bytes, then %llu",
+		 (unsigned long long)b0, (unsigned long long)held_bytes(&s[1].x));
+	sh->done = 1;
+	_exit(0);
+}
+
+/* ---- the restorers: libkvclient, write out, attend again ---------------- */
+
+static const struct kvc_model rmodel = {
+	.name = "race-r", .layers = 2, .q_heads = QH, .kv_heads = KVH, .head_dim = HD, .K = KB,
+	.L = LT, .c = 2, .sink = 4, .window = 64, .dense_layers = (const uint32_t[]){ 0 },
+	.n_dense = 1, .seed = 22, .segment_tokens = 256, .seal_tokens = 32,
+};
+
+static struct kvc *rconnect(int i, const char *sock)
+{
+	struct kvc_opts o = { .socket_path = sock, .tenant = "t", .name = "restorer",
+			      .slots = 4, .slot_size = 1 << 20 };
+	struct kvc *c;
+
+	if (kvc_connect(&o, &c) || kvc_profile(c, &rmodel))
+		kid_fail(i, 2, "connect: %s", kvc_last_error(c));
+	return c;
+}
+
+static void restorer(int i)
+{
+	struct kvd_rng r = kvd_rng_make(900 + (uint64_t)i);
+	struct kvc *c = rconnect(i, D.sock), *ct = rconnect(i, twin.sock);
+	struct kvc_seq *s, *st;
+	float *k = xmalloc((size_t)KVH * RPROMPT * HD * 4), *v = xmalloc((size_t)KVH * RPROMPT * HD * 4);
+	float q[QH * HD], o[2][QH * HD], lse[2][QH];
+	uint64_t until;
+	int rc, n = 0;
+
+	if (kvc_seq_create(c, &s) || kvc_seq_create(ct, &st))
+		kid_fail(i, 2, "seq: %s", kvc_last_error(c));
+	wait_for(&sh->ready, i);
+	for (uint32_t l = 0; l < 2; l++) {
+		fill_normal(k, (size_t)KVH * RPROMPT * HD, &r, 0, 1);
+		fill_normal(v, (size_t)KVH * RPROMPT * HD, &r, 0, 1);
+		if (kvc_prefill(c, s, l, k, v, RPROMPT) || kvc_prefill(ct, st, l, k, v, RPROMPT))
+			kid_fail(i, 2, "prefill: %s / %s", kvc_last_error(c), kvc_last_error(ct));
+	}
+	__atomic_add_fetch(&sh->ready, 1, __ATOMIC_SEQ_CST);
+	wait_for(&sh->ready, RESTORERS + 1);
+	while (!sh->done) {
+		rc = kvc_seq_evict(c, s);
+		if (rc && rc != -EBUSY && rc != -EAGAIN)
+			kid_fail(i, 2, "evict: %s", kvc_last_error(c));
+		fill_normal(q, QH * HD, &r, 0, 1);
+		until = ms_now() + RETRY_MS;
+		while ((rc = kvc_attend_kvd(c, 1, &s, 1, q, o[0], lse[0])) == -ENOMEM &&
+		       ms_now() < until)
+			daemon_sleep_ms(1);
+		if (rc || kvc_attend_kvd(ct, 1, &st, 1, q, o[1], lse[1]))
+			kid_fail(i, 2, "attend: %s / %s", kvc_last_error(c), kvc_last_error(ct));
+		if (memcmp(o[0], o[1], sizeof o[0]) || memcmp(lse[0], lse[1], sizeof lse[0]))
+			kid_fail(i, 1, "attend %d: the answer differs from the twin's", n);
+		__atomic_add_fetch(&sh->cycles, 1, __ATOMIC_SEQ_CST);
+		n++;
+	}
+	_exit(0);
+}
+
+/* ---- the test ----------------------------------------------------------- */
+
+static void test_append_seal_evict_restore(void **state)
+{
+	pid_t pid[RESTORERS + 1];
+	struct kvc *c;
+	struct kvc_opts o = { .socket_path = NULL, .tenant = "t", .name = "stats" };
+	struct kvc_stats ss;
+	int st, bad = 0;
+
+	/* Each sequence is about 2 MiB resident: 5 MiB holds two of the
+	 * three, so every restore writes one out. */
+	assert_non_null(mkdtemp(strcpy(spill, "/tmp/kvd-race.XXXXXX")));
+	assert_int_equal(daemon_start4(&D, "--spill-dir", spill, "--mem-limit", "4608K"), 0);
+	assert_int_equal(daemon_start(&twin, NULL), 0);
+	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	assert_true(sh != MAP_FAILED);
+	memset(sh, 0, sizeof *sh);
+	for (int i = 0; i <= RESTORERS; i++) {
+		pid[i] = fork();
+		assert_true(pid[i] >= 0);
+		if (pid[i] == 0) {
+			if (i == 0)
+				appender();
+			restorer(i);
+		}
+	}
+	for (int i = 0; i <= RESTORERS; i++) {
+		assert_int_equal(waitpid(pid[i], &st, 0), pid[i]);
+		if (!i)
+			print_message("  appender: %s\n", sh->why[0]);
+		if (!WIFEXITED(st) || WEXITSTATUS(st)) {
+			print_message("  %s %d: %s\n", i ? "restorer" : "appender", i,
+				      sh->why[i][0] ? sh->why[i] : "died");
+			bad++;
+		}
+	}
+	o.socket_path = D.sock;
+	assert_int_equal(kvc_connect(&o, &c), 0);
+	assert_int_equal(kvc_server_stats(c, &ss), 0);
+	kvc_close(c);
+	print_message("  %d APPENDs of %d rows, each three seals: %llu spills, %llu restores, "
+		      "%llu lost\n", ROUNDS, APPEND_N, (unsigned long long)ss.spills,
+		      (unsigned long long)ss.restores, (unsigned long long)ss.lost);
+	munmap(sh, sizeof *sh);
+	assert_int_equal(daemon_stop(&twin), 0);
+	assert_int_equal(daemon_stop(&D), 0);
+	daemon_rm_tree(spill);
+	assert_int_equal(bad, 0);
+	assert_int_equal(ss.lost, 0);
+	assert_true(ss.restores > 0);           /* the budget made them take turns */
+}
+
+int main(void)
+{
+	const struct CMUnitTest tests[] = {
+		cmocka_unit_test(test_append_seal_evict_restore),
+	};
+
+	return cmocka_run_group_tests(tests, NULL, NULL);
+}
