@@ -964,6 +964,17 @@ static void test_no_write_back_inside_seal(void **state)
 	assert_int_equal(m.a_state, KVD_SEQ_RAM);
 	assert_int_equal(kvd_tier_take_pin_waits(e.t), 1);
 	assert_int_equal(kvd_tier_take_pin_waits(e.t), 0);
+	/* Inside another request's unit no restore starts: it would take
+	 * room the unit counted on.  The request waits for the unit's end. */
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, m.b, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(m.b) == KVD_SEQ_DISK);
+	kvd_tier_nest(e.t, 1);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_want(e.t, m.b, 1, msg, sizeof msg), -EINPROGRESS);
+	kvd_tier_nest(e.t, 0);
+	assert_int_equal(kvd_store_seq_state(m.b), KVD_SEQ_DISK);
+	assert_int_equal(kvd_tier_take_pin_waits(e.t), 1);
 	/* A pinned sequence is refused by SeqEvict too, saying why. */
 	kvd_store_seq_pin(m.a);
 	assert_int_equal(kvd_tier_evict(e.t, m.a, msg, sizeof msg), -EBUSY);
