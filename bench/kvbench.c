@@ -12,6 +12,8 @@
  *                                                  restore vs prefill: bench/remote.c)
  *   kvbench kern [--json] ...                     (row kernels of every ISA, int8 vs bf16: bench/kern.c)
  *   kvbench lsh [--json] ...                      (the candidate walk's share of the sampled path: bench/lsh.c)
+ *   kvbench stall [--json] ...                    (a neighbour's big operations against a
+ *                                                  quiet client's latency: bench/stall.c)
  *
  * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
  * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and
@@ -1029,6 +1031,7 @@ static int cmd_trace_dump(int argc, char **argv)
 }
 
 int bench_spill_main(int argc, char **argv);      /* bench/spill.c */
+int bench_stall_main(int argc, char **argv);      /* bench/stall.c */
 
 int main(int argc, char **argv)
 {
@@ -1059,6 +1062,8 @@ int main(int argc, char **argv)
 		return bench_ipc_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "spill"))
 		return bench_spill_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "stall"))
+		return bench_stall_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "share"))
 		return bench_share_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "remote"))

@@ -1,0 +1,296 @@
+/* kvbench stall: how long one uid's big operations hold up a quiet
+ * neighbour.  A victim process ATTENDs one layer of its own small sequence
+ * back to back; meanwhile an attacker, in turn:
+ *
+ *   quiet          nothing
+ *   append         decodes into every layer of a big sequence (APPENDs of
+ *                  32 rows, a seal of seal_tokens rows every so often)
+ *   fork           forks the big sequence and frees the child, over and over
+ *                  (the child copies every layer's open tail)
+ *   evict_restore  writes the big sequence out and reads it back, over and
+ *                  over (the write-back's copies, the restore's installs)
+ *
+ *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
+ *
+ * One row per phase: the victim's ATTEND latency (p50, p99, max, ms) and
+ * its p99 and max against the quiet phase of the same run.  kvd runs with
+ * 2 executor threads and a spill directory under /var/tmp.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "rng.h"
+
+#define MAXLAT 400000
+enum { PH_QUIET, PH_APPEND, PH_FORK, PH_EVICT, NPH, PH_END = NPH };
+static const char *const ph_name[NPH] = { "quiet", "append", "fork", "evict_restore" };
+
+struct shared {
+	volatile int phase;             /* what the attacker does now; PH_END: stop */
+	volatile int ready;             /* the victim has its sequence */
+	volatile int failed;
+	uint32_t n[NPH];
+	float ms[NPH][MAXLAT];
+};
+
+static const uint32_t dense0[] = { 0 };
+
+static int usage(void)
+{
+	fprintf(stderr, "usage: kvbench stall [--json] [--ctx N] [--layers N] [--secs N]\n"
+			"  defaults: 16384 tokens, 8 layers, 3 s a phase\n");
+	return 2;
+}
+
+static struct kvc *connect_model(const char *sock, const char *tenant, const struct kvc_model *m)
+{
+	struct kvc_opts o = { .socket_path = sock, .tenant = tenant, .name = m->name,
+			      .slots = 8, .slot_size = 4 << 20 };
+	struct kvc *c;
+
+	if (kvc_connect(&o, &c) || kvc_profile(c, m)) {
+		fprintf(stderr, "stall: %s: %s\n", m->name, kvc_last_error(c));
+		return NULL;
+	}
+	return c;
+}
+
+static int prefill(struct kvc *c, struct kvc_seq *s, const struct kvc_model *m, uint32_t n,
+		   uint64_t seed)
+{
+	struct kvd_rng r = kvd_rng_make(seed);
+	size_t sz = (size_t)m->kv_heads * n * m->head_dim;
+	float *k = malloc(sz * 4), *v = malloc(sz * 4);
+	int rc = 0;
+
+	if (!k || !v)
+		rc = -ENOMEM;
+	for (uint32_t l = 0; l < m->layers && !rc; l++) {
+		for (size_t i = 0; i < sz; i++) {
+			k[i] = (float)(kvd_rng_uniform(&r) * 2 - 1);
+			v[i] = (float)(kvd_rng_uniform(&r) * 2 - 1);
+		}
+		rc = kvc_prefill(c, s, l, k, v, n);
+	}
+	free(k);
+	free(v);
+	return rc;
+}
+
+static void victim(const char *sock, struct shared *sh)
+{
+	static const struct kvc_model m = {
+		.name = "stall-victim", .layers = 2, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+		.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense0,
+		.n_dense = 1, .seed = 5,
+	};
+	struct kvc *c = connect_model(sock, "victim", &m);
+	struct kvc_seq *s;
+	float q[8 * 128], o[8 * 128], lse[8];
+	struct kvd_rng r = kvd_rng_make(6);
+
+	if (!c || kvc_seq_create(c, &s) || prefill(c, s, &m, 4096, 7)) {
+		sh->failed = 1;
+		_exit(1);
+	}
+	for (size_t i = 0; i < 8 * 128; i++)
+		q[i] = (float)(kvd_rng_uniform(&r) * 2 - 1);
+	sh->ready = 1;
+	for (int ph; (ph = sh->phase) != PH_END;) {
+		double t0 = bench_now_ms();
+
+		if (kvc_attend_kvd(c, 1, &s, 1, q, o, lse)) {
+			fprintf(stderr, "stall: victim: %s\n", kvc_last_error(c));
+			sh->failed = 1;
+			_exit(1);
+		}
+		if (ph == sh->phase && sh->n[ph] < MAXLAT)
+			sh->ms[ph][sh->n[ph]++] = (float)(bench_now_ms() - t0);
+	}
+	_exit(0);
+}
+
+static int cmpf(const void *a, const void *b)
+{
+	float x = *(const float *)a, y = *(const float *)b;
+
+	return (x > y) - (x < y);
+}
+
+static float pct(float *x, uint32_t n, double p)
+{
+	return n ? x[(size_t)(p * (n - 1))] : 0;
+}
+
+static int wait_state(struct kvc *c, struct kvc_seq *s, uint32_t state)
+{
+	struct kvc_seq_stats st;
+
+	for (int i = 0; i < 60000; i++) {
+		if (kvc_seq_stats(c, s, &st))
+			return -1;
+		if (st.state == state)
+			return 0;
+		usleep(500);
+	}
+	return -1;
+}
+
+/* One phase of the attacker, for secs seconds: 0, or -1. */
+static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_model *m,
+		  double secs, struct kvd_rng *r)
+{
+	double until = bench_now_ms() + secs * 1e3;
+	float kt[8 * 128], vt[8 * 128];
+
+	while (bench_now_ms() < until) {
+		switch (ph) {
+		case PH_QUIET:
+			usleep(10000);
+			break;
+		case PH_APPEND:
+			for (uint32_t l = 0; l < m->layers; l++) {
+				for (size_t i = 0; i < (size_t)m->kv_heads * m->head_dim; i++) {
+					kt[i] = (float)(kvd_rng_uniform(r) * 2 - 1);
+					vt[i] = (float)(kvd_rng_uniform(r) * 2 - 1);
+				}
+				if (kvc_append(c, s, l, kt, vt))
+					return -1;
+			}
+			break;
+		case PH_FORK: {
+			struct kvc_seq *ch;
+
+			if (kvc_seq_fork(c, s, &ch) || kvc_seq_free(c, ch))
+				return -1;
+			break;
+		}
+		case PH_EVICT:
+			if (kvc_seq_evict(c, s) || wait_state(c, s, KVC_SEQ_DISK) ||
+			    kvc_prefetch(c, s) || wait_state(c, s, KVC_SEQ_RAM))
+				return -1;
+			break;
+		}
+	}
+	return 0;
+}
+
+int bench_stall_main(int argc, char **argv)
+{
+	uint32_t ctx = 16384, layers = 8, secs = 3;
+	int json = 0, rc = 1;
+
+	for (int i = 0; i < argc; i++) {
+		uint32_t *dst = !strcmp(argv[i], "--ctx") ? &ctx : !strcmp(argv[i], "--layers") ? &layers :
+				!strcmp(argv[i], "--secs") ? &secs : NULL;
+
+		if (!strcmp(argv[i], "--json"))
+			json = 1;
+		else if (!dst || i + 1 == argc || bench_parse_u32(argv[++i], dst) || !*dst)
+			return usage();
+	}
+	if (layers < 2 || layers > 64)
+		return usage();
+
+	struct daemon d;
+	char spill[160];
+
+	if (daemon_mkdir(&d, "/var/tmp/kvbench-stall.XXXXXX"))
+		return 1;
+	snprintf(spill, sizeof spill, "%s/spill", d.dir);
+	const char *args[] = { "--socket", d.sock, "--threads", "2", "--spill-dir", spill,
+			       "--log-level", "warning", "--metrics-listen", "", NULL };
+
+	if (daemon_spawn(&d, "kvd", args)) {
+		fprintf(stderr, "stall: kvd did not start\n");
+		return 1;
+	}
+	struct shared *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
+				 MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	pid_t vp = -1;
+
+	if (sh == MAP_FAILED)
+		goto out;
+	memset(sh, 0, sizeof *sh);
+	sh->phase = PH_QUIET;
+
+	const struct kvc_model m = {
+		.name = "stall-attacker", .layers = layers, .q_heads = 32, .kv_heads = 8,
+		.head_dim = 128, .K = 10, .L = 150, .c = 2, .sink = 4, .window = 64,
+		.dense_layers = dense0, .n_dense = 1, .seed = 9,
+	};
+	struct kvc *c = connect_model(d.sock, "attacker", &m);
+	struct kvc_seq *s;
+	struct kvd_rng r = kvd_rng_make(10);
+
+	if (!c || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11)) {
+		fprintf(stderr, "stall: attacker: %s\n", c ? kvc_last_error(c) : "connect");
+		goto out;
+	}
+	/* An open tail in every layer: what a fork copies and a write-back
+	 * writes from a copy. */
+	if (attack(PH_APPEND, c, s, &m, 1.0, &r))
+		goto out;
+	if ((vp = fork()) == 0)
+		victim(d.sock, sh);
+	while (!sh->ready && !sh->failed)
+		usleep(1000);
+	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
+		sh->phase = ph;
+		if (attack(ph, c, s, &m, secs, &r)) {
+			fprintf(stderr, "stall: %s: %s\n", ph_name[ph], kvc_last_error(c));
+			goto out;
+		}
+	}
+	sh->phase = PH_END;
+	waitpid(vp, NULL, 0);
+	vp = -1;
+	if (sh->failed)
+		goto out;
+
+	float q99 = 0, qmax = 0;
+
+	if (!json)
+		printf("  %-14s %8s %9s %9s %9s %9s %9s\n", "phase", "attends", "p50_ms", "p99_ms",
+		       "max_ms", "p99_x", "max_x");
+	for (int ph = 0; ph < NPH; ph++) {
+		uint32_t n = sh->n[ph];
+		float *x = sh->ms[ph];
+
+		qsort(x, n, sizeof *x, cmpf);
+		float p50 = pct(x, n, 0.5), p99 = pct(x, n, 0.99), mx = n ? x[n - 1] : 0;
+
+		if (ph == PH_QUIET)
+			q99 = p99, qmax = mx;
+		if (json)
+			printf("{\"bench\":\"stall\",\"phase\":\"%s\",\"ctx\":%u,\"layers\":%u,"
+			       "\"attends\":%u,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f,"
+			       "\"p99_vs_quiet\":%.2f,\"max_vs_quiet\":%.2f}\n",
+			       ph_name[ph], ctx, layers, n, p50, p99, mx, q99 > 0 ? p99 / q99 : 0,
+			       qmax > 0 ? mx / qmax : 0);
+		else
+			printf("  %-14s %8u %9.3f %9.3f %9.3f %9.2f %9.2f\n", ph_name[ph], n, p50, p99,
+			       mx, q99 > 0 ? p99 / q99 : 0, qmax > 0 ? mx / qmax : 0);
+	}
+	rc = 0;
+out:
+	if (sh != MAP_FAILED) {
+		sh->phase = PH_END;
+		if (vp > 0) {
+			kill(vp, SIGKILL);
+			waitpid(vp, NULL, 0);
+		}
+		munmap(sh, sizeof *sh);
+	}
+	daemon_stop(&d);
+	daemon_rm_tree(spill);
+	return rc;
+}
