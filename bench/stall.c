@@ -12,7 +12,9 @@
  *
  *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
  *
- * One row per phase: the victim's ATTEND latency (p50, p99, max, ms) and
+ * The victim waits 1 ms between ATTENDs (a decode step's other work), so it
+ * is a quiet client, not one that keeps kvd busy itself.  One row per
+ * phase: the victim's ATTEND latency (p50, p99, max, ms) and
  * its p99 and max against the quiet phase of the same run.  kvd runs with
  * 2 executor threads and a spill directory under /var/tmp.
  */
@@ -114,6 +116,9 @@ static void victim(const char *sock, struct shared *sh)
 		}
 		if (ph == sh->phase && sh->n[ph] < MAXLAT)
 			sh->ms[ph][sh->n[ph]++] = (float)(bench_now_ms() - t0);
+		/* A decode step's other work: the victim is quiet, not a
+		 * neighbour that saturates kvd itself. */
+		usleep(1000);
 	}
 	_exit(0);
 }

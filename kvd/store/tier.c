@@ -17,6 +17,8 @@
 #include "tier.h"
 
 #define BACKOFF_NS (5ull * 1000000000ull)      /* after a failed write */
+#define POLL_BUDGET_NS 2000000ull               /* results handled per kvd_tier_poll */
+#define POLL_BATCH 4
 #define PAGE KVD_SFMT_PAGE
 enum { MINE_PAGE = 1, MINE_SEG = 2 };
 
@@ -1519,12 +1521,16 @@ void kvd_tier_stopping(struct kvd_tier *t)
 
 unsigned kvd_tier_poll(struct kvd_tier *t)
 {
-	struct kvd_spill_result res[64];
+	struct kvd_spill_result res[POLL_BATCH];
 	unsigned n, total = 0;
+	uint64_t t0 = now_ns();
 
 	if (!t->sp)
 		return 0;
-	while ((n = kvd_spill_reap(t->sp, res, 64)) > 0) {
+	/* Installing a restored extent checks and copies it, under the state
+	 * lock: a whole restore at once held every client up for tens of ms.
+	 * What is left after the budget stays queued, and the fd readable. */
+	while (now_ns() - t0 < POLL_BUDGET_NS && (n = kvd_spill_reap(t->sp, res, POLL_BATCH)) > 0) {
 		total += n;
 		for (unsigned i = 0; i < n; i++) {
 			struct kvd_spill_job *j = res[i].job;

@@ -126,8 +126,9 @@ unsigned kvd_tier_free_owner(struct kvd_tier *t, uint64_t owner);
  * (persist). */
 void kvd_tier_stopping(struct kvd_tier *t);
 
-/* Reaps I/O results.  Returns how many; nonzero means waiting requests may
- * proceed. */
+/* Reaps I/O results for about 2 ms at most (the rest wait for the next
+ * call; kvd_tier_fd stays readable).  Returns how many; nonzero means
+ * waiting requests may proceed. */
 unsigned kvd_tier_poll(struct kvd_tier *t);
 /* Starts write-backs when used is above the high watermark. */
 void kvd_tier_balance(struct kvd_tier *t);
