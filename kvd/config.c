@@ -84,6 +84,7 @@ void kvd_config_defaults(struct kvd_config *c)
 	c->shm_per_uid = 16ull << 30;
 	c->control_cpu_pct = 50;
 	strcpy(c->metrics_listen, KVD_CONFIG_METRICS);
+	c->metrics_request_ms = 10000;
 	strcpy(c->remote_prefix, "kvd");
 	c->remote_connect_ms = 500;
 	c->remote_timeout_ms = 2000;
@@ -729,6 +730,18 @@ static int set_metrics_listen(struct kvd_config *c, const char *v, char *why, si
 	return 0;
 }
 
+static int set_metrics_request(struct kvd_config *c, const char *v, char *why, size_t n)
+{
+	uint32_t ms;
+
+	if (set_ms(&ms, v, 600000, why, n))
+		return -EINVAL;
+	if (ms < 100)
+		return fail(why, n, "below 100 (ms)");
+	c->metrics_request_ms = ms;
+	return 0;
+}
+
 typedef int (*setter)(struct kvd_config *c, const char *v, char *why, size_t n);
 
 static const struct key {
@@ -780,6 +793,7 @@ static const struct key {
 	{ "remote", "limit", NULL, set_remote_limit, NULL, 0, 0 },
 	{ "limits", "remote_per_uid", NULL, set_remote_per_uid, NULL, 0, 0 },
 	{ "metrics", "listen", "metrics-listen", set_metrics_listen, NULL, 0, 0 },
+	{ "metrics", "request_timeout_ms", NULL, set_metrics_request, NULL, 0, 0 },
 	{ "log", "level", "log-level", set_level, NULL, 0, 0 },
 	{ "log", "file", "log-file", set_log_file, NULL, 0, 0 },
 };

@@ -58,6 +58,10 @@
  *                                                          http://ADDR/metrics; "" = off;
  *                                                          default 127.0.0.1:9464; IPv6
  *                                                          as [::1]:9464)
+ *                request_timeout_ms = N                  (an HTTP connection's life
+ *                                                          from accept, whatever the
+ *                                                          peer sends; 100..600000;
+ *                                                          10000)
  *   [log]        level = error|warning|notice|info|debug   --log-level LEVEL
  *                file = PATH           --log-file PATH   (absolute; "" = stderr;
  *                                                          SIGHUP reopens it)
@@ -123,6 +127,7 @@ struct kvd_config {
 	unsigned nshare, ngroups;
 	/* [metrics] listen: "HOST:PORT" of the Prometheus endpoint, "" off */
 	char metrics_listen[64];
+	uint32_t metrics_request_ms;    /* [metrics] request_timeout_ms; default 10000 */
 	char remote_seeds[512];         /* [remote] seeds; "": no remote tier */
 	char remote_prefix[64];         /* default "kvd" */
 	uint32_t remote_connect_ms;     /* default 500 */

@@ -20,6 +20,7 @@
 
 #include "ctl.h"
 #include "err.h"
+#include "invariant.h"
 #include "kvd_ring.h"
 #include "log.h"
 #include "metrics.h"
@@ -146,6 +147,23 @@ struct kvd_metrics {
 	struct MHD_Daemon *httpd;
 	int lfd;
 	unsigned port;
+
+	/* The endpoint's connections by deadline (accept + life_ns), under
+	 * cmu: the reaper shuts down the socket of each one past it.  An fd
+	 * is here from libmicrohttpd's STARTED notice to its CLOSED one,
+	 * which comes before it closes the fd, so the reaper never touches
+	 * a number the process has reused. */
+	pthread_mutex_t cmu;
+	pthread_cond_t ccv;
+	struct conn {
+		int fd;                 /* -1: a free slot */
+		uint64_t deadline;      /* UINT64_MAX: already shut down */
+	} conn[KVD_METRICS_CONNS];
+	uint64_t life_ns;
+	int quit;                       /* under cmu: the reaper returns */
+	pthread_t reaper;
+	int reaping;                    /* the reaper thread runs */
+	_Atomic uint64_t http_cut;
 };
 
 static uint64_t now_ns(void)
@@ -178,7 +196,11 @@ int kvd_metrics_create(struct kvd_metrics **out)
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
 	pthread_cond_init(&m->cv, &ca);
+	pthread_mutex_init(&m->cmu, NULL);
+	pthread_cond_init(&m->ccv, &ca);
 	pthread_condattr_destroy(&ca);
+	for (unsigned i = 0; i < KVD_METRICS_CONNS; i++)
+		m->conn[i].fd = -1;
 	*out = m;
 	return 0;
 }
@@ -189,11 +211,20 @@ void kvd_metrics_destroy(struct kvd_metrics *m)
 		return;
 	if (m->httpd)
 		MHD_stop_daemon(m->httpd);
+	if (m->reaping) {
+		pthread_mutex_lock(&m->cmu);
+		m->quit = 1;
+		pthread_cond_signal(&m->ccv);
+		pthread_mutex_unlock(&m->cmu);
+		pthread_join(m->reaper, NULL);
+	}
 	if (m->lfd >= 0)
 		close(m->lfd);
 	close(m->efd);
 	pthread_mutex_destroy(&m->mu);
 	pthread_cond_destroy(&m->cv);
+	pthread_mutex_destroy(&m->cmu);
+	pthread_cond_destroy(&m->ccv);
 	free(m->cur.uid);
 	free(m->stage.uid);
 	free(m);
@@ -647,6 +678,9 @@ static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, 
 	       sn->disconnects);
 	scalar(b, "kvd_connections_refused_total", "counter",
 	       "Connections refused (limits, shutting down).", sn->refused);
+	scalar(b, "kvd_metrics_connections_cut_total", "counter",
+	       "Connections to this endpoint shut down at [metrics] request_timeout_ms, whatever "
+	       "the peer was still sending.", GET(m->http_cut));
 	head(b, "kvd_snapshot_age_seconds", "gauge",
 	     "Age of the gauges above (copied by the event loop when a scrape asks; grows only "
 	     "while the executor holds the state lock through a long unit).");
@@ -690,6 +724,81 @@ int kvd_metrics_render(struct kvd_metrics *m, uint32_t only, int refresh, char *
 
 /* ---- HTTP ---------------------------------------------------------------- */
 
+/* libmicrohttpd's timeout counts from the last byte received: a peer that
+ * drips a byte now and then holds a connection for ever, and 64 such fill
+ * the endpoint.  So every connection gets a deadline at accept, and this
+ * thread shuts down the socket of each one past it, whatever the peer
+ * sends.  shutdown(), not close(): the fd stays libmicrohttpd's, whose poll
+ * sees the hang-up and closes the connection on its own thread. */
+static void *reaper_main(void *arg)
+{
+	struct kvd_metrics *m = arg;
+
+	pthread_mutex_lock(&m->cmu);
+	while (!m->quit) {
+		uint64_t now = now_ns(), next = UINT64_MAX;
+
+		for (unsigned i = 0; i < KVD_METRICS_CONNS; i++) {
+			struct conn *c = &m->conn[i];
+
+			if (c->fd < 0 || c->deadline == UINT64_MAX)
+				continue;
+			if (c->deadline <= now) {
+				shutdown(c->fd, SHUT_RDWR);
+				c->deadline = UINT64_MAX;
+				ADD(m->http_cut, 1);
+			} else if (c->deadline < next) {
+				next = c->deadline;
+			}
+		}
+		if (next == UINT64_MAX) {
+			pthread_cond_wait(&m->ccv, &m->cmu);
+		} else {
+			struct timespec dl = { .tv_sec = (time_t)(next / 1000000000u),
+					       .tv_nsec = (long)(next % 1000000000u) };
+
+			pthread_cond_timedwait(&m->ccv, &m->cmu, &dl);
+		}
+	}
+	pthread_mutex_unlock(&m->cmu);
+	return NULL;
+}
+
+/* libmicrohttpd's thread, at accept and when the connection is done (before
+ * it closes the fd). */
+static void on_conn(void *cls, struct MHD_Connection *conn, void **ctx,
+		    enum MHD_ConnectionNotificationCode what)
+{
+	struct kvd_metrics *m = cls;
+	const union MHD_ConnectionInfo *ci;
+	struct conn *c = NULL;
+
+	pthread_mutex_lock(&m->cmu);
+	if (what != MHD_CONNECTION_NOTIFY_STARTED) {
+		if ((c = *ctx))
+			c->fd = -1;
+		*ctx = NULL;
+		pthread_mutex_unlock(&m->cmu);
+		return;
+	}
+	ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+	for (unsigned i = 0; i < KVD_METRICS_CONNS && !c; i++)
+		if (m->conn[i].fd < 0)
+			c = &m->conn[i];
+	/* libmicrohttpd admits KVD_METRICS_CONNS at once and counts one until
+	 * after its CLOSED notice, on this same thread: a slot is free. */
+	if (NEVER(!ci) || NEVER(!c)) {
+		if (ci)
+			shutdown(ci->connect_fd, SHUT_RDWR);    /* one we cannot time */
+	} else {
+		c->fd = ci->connect_fd;
+		c->deadline = now_ns() + m->life_ns;
+		*ctx = c;
+		pthread_cond_signal(&m->ccv);
+	}
+	pthread_mutex_unlock(&m->cmu);
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
 				  const char *method, const char *version, const char *upload,
 				  size_t *upload_len, void **con_cls)
@@ -727,6 +836,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 		return MHD_NO;
 	MHD_add_response_header(r, "Content-Type", status == MHD_HTTP_OK ?
 				"text/plain; version=0.0.4; charset=utf-8" : "text/plain");
+	/* One request a connection: its deadline bounds that request, and a
+	 * kept-alive scraper is never cut in the middle of a later one. */
+	MHD_add_response_header(r, "Connection", "close");
 	ret = MHD_queue_response(conn, status, r);
 	MHD_destroy_response(r);
 	return ret;
@@ -773,7 +885,7 @@ int kvd_metrics_addr_parse(const char *addr, struct sockaddr_storage *ss, sockle
 	return 0;
 }
 
-int kvd_metrics_listen(struct kvd_metrics *m, const char *addr)
+int kvd_metrics_listen(struct kvd_metrics *m, const char *addr, uint32_t request_ms)
 {
 	struct sockaddr_storage ss;
 	socklen_t sl;
@@ -781,6 +893,10 @@ int kvd_metrics_listen(struct kvd_metrics *m, const char *addr)
 
 	if ((rc = kvd_metrics_addr_parse(addr, &ss, &sl)))
 		return rc;
+	m->life_ns = (uint64_t)request_ms * 1000000u;
+	if ((rc = -pthread_create(&m->reaper, NULL, reaper_main, m)))
+		return rc;
+	m->reaping = 1;
 	/* Our own socket: bind errors are errnos, and port 0 can be read back. */
 	m->lfd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (m->lfd < 0)
@@ -792,12 +908,18 @@ int kvd_metrics_listen(struct kvd_metrics *m, const char *addr)
 	m->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
 						 : ((struct sockaddr_in *)&ss)->sin_port);
 	/* One thread of libmicrohttpd's own: a scrape waits at most
-	 * KVD_METRICS_WAIT_MS for the loop and never touches the state. */
+	 * KVD_METRICS_WAIT_MS for the loop and never touches the state.  A
+	 * peer gets KVD_METRICS_CONNS_PER_IP of the connections, each for
+	 * request_ms at most (the reaper); the inactivity timeout only frees
+	 * a silent one sooner. */
 	m->httpd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL |
 				    (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0),
 				    0, NULL, NULL, on_request, m,
 				    MHD_OPTION_LISTEN_SOCKET, m->lfd,
-				    MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
+				    MHD_OPTION_CONNECTION_LIMIT, (unsigned)KVD_METRICS_CONNS,
+				    MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+				    (unsigned)KVD_METRICS_CONNS_PER_IP,
+				    MHD_OPTION_NOTIFY_CONNECTION, on_conn, m,
 				    MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
 				    MHD_OPTION_END);
 	if (!m->httpd)

@@ -32,6 +32,8 @@
 #define KVD_METRICS_FRESH_MS    10      /* a snapshot this young is reused */
 #define KVD_METRICS_WAIT_MS     250     /* a scrape waits this long for the loop */
 #define KVD_METRICS_CTL_OPS     64      /* control request types counted (body case < this) */
+#define KVD_METRICS_CONNS       64      /* HTTP connections at once */
+#define KVD_METRICS_CONNS_PER_IP 8      /* of them from one peer address */
 
 struct kvd_metrics;
 struct kvd_server;
@@ -45,14 +47,18 @@ enum { KVD_MX_OK = 0, KVD_MX_ERROR = 1, KVD_MX_CANCELLED = 2 };
 int kvd_metrics_create(struct kvd_metrics **out);
 /* Starts the HTTP endpoint on "HOST:PORT" (IPv4 dotted quad or [IPv6]; PORT
  * 0 picks a free one, kvd_metrics_port() tells which) on libmicrohttpd's own
- * thread.  s is read only through the snapshot.  0 or -errno. */
-int kvd_metrics_listen(struct kvd_metrics *m, const char *addr);
+ * thread.  s is read only through the snapshot.  A connection carries one
+ * request and is shut down request_ms after accept, whatever the peer sends
+ * (a thread of this module's own watches the deadlines); one peer address
+ * holds at most KVD_METRICS_CONNS_PER_IP of the KVD_METRICS_CONNS.  0 or
+ * -errno. */
+int kvd_metrics_listen(struct kvd_metrics *m, const char *addr, uint32_t request_ms);
 /* "HOST:PORT" as kvd_metrics_listen takes it (also the config's check).
  * 0 or -EINVAL. */
 int kvd_metrics_addr_parse(const char *addr, struct sockaddr_storage *ss, socklen_t *sl);
 /* The port the endpoint listens on, 0 when it is off. */
 unsigned kvd_metrics_port(const struct kvd_metrics *m);
-/* Stops the HTTP thread (if any) and frees everything. */
+/* Stops the HTTP threads (if any) and frees everything. */
 void kvd_metrics_destroy(struct kvd_metrics *m);
 
 /* The loop polls this fd (readable: a scrape wants a snapshot). */

@@ -803,7 +803,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	 * like the workers.  An address given explicitly must work; the
 	 * built-in default is best effort (another kvd may hold it). */
 	if (cfg->metrics_listen[0]) {
-		rc = kvd_metrics_listen(s->metrics, cfg->metrics_listen);
+		rc = kvd_metrics_listen(s->metrics, cfg->metrics_listen, cfg->metrics_request_ms);
 		if (rc && cfg->metrics_listen_set) {
 			kvd_log(LOG_ERR, "[metrics] listen = %s: %s", cfg->metrics_listen,
 				kvd_strerror(rc));

@@ -667,10 +667,18 @@ static void test_metrics_listen(void **state)
 		"[metrics]\nlisten = ::1:9464\n",              /* IPv6 without brackets */
 		"[metrics]\nlisten = localhost:9464\n",        /* names are not resolved */
 		"[metrics]\nport = 9464\n",                    /* unknown key */
+		"[metrics]\nrequest_timeout_ms = 99\n",        /* below 100 */
+		"[metrics]\nrequest_timeout_ms = 600001\n",
+		"[metrics]\nrequest_timeout_ms = 1s\n",
 	};
 
 	kvd_config_defaults(&c);
 	assert_string_equal(c.metrics_listen, "127.0.0.1:9464");
+	assert_int_equal(c.metrics_listen_set, 0);
+	assert_int_equal(c.metrics_request_ms, 10000);
+	assert_int_equal(kvd_config_load_file(&c, write_conf("[metrics]\nrequest_timeout_ms = "
+							     "100\n"), err, sizeof err), 0);
+	assert_int_equal(c.metrics_request_ms, 100);
 	assert_int_equal(c.metrics_listen_set, 0);
 	assert_int_equal(kvd_config_load_file(&c, write_conf("[metrics]\nlisten = 0.0.0.0:9100\n"),
 					      err, sizeof err), 0);
@@ -686,6 +694,7 @@ static void test_metrics_listen(void **state)
 		assert_int_equal(kvd_config_load_file(&d, write_conf(bad[i]), err, sizeof err), -EINVAL);
 		assert_non_null(strstr(err, "[metrics]"));
 		assert_string_equal(d.metrics_listen, "127.0.0.1:9464");        /* unchanged */
+		assert_int_equal(d.metrics_request_ms, 10000);
 	}
 	kvd_config_defaults(&c);
 	optind = 0;
