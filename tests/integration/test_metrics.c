@@ -5,7 +5,10 @@
  * evictions, losses, watchdog pings, disconnects and refusals); the text
  * passes `promtool check metrics`; a real Prometheus server scrapes kvd and
  * its query API returns a counter's value; the endpoint answers in bounded
- * time while the executor is busy with a large prefill; MetricsReq on the
+ * time while the executor is busy with a large prefill, and beside 70
+ * connections dripping a byte every 200 ms from one peer or from ten (the
+ * per-peer limit, the total time of a connection), and one connection
+ * dripping a byte every 100 ms is cut at request_timeout_ms; MetricsReq on the
  * control socket returns the endpoint's text, filtered to the caller's uid
  * for non-admins; `listen =` turns the endpoint off.
  *
@@ -20,6 +23,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <cmocka.h>
@@ -71,12 +75,13 @@ static double now_ms(void)
 }
 
 /* HTTP/1.0 GET by hand (libmicrohttpd is a server library): the body, or
- * NULL when nothing answers; *status the status code. */
-static char *http_get(unsigned p, const char *path, int *status)
+ * NULL when nothing answers within ms (between two reads); *status the
+ * status code. */
+static char *http_get_ms(unsigned p, const char *path, int *status, int ms)
 {
 	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)p),
 				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	struct timeval tv = { 10, 0 };
+	struct timeval tv = { ms / 1000, (ms % 1000) * 1000 };
 	int fd = socket(AF_INET, SOCK_STREAM, 0);
 	size_t len = 0, cap = 1 << 16;
 	char *buf = xmalloc(cap), req[512], *body;
@@ -106,6 +111,11 @@ static char *http_get(unsigned p, const char *path, int *status)
 	}
 	memmove(buf, body + 4, strlen(body + 4) + 1);
 	return buf;
+}
+
+static char *http_get(unsigned p, const char *path, int *status)
+{
+	return http_get_ms(p, path, status, 10000);
 }
 
 static char *scrape(void)
@@ -1142,6 +1152,168 @@ static void test_hostile_scrapers(void **state)
 	kvc_close(c);
 }
 
+/* ---- slowloris ------------------------------------------------------------ */
+
+#define LIFE_MS 1500    /* [metrics] request_timeout_ms of the short-lived daemon */
+
+static int start_short(void **state)
+{
+	return start_with("[memory]\nlimit = 256M\n[metrics]\nrequest_timeout_ms = 1500\n", NULL,
+			  NULL);
+}
+
+static int start_long(void **state)
+{
+	return start_with("[memory]\nlimit = 256M\n[metrics]\nrequest_timeout_ms = 60000\n", NULL,
+			  NULL);
+}
+
+/* A child that opens n connections to the endpoint, the i-th from 127.0.0.(2
+ * + i % nips) (all of 127/8 is loopback), and drips one more byte of a
+ * request into each every 200 ms, so libmicrohttpd's inactivity timeout
+ * never fires; a connection kvd closes stays closed.  Returns once every
+ * connect is done. */
+static pid_t dripper(int n, int nips)
+{
+	int pfd[2];
+	char ok;
+	pid_t kid;
+
+	assert_true(n <= 128);
+	assert_int_equal(pipe(pfd), 0);
+	kid = fork();
+	assert_true(kid >= 0);
+	if (kid == 0) {
+		static const char req[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Drip: ";
+		struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+					 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		int fd[128];
+		size_t at = 0;
+
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		close(pfd[0]);
+		for (int i = 0; i < n; i++) {
+			struct sockaddr_in me = { .sin_family = AF_INET };
+
+			me.sin_addr.s_addr = htonl(0x7f000002u + (uint32_t)(i % nips));
+			fd[i] = socket(AF_INET, SOCK_STREAM, 0);
+			if (fd[i] < 0 || bind(fd[i], (struct sockaddr *)&me, sizeof me) ||
+			    connect(fd[i], (struct sockaddr *)&a, sizeof a))
+				_exit(2);
+		}
+		(void)!write(pfd[1], "k", 1);
+		for (;;) {
+			char ch = at < sizeof req - 1 ? req[at++] : 'a';
+
+			for (int i = 0; i < n; i++)
+				if (fd[i] >= 0 && send(fd[i], &ch, 1, MSG_NOSIGNAL) != 1) {
+					close(fd[i]);
+					fd[i] = -1;
+				}
+			daemon_sleep_ms(200);
+		}
+	}
+	close(pfd[1]);
+	assert_int_equal(read(pfd[0], &ok, 1), 1);
+	close(pfd[0]);
+	daemon_sleep_ms(300);                   /* kvd has accepted what it takes */
+	return kid;
+}
+
+/* 70 dripping connections from one peer (the issue's attack filled all 64
+ * of the endpoint's): the peer holds KVD_METRICS_CONNS_PER_IP of them, and
+ * a scraper from another address is answered at once, every time, long
+ * before any connection's total time is up (60 s here). */
+static void test_slowloris_one_peer(void **state)
+{
+	pid_t kid = dripper(70, 1);
+
+	for (int i = 0; i < 3; i++) {
+		double t0 = now_ms(), dt;
+		int st = 0;
+		char *t = http_get_ms(port, "/metrics", &st, 3000);
+
+		dt = now_ms() - t0;
+		if (!t)
+			fail_msg("scrape %d: no answer in %.0f ms beside 70 dripping "
+				 "connections", i, dt);
+		assert_int_equal(st, 200);
+		assert_non_null(strstr(t, "kvd_build_info"));
+		free(t);
+		print_message("  scrape %d beside 70 dripping connections of one peer: %.1f ms\n",
+			      i, dt);
+		daemon_sleep_ms(100);
+	}
+	kill(kid, SIGKILL);
+	waitpid(kid, NULL, 0);
+}
+
+/* 70 dripping connections from 10 peers: 64 fill the endpoint (7 a peer is
+ * within the per-peer limit), and only their total time frees it: a scraper
+ * retrying is answered within LIFE_MS and a margin, and the cut ones are
+ * counted. */
+static void test_slowloris_many_peers(void **state)
+{
+	pid_t kid = dripper(70, 10);
+	double t0 = now_ms(), dt;
+	char *t = NULL;
+	int st = 0, tries = 0;
+
+	while (!t && now_ms() - t0 < LIFE_MS + 4000) {
+		tries++;
+		if (!(t = http_get_ms(port, "/metrics", &st, LIFE_MS + 4000)))
+			daemon_sleep_ms(50);
+	}
+	dt = now_ms() - t0;
+	if (!t)
+		fail_msg("no answer in %.0f ms (%d tries) beside 70 dripping connections", dt,
+			 tries);
+	assert_int_equal(st, 200);
+	print_message("  scrape beside 70 dripping connections of 10 peers: %.0f ms, %d tries, "
+		      "%g cut\n", dt, tries, mf(t, "kvd_metrics_connections_cut_total"));
+	assert_true(dt < LIFE_MS + 4000);
+	assert_true(mf(t, "kvd_metrics_connections_cut_total") >= 1);
+	free(t);
+	kill(kid, SIGKILL);
+	waitpid(kid, NULL, 0);
+}
+
+/* One connection that sends a byte every 100 ms (never idle) is closed
+ * LIFE_MS after it was accepted all the same, and not before. */
+static void test_drip_cut(void **state)
+{
+	static const char req[] = "GET /metrics HTTP/1.1\r\nX-Drip: ";
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	int fd = socket(AF_INET, SOCK_STREAM, 0), closed = 0;
+	double t0 = now_ms(), dt = 0;
+	size_t at = 0;
+	char *t;
+	int st;
+
+	assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+	while (!closed && (dt = now_ms() - t0) < LIFE_MS + 4000) {
+		struct pollfd p = { .fd = fd, .events = POLLIN };
+		char ch = at < sizeof req - 1 ? req[at++] : 'a', b[256];
+
+		if (send(fd, &ch, 1, MSG_NOSIGNAL) != 1)
+			closed = 1;
+		else if (poll(&p, 1, 100) == 1 && recv(fd, b, sizeof b, 0) <= 0)
+			closed = 1;
+	}
+	dt = now_ms() - t0;
+	close(fd);
+	print_message("  a connection dripping a byte every 100 ms closed after %.0f ms "
+		      "(request_timeout_ms = %d)\n", dt, LIFE_MS);
+	if (!closed)
+		fail_msg("still open after %.0f ms of dripping", dt);
+	assert_true(dt >= LIFE_MS);
+	t = http_get(port, "/metrics", &st);
+	assert_non_null(t);
+	EXPECT(t, 1, "kvd_metrics_connections_cut_total");
+	free(t);
+}
+
 static void test_watchdog(void **state)
 {
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
@@ -1282,6 +1454,9 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_prometheus_scrapes, start, stop),
 		cmocka_unit_test_setup_teardown(test_scrape_during_prefill, start, stop),
 		cmocka_unit_test_setup_teardown(test_hostile_scrapers, start, stop),
+		cmocka_unit_test_setup_teardown(test_slowloris_one_peer, start_long, stop),
+		cmocka_unit_test_setup_teardown(test_slowloris_many_peers, start_short, stop),
+		cmocka_unit_test_setup_teardown(test_drip_cut, start_short, stop),
 		cmocka_unit_test(test_watchdog),
 		cmocka_unit_test(test_off),
 	};
