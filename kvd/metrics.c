@@ -894,9 +894,6 @@ int kvd_metrics_listen(struct kvd_metrics *m, const char *addr, uint32_t request
 	if ((rc = kvd_metrics_addr_parse(addr, &ss, &sl)))
 		return rc;
 	m->life_ns = (uint64_t)request_ms * 1000000u;
-	if ((rc = -pthread_create(&m->reaper, NULL, reaper_main, m)))
-		return rc;
-	m->reaping = 1;
 	/* Our own socket: bind errors are errnos, and port 0 can be read back. */
 	m->lfd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (m->lfd < 0)
@@ -925,5 +922,13 @@ int kvd_metrics_listen(struct kvd_metrics *m, const char *addr, uint32_t request
 	if (!m->httpd)
 		return -EIO;
 	m->lfd = -1;            /* libmicrohttpd closes it */
+	/* Connections accepted meanwhile wait in their slots: the reaper's
+	 * first pass sees them. */
+	if ((rc = -pthread_create(&m->reaper, NULL, reaper_main, m))) {
+		MHD_stop_daemon(m->httpd);
+		m->httpd = NULL;
+		return rc;
+	}
+	m->reaping = 1;
 	return 0;
 }
