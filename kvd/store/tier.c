@@ -17,8 +17,8 @@
 #include "tier.h"
 
 #define BACKOFF_NS (5ull * 1000000000ull)      /* after a failed write */
-#define POLL_BUDGET_NS 2000000ull               /* results handled per kvd_tier_poll */
-#define POLL_BATCH 4
+#define POLL_NS 2000000ull                      /* kvd_tier_poll's default budget */
+#define POLL_BATCH 4                            /* results reaped at once */
 #define PAGE KVD_SFMT_PAGE
 enum { MINE_PAGE = 1, MINE_SEG = 2 };
 
@@ -1188,6 +1188,8 @@ int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct
 	if (!t)
 		return -ENOMEM;
 	t->cfg = *cfg;
+	if (!t->cfg.poll_ns)
+		t->cfg.poll_ns = POLL_NS;
 	t->st = st;
 	if (cfg->spill && (rc = kvd_spill_create(&t->cfg.io, &t->sp))) {
 		free(t);
@@ -1529,8 +1531,10 @@ unsigned kvd_tier_poll(struct kvd_tier *t)
 		return 0;
 	/* Installing a restored extent checks and copies it, under the state
 	 * lock: a whole restore at once held every client up for tens of ms.
-	 * What is left after the budget stays queued, and the fd readable. */
-	while (now_ns() - t0 < POLL_BUDGET_NS && (n = kvd_spill_reap(t->sp, res, POLL_BATCH)) > 0) {
+	 * What is left after the budget stays queued, and the fd readable;
+	 * one batch is always taken, so every call makes progress. */
+	while ((!total || now_ns() - t0 < t->cfg.poll_ns) &&
+	       (n = kvd_spill_reap(t->sp, res, POLL_BATCH)) > 0) {
 		total += n;
 		for (unsigned i = 0; i < n; i++) {
 			struct kvd_spill_job *j = res[i].job;

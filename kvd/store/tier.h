@@ -45,6 +45,7 @@ struct kvd_tier_cfg {
 					 * with persist (the remote tier sends it) */
 	struct kvd_spill_cfg io;
 	struct kvd_metrics *metrics;    /* I/O, evictions and losses are counted here (NULL: not) */
+	uint64_t poll_ns;               /* kvd_tier_poll's budget (0: 2 ms) */
 };
 
 struct kvd_tier;
@@ -126,8 +127,8 @@ unsigned kvd_tier_free_owner(struct kvd_tier *t, uint64_t owner);
  * (persist). */
 void kvd_tier_stopping(struct kvd_tier *t);
 
-/* Reaps I/O results for about 2 ms at most (the rest wait for the next
- * call; kvd_tier_fd stays readable).  Returns how many; nonzero means
+/* Reaps I/O results for about cfg.poll_ns at most, a few at a time (the
+ * rest wait for the next call; kvd_tier_fd stays readable).  Returns how many; nonzero means
  * waiting requests may proceed. */
 unsigned kvd_tier_poll(struct kvd_tier *t);
 /* Starts write-backs when used is above the high watermark. */

@@ -73,6 +73,7 @@ static uint64_t now_ms(void)
 }
 
 static uint64_t env_mem_per_uid;        /* [limits] memory_per_uid of the next env_open */
+static uint64_t env_poll_ns;            /* the tier's poll budget of the next env_open */
 
 static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low, int spill,
 		     const char *fault)
@@ -101,6 +102,7 @@ static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low,
 	tc.io.dirs[0] = e->dir;
 	tc.io.ndirs = 1;
 	tc.io.fault = fault;                    /* the fake backend: no io_uring needed */
+	tc.poll_ns = env_poll_ns;
 	assert_int_equal(kvd_tier_create(&tc, e->s, &e->t), 0);
 
 	memset(&want, 0, sizeof want);
@@ -985,6 +987,54 @@ static void test_no_write_back_inside_seal(void **state)
 	env_close(&e);
 }
 
+/* The loop installs a restore's extents under the state lock: a poll takes
+ * results for its budget only (at least one batch of 4), so a restore of
+ * many extents is spread over many loop turns instead of holding every
+ * client up for the whole file.  With a budget of 1 ns every poll takes
+ * one batch. */
+static void test_poll_is_bounded(void **state)
+{
+	struct kvd_seqn *q;
+	struct snap *s = xmalloc(sizeof *s);
+	unsigned polls = 0, results = 0, n;
+	char msg[200];
+	int rc;
+	struct env e;
+
+	env_poll_ns = 1;
+	env_open(&e, 0, 0, 0, 1, "");
+	env_poll_ns = 0;
+	q = seq_full(&e, 95, NULL);
+	snap_take(q, s);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, q, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q) == KVD_SEQ_DISK);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_want(e.t, q, UINT32_MAX, msg, sizeof msg), -EINPROGRESS);
+	for (uint64_t t_end = now_ms() + 20000; kvd_store_seq_state(q) == KVD_SEQ_RESTORING;) {
+		struct pollfd pfd = { .fd = kvd_tier_fd(e.t), .events = POLLIN };
+
+		if (now_ms() > t_end)
+			fail_msg("restore did not end");
+		poll(&pfd, 1, 100);
+		n = kvd_tier_poll(e.t);
+		assert_true(n <= 4);
+		polls += n > 0;
+		results += n;
+	}
+	print_message("  a restore of %u results took %u polls\n", results, polls);
+	/* PROFILE, three sparse layers of a LAYER and two SEGs, END: 11
+	 * extents, each reported, and the final result. */
+	assert_true(results >= 12);
+	assert_true(polls >= results / 4);
+	rc = kvd_tier_want(e.t, q, UINT32_MAX, msg, sizeof msg);
+	assert_int_equal(rc, 0);
+	snap_equal(q, s);
+	snap_free(s);
+	free(s);
+	env_close(&e);
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -1008,6 +1058,7 @@ int main(void)
 		cmocka_unit_test(test_shared_segments_write_in_turn),
 		cmocka_unit_test(test_local_rows_spill),
 		cmocka_unit_test(test_no_write_back_inside_seal),
+		cmocka_unit_test(test_poll_is_bounded),
 	};
 	int rc;
 
