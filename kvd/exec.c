@@ -638,10 +638,10 @@ static void prepare(struct kvd_server *s, struct client *c)
  * records (and the cheap steps; any other entry taken waits for its own
  * pass): records read sequences and never change one, and the sequence
  * being worked on is still prefilling that layer (its records fail EBUSY)
- * or is changed only by its own, running, entry.  Nor do they restore or
- * write out anything here: the unit's sequence is pinned, and a restore
- * would take the room the unit counted on (kvd_tier_nest); both wait for
- * the unit's end. */
+ * or is changed only by its own, running, entry.  The records may restore
+ * their sequences and make room for that, but never by writing out the
+ * unit's sequence (it is pinned), and never with the room the unit's change
+ * counted on (kvd_store_rows charged its peak before it began). */
 static void slice_yield(void *arg)
 {
 	struct kvd_server *s = arg;
@@ -650,7 +650,6 @@ static void slice_yield(void *arg)
 	if (s->nested)
 		return;
 	s->nested = 1;
-	kvd_tier_nest(s->tier, 1);
 	/* Fair share inside the unit too: batches of others' records run
 	 * while their clients have had less time than the unit's owner has
 	 * had so far (counting this unit), at least one batch, at most a few,
@@ -672,7 +671,6 @@ static void slice_yield(void *arg)
 			    owner->vtime + el))
 			break;
 	}
-	kvd_tier_nest(s->tier, 0);
 	s->nested = 0;
 }
 
@@ -709,8 +707,8 @@ static int exec_pass(struct kvd_server *s)
 		/* What ran for others inside the unit is theirs, not c's. */
 		charge(c, kvd_now_ns() - t0 - s->nested_ns);
 	}
-	/* Records that ran inside a unit and waited for its end (a restore,
-	 * or room only its pinned sequence could give) go again now. */
+	/* Records that ran inside a unit and waited for room only its pinned
+	 * sequence could give go again now. */
 	if (kvd_tier_take_pin_waits(s->tier))
 		for (struct client *o = s->clients; o; o = o->next)
 			o->parked = 0;

@@ -41,6 +41,13 @@ struct kvd_store {
 	kvd_store_room_fn room;         /* the tier's policy before the wall */
 	void *room_arg;
 	int exact;                      /* this rows call grows staging exactly */
+	/* kvd_store_rows' reservation: the peak its change charges, charged
+	 * before the change begins.  Requests run between the slices of its
+	 * seals, and a restore there must not take the room the change
+	 * counted on and fail it half done: take() draws q's bytes from it,
+	 * give() puts them back, and what is left is uncharged at the end. */
+	struct kvd_seqn *resv_q;
+	uint64_t resv;
 	char why[192];                  /* the last refused charge's message */
 	struct kvd_seqn *bucket[SEQ_BUCKETS];
 	uint32_t nseq;
@@ -121,7 +128,14 @@ static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
 /* Charge and account n bytes of q (before allocating them). */
 static int take(struct kvd_store *s, struct kvd_seqn *q, size_t n, int force)
 {
-	int rc = charge(s, q->uid, n, force);
+	int rc;
+
+	if (q == s->resv_q && n <= s->resv) {
+		s->resv -= n;
+		account(s, q, (ptrdiff_t)n);
+		return 0;
+	}
+	rc = charge(s, q->uid, n, force);
 
 	if (!rc)
 		account(s, q, (ptrdiff_t)n);
@@ -132,6 +146,10 @@ static int take(struct kvd_store *s, struct kvd_seqn *q, size_t n, int force)
 static void give(struct kvd_store *s, struct kvd_seqn *q, size_t n)
 {
 	account(s, q, -(ptrdiff_t)n);
+	if (q == s->resv_q && s->lim) {
+		s->resv += n;
+		return;
+	}
 	uncharge(s, q->uid, n);
 }
 
@@ -1015,6 +1033,15 @@ static uint64_t rows_peak(const struct kvd_store *s, const struct kvd_seqn *q,
 	return peak;
 }
 
+/* The end of a rows call: what its reservation did not use goes back. */
+static void rows_done(struct kvd_store *s)
+{
+	if (s->resv_q)
+		uncharge(s, s->resv_q->uid, s->resv);
+	s->resv_q = NULL;
+	s->resv = 0;
+}
+
 /* Before a rows call changes anything: the tier's policy for the bytes it
  * needs at least (evict others, or wait for write-backs: -EINPROGRESS),
  * then the wall.  Doubling staging is used when its peak fits, exact
@@ -1034,13 +1061,13 @@ static int rows_budget(struct kvd_store *s, struct kvd_seqn *q, const struct kvd
 	if (s->room && (rc = s->room(s->room_arg, q->uid, p1, msg, msglen)))
 		return rc;
 	if (!kvd_limits_charge(s->lim, q->uid, KVD_RES_MEMORY, p2, NULL, 0)) {
-		kvd_limits_uncharge(s->lim, q->uid, KVD_RES_MEMORY, p2);
 		s->exact = 0;
+		s->resv = p2;
 		return 0;
 	}
 	if ((rc = kvd_limits_charge(s->lim, q->uid, KVD_RES_MEMORY, p1, msg, msglen)))
 		return rc;
-	kvd_limits_uncharge(s->lim, q->uid, KVD_RES_MEMORY, p1);
+	s->resv = p1;
 	return 0;
 }
 
@@ -1074,19 +1101,25 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 			 is_append ? "APPEND before the prefill's last chunk" : "PREFILL after the last chunk");
 		return -EINVAL;
 	}
+	if (NEVER(s->resv_q != NULL))
+		return -EBUSY;          /* one change at a time: the executor's */
+	s->resv = 0;
 	if ((rc = rows_budget(s, q, l, is_append, last, mean != NULL, n, s->why, sizeof s->why))) {
 		snprintf(msg, msglen, "layer %u: %s", layer, s->why);
 		return rc;
 	}
+	s->resv_q = q;
 	if (mean) {
 		if ((rc = take(s, q, mean_bytes(p), 0))) {
 			snprintf(msg, msglen, "layer %u: %s", layer, s->why);
+			rows_done(s);
 			return rc;
 		}
 		l->mean = malloc(mean_bytes(p));
 		if (!l->mean) {
 			give(s, q, mean_bytes(p));
 			snprintf(msg, msglen, "layer %u: out of memory", layer);
+			rows_done(s);
 			return -ENOMEM;
 		}
 		memcpy(l->mean, mean, mean_bytes(p));
@@ -1104,6 +1137,7 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 	rc = is_append ? append(s, q, l, k, v, codes, n) : prefill(s, q, l, last, k, v, codes, n);
 	q->gen++;
 	kvd_store_seq_unpin(q);
+	rows_done(s);
 	if (rc)
 		snprintf(msg, msglen, "layer %u: %s", layer, s->why[0] ? s->why : kvd_strerror(rc));
 	return rc;

@@ -105,7 +105,6 @@ struct kvd_tier {
 	int stopping;
 	int pin_wait;                   /* a request waits for a pinned sequence's unit
 					 * to end (kvd_tier_take_pin_waits) */
-	int nested;                     /* requests run inside another's unit */
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
 
@@ -1278,11 +1277,6 @@ static int victim(struct kvd_tier *t, const struct rec *r, uint64_t now, int *pi
 	return 1;
 }
 
-void kvd_tier_nest(struct kvd_tier *t, int on)
-{
-	t->nested = on;
-}
-
 int kvd_tier_take_pin_waits(struct kvd_tier *t)
 {
 	int w = t->pin_wait;
@@ -1396,13 +1390,6 @@ int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *
 		return -KVD_ELOST;
 	case KVD_SEQ_DISK:
 		r->epoch = t->epoch;
-		/* The unit around us checked its room before it began and
-		 * charges it as it goes: a restore now could take that room
-		 * and fail the unit half done.  Its end retries us. */
-		if (t->nested) {
-			t->pin_wait = 1;
-			return -EINPROGRESS;
-		}
 		if (r->rem_only)
 			return rem_fetch(t, r, msg, msglen);
 		if ((rc = start_restore(t, r, msg, msglen)))

@@ -87,10 +87,6 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
  * clears it.  The executor asks after each unit: then the waiting requests
  * try again, and the sequence, unpinned, can go. */
 int kvd_tier_take_pin_waits(struct kvd_tier *t);
-/* on: the requests from now on run inside another request's unit (between
- * the slices of its change): they start no restore -- that would take room
- * the unit counted on -- and wait for its end instead, as for a pin. */
-void kvd_tier_nest(struct kvd_tier *t, int on);
 /* After q's data changed: its file, if any, is stale and goes. */
 void kvd_tier_changed(struct kvd_tier *t, struct kvd_seqn *q);
 
