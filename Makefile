@@ -265,15 +265,15 @@ endif
 ifeq ($(SAN),)
 test: deps
 	$(Q)sh tests/run.sh --reset
-	$(Q)$(MAKE) --no-print-directory check
-	$(Q)$(MAKE) --no-print-directory check SAN=address,undefined
-	$(Q)$(MAKE) --no-print-directory check SAN=thread
-	$(Q)$(MAKE) --no-print-directory fuzz-smoke
-	$(Q)$(MAKE) --no-print-directory check-emu
-	$(Q)$(MAKE) --no-print-directory check-avx512-emu
-	$(Q)$(MAKE) --no-print-directory check-unit check-exports
-	$(Q)$(MAKE) --no-print-directory check-install
-	$(Q)$(MAKE) --no-print-directory check-python
+	$(Q)sh tests/run.sh --stage plain $(MAKE) --no-print-directory check
+	$(Q)sh tests/run.sh --stage asan+ubsan $(MAKE) --no-print-directory check SAN=address,undefined
+	$(Q)sh tests/run.sh --stage tsan $(MAKE) --no-print-directory check SAN=thread
+	$(Q)sh tests/run.sh --stage fuzz-smoke $(MAKE) --no-print-directory fuzz-smoke
+	$(Q)sh tests/run.sh --stage check-emu $(MAKE) --no-print-directory check-emu
+	$(Q)sh tests/run.sh --stage check-avx512-emu $(MAKE) --no-print-directory check-avx512-emu
+	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) --no-print-directory check-unit check-exports
+	$(Q)sh tests/run.sh --stage check-install $(MAKE) --no-print-directory check-install
+	$(Q)sh tests/run.sh --stage check-python $(MAKE) --no-print-directory check-python
 	$(Q)sh tests/run.sh --total
 else
 test: deps

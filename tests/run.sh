@@ -1,13 +1,36 @@
 #!/bin/sh
 # Runs cmocka test binaries and keeps a tally across build variants.
-#   run.sh DIR BIN...   run each binary, print its output, add to the tally
-#   run.sh --reset      start a new tally
-#   run.sh --total      print "N passed, N failed, N skipped" and exit 1 on failures
+#   run.sh DIR BIN...        run each binary, print its output and wall time,
+#                            add to the tally
+#   run.sh --stage NAME CMD  run CMD as one stage of `make test`, timed
+#   run.sh --reset           start a new tally
+#   run.sh --total           print the ten slowest binaries, each stage's time
+#                            and "N passed, N failed, N skipped"; exit 1 on
+#                            failures
 # A binary that exits 77 is a skip (no device, no feature) and says why.
 tally=build/test-tally
+times=build/test-times
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 case "${1:-}" in
---reset) mkdir -p build; : >"$tally"; exit 0 ;;
+--reset) mkdir -p build; : >"$tally"; : >"$times"; exit 0 ;;
+--stage)
+	name=$2
+	shift 2
+	t0=$(now)
+	"$@"
+	rc=$?
+	mkdir -p build
+	echo "stage $(since "$t0") $name" >>"$times"
+	exit $rc
+	;;
 --total)
+	if [ -s "$times" ]; then
+		echo "slowest test binaries (s):"
+		grep '^bin ' "$times" | sort -k2 -n -r | head -n 10 | awk '{printf "  %8.1f  %s\n", $2, $3}'
+		echo "stages (s):"
+		grep '^stage ' "$times" | awk '{printf "  %8.1f  %s\n", $2, $3; t+=$2} END {printf "  %8.1f  total\n", t}'
+	fi
 	awk '{p+=$1; f+=$2; s+=$3} END {printf "tests: %d passed, %d failed, %d skipped\n", p, f, s; exit (f > 0)}' "$tally"
 	exit $?
 	;;
@@ -17,9 +40,13 @@ shift
 mkdir -p build
 pass=0 fail=0 skip=0
 for t in "$@"; do
+	t0=$(now)
 	out=$("$t" 2>&1)
 	rc=$?
+	dt=$(since "$t0")
 	printf '%s\n' "$out"
+	echo "run.sh: $t: $dt s"
+	echo "bin $dt $t" >>"$times"
 	if [ $rc = 77 ]; then
 		skip=$((skip + 1))
 		continue
