@@ -9,6 +9,9 @@
  *                  (the child copies every layer's open tail)
  *   evict_restore  writes the big sequence out and reads it back, over and
  *                  over (the write-back's copies, the restore's installs)
+ *   big_append     one APPEND of 59904 rows (2 kv heads, L 150: 97 MB in one
+ *                  ring entry) into a fresh sequence, freed after, over and
+ *                  over (the row copy and 59 seals inside one unit)
  *
  *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
  *
@@ -29,11 +32,15 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "kvd_ring.h"
+#include "kvt.h"
 #include "rng.h"
 
 #define MAXLAT 400000
-enum { PH_QUIET, PH_APPEND, PH_FORK, PH_EVICT, NPH, PH_END = NPH };
-static const char *const ph_name[NPH] = { "quiet", "append", "fork", "evict_restore" };
+enum { PH_QUIET, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, NPH, PH_END = NPH };
+static const char *const ph_name[NPH] = { "quiet", "append", "fork", "evict_restore",
+					  "big_append" };
+#define BIG_ROWS 59904
 
 struct shared {
 	volatile int phase;             /* what the attacker does now; PH_END: stop */
@@ -149,9 +156,89 @@ static int wait_state(struct kvc *c, struct kvc_seq *s, uint32_t state)
 	return -1;
 }
 
+/* The big APPEND's connection: a profile of 2 kv heads whose one slot
+ * holds BIG_ROWS rows, the slot filled once. */
+static const struct kvc_model big_model = {
+	.name = "stall-big", .layers = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 150, .c = 2, .sink = 4, .window = 64, .seed = 12,
+};
+
+static struct kvt *big_connect(const char *sock)
+{
+	const struct kvd_rows_layout lay = kvd_rows_layout(2, 128, 150, BIG_ROWS, 1);
+	struct kvc_opts o = { .socket_path = sock, .tenant = "attacker", .name = "stall-big",
+			      .slots = 2, .slot_size = (lay.bytes + 4095) & ~4095ull };
+	struct kvt *t = kvt_new();
+	struct kvd_rng r = kvd_rng_make(13);
+
+	if (!t || kvt_connect(t, &o) || kvt_profile(t, &big_model)) {
+		fprintf(stderr, "stall: big: %s\n", t ? kvt_error(t) : "out of memory");
+		kvt_close(t);
+		return NULL;
+	}
+	/* mean 0, random rows and codes: what matters is their size */
+	char *b = kvt_slot(t, 0);
+	uint16_t *rows = (uint16_t *)(b + lay.k), *codes = (uint16_t *)(b + lay.codes);
+
+	memset(b, 0, lay.k);
+	for (size_t i = 0; i < (size_t)2 * 2 * BIG_ROWS * 128; i++)
+		rows[i] = (uint16_t)(0x3c00 + kvd_rng_below(&r, 0x800));
+	for (size_t i = 0; i < (size_t)2 * 150 * BIG_ROWS; i++)
+		codes[i] = (uint16_t)kvd_rng_below(&r, 1024);
+	return t;
+}
+
+/* A fresh sequence: one prefilled row (the mean, LAST), then BIG_ROWS rows
+ * in one APPEND; freed.  0, or -1. */
+static int big_append(struct kvt *t)
+{
+	const struct kvd_rows_layout one = kvd_rows_layout(2, 128, 150, 1, 1);
+	const struct kvd_rows_layout lay = kvd_rows_layout(2, 128, 150, BIG_ROWS, 0);
+	uint64_t id;
+	int32_t res = 0;
+	const char *msg;
+	int slot;
+
+	if (kvt_seq_create(t, &id))
+		return -1;
+	/* slot 0 holds the rows; slot 1 the one-row prefill */
+	while ((slot = kvt_slot_get(t, 0)) == 0)
+		kvt_slot_put(t, 0);
+	if (slot < 0)
+		return -1;
+	memset(kvt_slot(t, (uint32_t)slot), 0, one.bytes);
+	struct kvd_sqe p = { .op = KVD_OP_PREFILL, .flags = KVD_RF_MEAN | KVD_RF_LAST,
+			     .slot = (uint32_t)slot, .user_data = (uint64_t)slot, .seq = id,
+			     .len = (uint32_t)one.bytes, .ntok = 1 };
+
+	if (kvt_submit(t, &p) || kvt_wait_slot(t, (uint32_t)slot, &res, &msg) || res) {
+		kvt_slot_put(t, (uint32_t)slot);
+		return -1;
+	}
+	kvt_slot_put(t, (uint32_t)slot);
+	/* the rows were laid out with the mean first: skip it */
+	const struct kvd_rows_layout with_mean = kvd_rows_layout(2, 128, 150, BIG_ROWS, 1);
+
+	while ((slot = kvt_slot_get(t, 0)) == 1)
+		kvt_slot_put(t, 1);
+	if (slot != 0)
+		return -1;
+	struct kvd_sqe a = { .op = KVD_OP_APPEND, .slot = 0, .user_data = 0, .seq = id,
+			     .off = (uint32_t)with_mean.k, .len = (uint32_t)lay.bytes,
+			     .ntok = BIG_ROWS };
+
+	if (kvt_submit(t, &a) || kvt_wait_slot(t, 0, &res, &msg) || res) {
+		fprintf(stderr, "stall: big APPEND: %d %s\n", res, res ? msg : kvt_error(t));
+		kvt_slot_put(t, 0);
+		return -1;
+	}
+	kvt_slot_put(t, 0);
+	return kvt_seq_free(t, id) ? -1 : 0;
+}
+
 /* One phase of the attacker, for secs seconds: 0, or -1. */
 static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_model *m,
-		  double secs, struct kvd_rng *r)
+		  struct kvt *big, double secs, struct kvd_rng *r)
 {
 	double until = bench_now_ms() + secs * 1e3;
 	float kt[8 * 128], vt[8 * 128];
@@ -181,6 +268,10 @@ static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_mod
 		case PH_EVICT:
 			if (kvc_seq_evict(c, s) || wait_state(c, s, KVC_SEQ_DISK) ||
 			    kvc_prefetch(c, s) || wait_state(c, s, KVC_SEQ_RAM))
+				return -1;
+			break;
+		case PH_BIG:
+			if (big_append(big))
 				return -1;
 			break;
 		}
@@ -233,16 +324,17 @@ int bench_stall_main(int argc, char **argv)
 		.dense_layers = dense0, .n_dense = 1, .seed = 9,
 	};
 	struct kvc *c = connect_model(d.sock, "attacker", &m);
+	struct kvt *big = big_connect(d.sock);
 	struct kvc_seq *s;
 	struct kvd_rng r = kvd_rng_make(10);
 
-	if (!c || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11)) {
+	if (!c || !big || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11)) {
 		fprintf(stderr, "stall: attacker: %s\n", c ? kvc_last_error(c) : "connect");
 		goto out;
 	}
 	/* An open tail in every layer: what a fork copies and a write-back
 	 * writes from a copy. */
-	if (attack(PH_APPEND, c, s, &m, 1.0, &r))
+	if (attack(PH_APPEND, c, s, &m, big, 1.0, &r))
 		goto out;
 	if ((vp = fork()) == 0)
 		victim(d.sock, sh);
@@ -250,7 +342,7 @@ int bench_stall_main(int argc, char **argv)
 		usleep(1000);
 	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
 		sh->phase = ph;
-		if (attack(ph, c, s, &m, secs, &r)) {
+		if (attack(ph, c, s, &m, big, secs, &r)) {
 			fprintf(stderr, "stall: %s: %s\n", ph_name[ph], kvc_last_error(c));
 			goto out;
 		}
