@@ -28,6 +28,8 @@ struct pub {
 	uint64_t tokens;
 	struct kvd_seqn *snap;
 	int sent;                       /* queued for the remote tier */
+	int pinned;                     /* an attach is using it: it does not give way */
+	uint64_t attaches, used_ns;     /* since it was filed; its last publish or attach */
 	struct pub *next;               /* hash chain */
 	struct pub *lru_prev, *lru_next;
 };
@@ -60,6 +62,14 @@ struct kvd_share {
 	struct pub *lru_head, *lru_tail;
 	struct ns_usage *usage;
 };
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 static void say(char *msg, size_t msglen, const char *fmt, ...)
 {
@@ -166,6 +176,7 @@ static int pub_add(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *snap, con
 	x->snap = snap;
 	x->next = sh->bucket[b];
 	sh->bucket[b] = x;
+	x->used_ns = now_ns();
 	lru_front(sh, x);
 	u->u.published++;
 	u->u.published_tokens += tokens;
@@ -190,6 +201,76 @@ static void loaded(void *arg, struct kvd_seqn *q)
 		kvd_store_seq_unhide(q);
 }
 
+/* ---- under pressure ------------------------------------------------------- */
+
+/* Memory charged now: anyone's (any), or uid's. */
+static uint64_t mem_now(const struct kvd_share *sh, uint32_t uid, int any)
+{
+	struct kvd_limits *l = kvd_store_limits(sh->st);
+	struct kvd_limits_usage u;
+	struct kvd_store_stats ss;
+
+	if (l) {
+		if (any)
+			kvd_limits_total(l, &u);
+		else
+			kvd_limits_uid_usage(l, uid, &u);
+		return u.n[KVD_RES_MEMORY];
+	}
+	kvd_store_stats(sh->st, &ss);
+	return ss.bytes + ss.fixed_bytes + ss.local_bytes;
+}
+
+/* Whether x may give way in pass 0 (resident: its memory goes) or pass 1
+ * (on disk or lost: only its bookkeeping goes).  One being written or read
+ * would free nothing until its I/O ends; one an attach is using stays. */
+static int may_go(const struct pub *x, uint32_t uid, int any, int pass)
+{
+	enum kvd_seq_state st = kvd_store_seq_state(x->snap);
+
+	if (x->pinned || (!any && kvd_store_seq_uid(x->snap) != uid))
+		return 0;
+	return pass ? st == KVD_SEQ_DISK || st == KVD_SEQ_LOST : st == KVD_SEQ_RAM;
+}
+
+/* kvd_store_reclaim: snapshots give way, least recently used first, until
+ * `need` bytes came back.  Their segments go only with their last holder:
+ * a sequence that attached one keeps its own references, so no row of it
+ * is lost, and what it shares does not come back. */
+static uint64_t reclaim(void *arg, uint32_t uid, int any, uint64_t need)
+{
+	struct kvd_share *sh = arg;
+	uint64_t most = 0, before, now;
+	unsigned n = 0;
+
+	/* An upper bound of what could come back (shared segments counted,
+	 * and the bookkeeping twice): a request that cannot fit even then
+	 * empties nobody's cache for nothing. */
+	for (const struct pub *x = sh->lru_tail; x && most < need; x = x->lru_prev)
+		if (may_go(x, uid, any, 0) || may_go(x, uid, any, 1))
+			most += kvd_store_seq_bytes(x->snap) + kvd_store_local_bytes(x->snap) +
+				kvd_store_fork_bytes(x->snap) + 1024;
+	if (most < need)
+		return 0;
+	now = before = mem_now(sh, uid, any);
+	for (int pass = 0; pass < 2 && before - now < need; pass++) {
+		for (struct pub *x = sh->lru_tail, *prev; x && before - now < need; x = prev) {
+			prev = x->lru_prev;
+			if (!may_go(x, uid, any, pass))
+				continue;
+			pub_drop(sh, x);
+			n++;
+			now = mem_now(sh, uid, any);
+			now = now < before ? now : before;
+		}
+	}
+	if (n)
+		kvd_log(LOG_DEBUG, "share: %u snapshot(s) gave way for %llu bytes %s %u: %llu came back",
+			n, (unsigned long long)need, any ? "under the memory limit, asked by uid" :
+			"under memory_per_uid of uid", uid, (unsigned long long)(before - now));
+	return before - now;
+}
+
 int kvd_share_create(struct kvd_store *st, struct kvd_tier *t, struct kvd_share **out)
 {
 	struct kvd_share *sh = calloc(1, sizeof *sh);
@@ -199,6 +280,7 @@ int kvd_share_create(struct kvd_store *st, struct kvd_tier *t, struct kvd_share 
 	sh->st = st;
 	sh->t = t;
 	kvd_tier_on_pub(t, loaded, sh);
+	kvd_store_set_reclaim(st, reclaim, sh);
 	*out = sh;
 	return 0;
 }
@@ -207,6 +289,7 @@ void kvd_share_destroy(struct kvd_share *sh)
 {
 	if (!sh)
 		return;
+	kvd_store_set_reclaim(sh->st, NULL, NULL);
 	while (sh->lru_head)
 		pub_drop(sh, sh->lru_head);
 	for (struct fetch *f = sh->fetches, *nf; f; f = nf) {
@@ -320,14 +403,6 @@ int kvd_share_publish(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *q,
 
 
 /* ---- the remote tier ------------------------------------------------------ */
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void ns_name(const struct kvd_share *sh, uint32_t ns, char *buf, size_t n)
 {
@@ -527,7 +602,11 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 		 * is not this prefix (only a publisher that lied makes one). */
 		if (!x || x->tokens != (uint64_t)(i + 1) * p->chunk_tokens)
 			continue;
+		/* Making room for it (its restore, the child's charges) may
+		 * make snapshots give way: not this one. */
+		x->pinned = 1;
 		rc = kvd_tier_want(sh->t, x->snap, UINT32_MAX, why, sizeof why);
+		x->pinned = 0;
 		if (rc == -EINPROGRESS) {
 			say(msg, msglen, "the prefix is being read back from disk: attach again");
 			return -EAGAIN;
@@ -542,19 +621,20 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 		}
 		/* The child is charged like a private copy: under the budget, the
 		 * tier writes older sequences out first. */
+		x->pinned = 1;
 		rc = kvd_tier_room_uid(sh->t, uid, kvd_store_fork_bytes(x->snap) + ROOM_SLACK, msg,
 				       msglen);
-		if (rc == -EINPROGRESS) {
+		if (rc == -EINPROGRESS)
 			say(msg, msglen, "making room for the prefix: attach again");
-			return -EAGAIN;
-		}
+		else if (!rc)
+			rc = kvd_store_seq_fork(sh->st, x->snap, uid, tenant, owner, out, msg, msglen);
+		x->pinned = 0;
 		if (rc)
-			return rc;
-		rc = kvd_store_seq_fork(sh->st, x->snap, uid, tenant, owner, out, msg, msglen);
-		if (rc)
-			return rc;
+			return rc == -EINPROGRESS ? -EAGAIN : rc;
 		kvd_store_local_give(sh->st, x->snap, *out, 0);
 		lru_front(sh, x);
+		x->attaches++;
+		x->used_ns = now_ns();
 		*tokens = x->tokens;
 		if (u) {
 			u->u.hit_tokens += x->tokens;
@@ -581,4 +661,43 @@ void kvd_share_each(const struct kvd_share *sh,
 						  kvd_store_local_bytes(x->snap);
 		fn(arg, &v);
 	}
+}
+
+void kvd_share_list(const struct kvd_share *sh,
+		    void (*fn)(void *arg, const struct kvd_share_info *i), void *arg)
+{
+	uint64_t now = now_ns();
+
+	for (const struct pub *x = sh->lru_head; x; x = x->lru_next) {
+		struct kvd_share_info i = {
+			.seq = kvd_store_seq_id(x->snap), .ns = x->ns, .uid = kvd_store_seq_uid(x->snap),
+			.profile_id = x->pid, .tokens = x->tokens,
+			.bytes = kvd_store_seq_bytes(x->snap) + kvd_store_local_bytes(x->snap),
+			.freeable = kvd_store_seq_freeable(x->snap), .attaches = x->attaches,
+			.idle_ns = now > x->used_ns ? now - x->used_ns : 0,
+			.state = kvd_store_seq_state(x->snap),
+		};
+
+		memcpy(i.key, x->key, KVD_SHARE_KEY);
+		fn(arg, &i);
+	}
+}
+
+int kvd_share_drop_key(struct kvd_share *sh, const uint8_t *key, unsigned *n)
+{
+	unsigned busy = 0;
+
+	*n = 0;
+	for (struct pub *x = sh->lru_head, *nx; x; x = nx) {
+		nx = x->lru_next;
+		if (memcmp(x->key, key, KVD_SHARE_KEY))
+			continue;
+		if (x->pinned) {
+			busy++;
+			continue;
+		}
+		pub_drop(sh, x);
+		(*n)++;
+	}
+	return *n || !busy ? 0 : -EBUSY;
 }

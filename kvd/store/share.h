@@ -13,10 +13,21 @@
  *
  * Snapshots are sequences to the tier: charged to the publisher's uid,
  * counted against its sequences, written out and restored like any other.
- * When a publish is refused for the uid's limits, up to four of that uid's
- * least recently used snapshots are dropped to make room (a published prefix
- * is a cache);
- * a snapshot that is lost on disk drops out at its next attach (a miss).
+ * A published prefix is a cache, and gives way under pressure:
+ *  - when a memory charge is refused at a limit, or the tier's budget would
+ *    refuse a request (kvd_store_reclaim, set by kvd_share_create), the
+ *    least recently published or attached snapshots go until the room is
+ *    made: any uid's for the global limit, the uid's own for memory_per_uid.
+ *    Resident ones first, then those on disk (only their bookkeeping is in
+ *    memory); never one an attach is using, or one whose I/O runs.  When
+ *    even all of them could not make the room, none goes;
+ *  - when a publish is refused for the uid's limits (a count, not bytes),
+ *    up to four of that uid's least recently used snapshots are dropped;
+ *  - an admin drops them by key (kvd_share_drop_key).
+ * A snapshot's segments are freed with their last holder: a sequence that
+ * attached it keeps its own references and every row, so a snapshot that
+ * gives way frees only what no one else holds.
+ * A snapshot that is lost on disk drops out at its next attach (a miss).
  *
  * Single-threaded: the daemon's state lock, like the store.
  */
@@ -75,5 +86,26 @@ struct kvd_share_usage {
 /* Calls fn for every namespace that published or attached. */
 void kvd_share_each(const struct kvd_share *sh,
 		    void (*fn)(void *arg, const struct kvd_share_usage *u), void *arg);
+
+/* One published prefix, for kvctl shares. */
+struct kvd_share_info {
+	uint8_t key[KVD_SHARE_KEY];
+	uint64_t seq;                   /* the snapshot's sequence id (hidden from SeqList) */
+	uint32_t ns, uid, profile_id;   /* uid: the publisher's, charged for it */
+	uint64_t tokens;
+	uint64_t bytes;                 /* resident, its client rows included */
+	uint64_t freeable;              /* what dropping it gives back now */
+	uint64_t attaches;              /* since it was published */
+	uint64_t idle_ns;               /* since its publish or last attach */
+	enum kvd_seq_state state;
+};
+/* Calls fn for every published prefix, most recently used first; fn must
+ * not publish, attach or drop. */
+void kvd_share_list(const struct kvd_share *sh,
+		    void (*fn)(void *arg, const struct kvd_share_info *i), void *arg);
+/* Drops every snapshot filed under key (any namespace, any profile), *n of
+ * them: sequences attached from them keep their rows.  0 (also when none
+ * is filed under it: *n 0), or -EBUSY when every one under it is in use. */
+int kvd_share_drop_key(struct kvd_share *sh, const uint8_t *key, unsigned *n);
 
 #endif

@@ -40,6 +40,8 @@ struct kvd_store {
 	struct kvd_limits *lim;
 	kvd_store_room_fn room;         /* the tier's policy before the wall */
 	void *room_arg;
+	kvd_store_reclaim_fn reclaim;   /* caches that give way at the wall */
+	void *reclaim_arg;
 	int exact;                      /* this rows call grows staging exactly */
 	/* kvd_store_rows' reservation: the peak its change charges, charged
 	 * before the change begins.  Requests run between the slices of its
@@ -93,7 +95,48 @@ void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg)
 	s->room_arg = arg;
 }
 
+void kvd_store_set_reclaim(struct kvd_store *s, kvd_store_reclaim_fn fn, void *arg)
+{
+	s->reclaim = fn;
+	s->reclaim_arg = arg;
+}
+
+uint64_t kvd_store_reclaim(struct kvd_store *s, uint32_t uid, int any, uint64_t need)
+{
+	return s->reclaim && need ? s->reclaim(s->reclaim_arg, uid, any, need) : 0;
+}
+
 /* ---- charges ------------------------------------------------------------ */
+
+/* Before n more bytes of uid's are refused at a memory limit: the caches
+ * give way, what is over uid's own limit from uid's, what is over the
+ * global one from anyone's.  Returns whether anything was freed. */
+static int make_room(struct kvd_store *s, uint32_t uid, uint64_t n)
+{
+	const struct kvd_limits_cfg *c = kvd_limits_cfg(s->lim);
+	const uint64_t per = c->per_uid[KVD_RES_MEMORY], cap = c->cap[KVD_RES_MEMORY];
+	struct kvd_limits_usage u;
+	uint64_t got = 0;
+
+	kvd_limits_uid_usage(s->lim, uid, &u);
+	if (per && u.n[KVD_RES_MEMORY] + n > per)
+		got += kvd_store_reclaim(s, uid, 0, u.n[KVD_RES_MEMORY] + n - per);
+	kvd_limits_total(s->lim, &u);
+	if (cap && u.n[KVD_RES_MEMORY] + n > cap)
+		got += kvd_store_reclaim(s, uid, 1, u.n[KVD_RES_MEMORY] + n - cap);
+	return got > 0;
+}
+
+/* The checked memory charge: refused at a limit, asked again once the
+ * caches made room. */
+static int mem_charge(struct kvd_store *s, uint32_t uid, uint64_t n, char *msg, size_t msglen)
+{
+	int rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, n, msg, msglen);
+
+	if ((rc == -ENOMEM || rc == -EDQUOT) && s->reclaim && make_room(s, uid, n))
+		rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, n, msg, msglen);
+	return rc;
+}
 
 /* n bytes more for uid, before they are allocated.  force: the room was
  * reserved already (restores).  The message of a refusal stays in s->why. */
@@ -106,7 +149,7 @@ static int charge(struct kvd_store *s, uint32_t uid, size_t n, int force)
 	if (force)
 		rc = kvd_limits_force(s->lim, uid, KVD_RES_MEMORY, n);
 	else
-		rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, n, s->why, sizeof s->why);
+		rc = mem_charge(s, uid, n, s->why, sizeof s->why);
 	if (rc == -ENOMEM && force)
 		snprintf(s->why, sizeof s->why, "out of memory");
 	return rc;
@@ -439,7 +482,7 @@ static int profile_new(struct kvd_store *s, uint32_t ns, uint32_t uid,
 	if (s->lim) {
 		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_PROFILES, 1, msg, msglen)))
 			return rc;
-		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, bytes, msg, msglen))) {
+		if ((rc = mem_charge(s, uid, bytes, msg, msglen))) {
 			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
 			return rc;
 		}
@@ -582,7 +625,7 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, uint32_t ui
 	if (s->lim) {
 		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_SEQUENCES, 1, msg, msglen)))
 			return rc;
-		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_MEMORY, fixed, msg, msglen))) {
+		if ((rc = mem_charge(s, uid, fixed, msg, msglen))) {
 			kvd_limits_uncharge(s->lim, uid, KVD_RES_SEQUENCES, 1);
 			return rc;
 		}
@@ -1065,7 +1108,7 @@ static int rows_budget(struct kvd_store *s, struct kvd_seqn *q, const struct kvd
 		s->resv = p2;
 		return 0;
 	}
-	if ((rc = kvd_limits_charge(s->lim, q->uid, KVD_RES_MEMORY, p1, msg, msglen)))
+	if ((rc = mem_charge(s, q->uid, p1, msg, msglen)))
 		return rc;
 	s->resv = p1;
 	return 0;

@@ -101,6 +101,16 @@ struct kvd_limits *kvd_store_limits(const struct kvd_store *s);
 typedef int (*kvd_store_room_fn)(void *arg, uint32_t uid, uint64_t bytes, char *msg,
 				 size_t msglen);
 void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg);
+/* A cache's policy under pressure (kvd_share: published snapshots, which
+ * kvd_share_create sets): free at least `need` bytes of memory, of uid's
+ * (any 0: under its per-uid limit) or of anyone's (any 1: under the global
+ * limit), least recently used first, from what no request is using; return
+ * the bytes freed (0: nothing, also when `need` cannot be met).  With limits
+ * set, a memory charge that a limit refuses asks it for the difference, then
+ * is tried once more; the tier asks it before its budget refuses. */
+typedef uint64_t (*kvd_store_reclaim_fn)(void *arg, uint32_t uid, int any, uint64_t need);
+void kvd_store_set_reclaim(struct kvd_store *s, kvd_store_reclaim_fn fn, void *arg);
+uint64_t kvd_store_reclaim(struct kvd_store *s, uint32_t uid, int any, uint64_t need);
 /* NUMA: sequences are spread over n nodes (the one with the fewest resident
  * bytes takes the next sequence); node i seals on pools[i] and allocates
  * with kvd_mem_alloc_node(mem[i]).  Before any sequence exists.  Without

@@ -1316,6 +1316,10 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 			return -EINPROGRESS;
 		}
 	}
+	/* Published snapshots are a cache: they give way before a refusal. */
+	if (kvd_store_reclaim(t->st, 0, 1, u + bytes - t->cfg.limit) &&
+	    (u = used(t)) + bytes <= t->cfg.limit)
+		return 0;
 	snprintf(msg, msglen, "memory budget: %llu MiB in use, %llu MiB more needed, limit %llu MiB",
 		 (unsigned long long)(u >> 20), (unsigned long long)((bytes + (1 << 20) - 1) >> 20),
 		 (unsigned long long)(t->cfg.limit >> 20));

@@ -6,8 +6,10 @@
  * sequences are written out in the background (or dropped at once when a
  * durable file already holds exactly their data) until used, minus what is
  * being written out, is at or below the low watermark.  A request that
- * needs room beyond the limit waits for writes in flight to land, or fails
- * with -ENOMEM and a message when nothing more can go to disk.
+ * needs room beyond the limit waits for writes in flight to land, or, when
+ * nothing more can go to disk and the published snapshots that no request
+ * is using have given way (kvd_store_reclaim), fails with -ENOMEM and a
+ * message.
  *
  * A sequence on disk comes back on demand: kvd_tier_want() starts a
  * restore and says -EINPROGRESS until the layer asked for is resident;
