@@ -1010,6 +1010,141 @@ out:
 	return rc;
 }
 
+/* SharesReq: the published snapshots, paged by their ids as SeqList. */
+struct share_pick {
+	const struct client *c;
+	uint64_t after;
+	struct kvd_share_info *sel;     /* a max-heap by seq of the cap smallest past after */
+	uint32_t n, cap, total;
+};
+
+static void share_swap(struct kvd_share_info *a, struct kvd_share_info *b)
+{
+	struct kvd_share_info t = *a;
+
+	*a = *b;
+	*b = t;
+}
+
+static void pick_share(void *arg, const struct kvd_share_info *x)
+{
+	struct share_pick *p = arg;
+	uint32_t i;
+
+	if (!may_see(p->c, x->uid))
+		return;
+	p->total++;
+	if (x->seq <= p->after)
+		return;
+	if (p->n < p->cap) {
+		p->sel[i = p->n++] = *x;
+		for (; i && p->sel[(i - 1) / 2].seq < p->sel[i].seq; i = (i - 1) / 2)
+			share_swap(&p->sel[i], &p->sel[(i - 1) / 2]);
+		return;
+	}
+	if (x->seq >= p->sel[0].seq)
+		return;
+	p->sel[0] = *x;
+	for (i = 0;;) {
+		uint32_t l = 2 * i + 1, r = l + 1, m = i;
+
+		if (l < p->n && p->sel[l].seq > p->sel[m].seq)
+			m = l;
+		if (r < p->n && p->sel[r].seq > p->sel[m].seq)
+			m = r;
+		if (m == i)
+			break;
+		share_swap(&p->sel[i], &p->sel[m]);
+		i = m;
+	}
+}
+
+static int by_share_seq(const void *a, const void *b)
+{
+	uint64_t x = ((const struct kvd_share_info *)a)->seq;
+	uint64_t y = ((const struct kvd_share_info *)b)->seq;
+
+	return x < y ? -1 : x > y;
+}
+
+static int do_shares(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__SharesReq *m)
+{
+	uint32_t lim = page_limit(m->limit);
+	struct share_pick p = { .c = c, .after = m->after, .cap = lim + 1 };
+	Kvd__ShareList sl = KVD__SHARE_LIST__INIT;
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	Kvd__ShareInfo *row = calloc(lim, sizeof *row);
+	Kvd__ShareInfo **ptr = calloc(lim, sizeof *ptr);
+	int rc;
+
+	p.sel = calloc(p.cap, sizeof *p.sel);
+	if (!p.sel || !row || !ptr) {
+		free(p.sel);
+		free(row);
+		free(ptr);
+		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
+	}
+	if (s->share)
+		kvd_share_list(s->share, pick_share, &p);
+	qsort(p.sel, p.n, sizeof *p.sel, by_share_seq);
+	sl.next = p.n > lim ? p.sel[lim - 1].seq : 0;
+	p.n = p.n > lim ? lim : p.n;
+	for (uint32_t i = 0; i < p.n; i++) {
+		const struct kvd_share_info *x = &p.sel[i];
+		Kvd__ShareInfo *si = &row[i];
+
+		kvd__share_info__init(si);
+		si->key.data = (uint8_t *)x->key;
+		si->key.len = sizeof x->key;
+		si->seq = x->seq;
+		si->uid = x->uid;
+		si->ns = x->ns;
+		si->profile_id = x->profile_id;
+		si->tokens = x->tokens;
+		si->bytes = x->bytes;
+		si->freeable_bytes = x->freeable;
+		si->attaches = x->attaches;
+		si->idle_ms = x->idle_ns / 1000000;
+		si->state = x->state;
+		ptr[i] = si;
+	}
+	sl.n_shares = p.n;
+	sl.shares = ptr;
+	sl.total = p.total;
+	r.id = id;
+	r.body_case = KVD__RESPONSE__BODY_SHARE_LIST;
+	r.share_list = &sl;
+	rc = reply(c, &r, NULL, 0);
+	free(p.sel);
+	free(row);
+	free(ptr);
+	return rc;
+}
+
+/* ShareDrop: a cache entry goes; sequences attached from it keep theirs. */
+static int do_share_drop(struct kvd_server *s, struct client *c, uint64_t id,
+			 const Kvd__ShareDrop *m)
+{
+	char hex[2 * KVD_CTL_CONTENT_KEY + 1];
+	unsigned n = 0;
+	int rc;
+
+	if (!c->admin)
+		return kvd_ctl_send_error(c->fd, id, -EPERM,
+					  "share drop: uid %u may not drop published prefixes (root, "
+					  "kvd's own uid and [server] admin_group may)", (unsigned)c->uid);
+	for (int i = 0; i < KVD_CTL_CONTENT_KEY; i++)
+		snprintf(hex + 2 * i, 3, "%02x", m->key.data[i]);
+	rc = s->share ? kvd_share_drop_key(s->share, m->key.data, &n) : 0;
+	if (rc)
+		return kvd_ctl_send_error(c->fd, id, rc, "prefix %s is in use: try again", hex);
+	if (!n)
+		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no prefix published under %s", hex);
+	kvd_log(LOG_INFO, "client %llu (uid %u, pid %d): dropped %u published prefix(es) under %s",
+		(unsigned long long)c->id, (unsigned)c->uid, (int)c->pid, n, hex);
+	return kvd_ctl_send_ok(c->fd, id);
+}
+
 static_assert(KVD_RES_N <= KVD_CTL_LIMIT_ROWS, "LimitsReply rows");
 
 static int do_limits(struct kvd_server *s, struct client *c, uint64_t id)
@@ -1174,6 +1309,12 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 			break;
 		case KVD__REQUEST__BODY_DRAIN:
 			rc = do_drain(s, c, id);
+			break;
+		case KVD__REQUEST__BODY_SHARES:
+			rc = do_shares(s, c, id, rq->shares);
+			break;
+		case KVD__REQUEST__BODY_SHARE_DROP:
+			rc = do_share_drop(s, c, id, rq->share_drop);
 			break;
 		case KVD__REQUEST__BODY_METRICS:
 			rc = do_metrics(s, c, id);

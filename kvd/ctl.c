@@ -333,6 +333,8 @@ const char *kvd_ctl_request_name(Kvd__Request__BodyCase c)
 	case KVD__REQUEST__BODY_PROFILES:       return "profiles";
 	case KVD__REQUEST__BODY_LIMITS:         return "limits";
 	case KVD__REQUEST__BODY_DRAIN:          return "drain";
+	case KVD__REQUEST__BODY_SHARES:         return "shares";
+	case KVD__REQUEST__BODY_SHARE_DROP:     return "share_drop";
 	case KVD__REQUEST__BODY_METRICS:        return "metrics";
 	default:                                return "unknown";
 	}
@@ -489,6 +491,17 @@ static int check_request(const Kvd__Request *r, struct kvd_ctl_err *err)
 	case KVD__REQUEST__BODY_DRAIN:
 		if (!r->drain)
 			break;
+		return 0;
+	case KVD__REQUEST__BODY_SHARES:
+		if (!r->shares)
+			break;
+		return check_limit(r->shares->limit, "shares", err);
+	case KVD__REQUEST__BODY_SHARE_DROP:
+		if (!r->share_drop)
+			break;
+		if (r->share_drop->key.len != KVD_CTL_CONTENT_KEY)
+			return fail(err, -EINVAL, "share_drop key of %zu bytes, not %d",
+				    r->share_drop->key.len, KVD_CTL_CONTENT_KEY);
 		return 0;
 	case KVD__REQUEST__BODY_METRICS:
 		if (!r->metrics)
@@ -736,6 +749,23 @@ static int check_response(Kvd__Response *r, uint64_t want_id, struct kvd_ctl_err
 		if (!r->limits)
 			break;
 		return check_limits_reply(r->limits, err);
+	case KVD__RESPONSE__BODY_SHARE_LIST:
+		if (!r->share_list)
+			break;
+		if (r->share_list->n_shares > KVD_CTL_LIST_MAX)
+			return fail(err, -KVD_EPROTO, "share list of %zu rows, above %u",
+				    r->share_list->n_shares, KVD_CTL_LIST_MAX);
+		for (size_t i = 0; i < r->share_list->n_shares; i++) {
+			const Kvd__ShareInfo *x = r->share_list->shares[i];
+
+			if (!x || !x->seq || x->key.len != KVD_CTL_CONTENT_KEY)
+				return fail(err, -KVD_EPROTO, "share list row %zu: no id, or a key "
+					    "not of %d bytes", i, KVD_CTL_CONTENT_KEY);
+			if (x->state > 4)
+				return fail(err, -KVD_EPROTO, "share list row %zu: state %u unknown",
+					    i, x->state);
+		}
+		return 0;
 	case KVD__RESPONSE__BODY_METRICS:
 		if (!r->metrics)
 			break;

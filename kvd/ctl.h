@@ -68,7 +68,7 @@ struct kvd_geom;
 #define KVD_CTL_ARENA_MAX   (16ull << 30)       /* slots * slot_size */
 #define KVD_CTL_REGION_MAX  (KVD_CTL_ARENA_MAX + (1ull << 30))      /* arena + rings */
 /* Rows in one admin listing reply (ClientList, SeqList, ProfileList,
- * LimitsReply.uids): a longer listing pages.  The largest row (a ClientInfo
+ * ShareList, LimitsReply.uids): a longer listing pages.  The largest row (a ClientInfo
  * with two 64-byte strings) is under 300 bytes, so a page stays under
  * 80 KiB, well inside one datagram and a client's 192 KiB buffer. */
 #define KVD_CTL_LIST_MAX    256u
@@ -142,6 +142,8 @@ int kvd_ctl_send_ok(int fd, uint64_t id);
  *   SeqListReq     limit <= KVD_CTL_LIST_MAX; uid 0 unless filter_uid
  *   SeqAdmin       seq != 0; op SHOW, EVICT or FREE
  *   LimitsReq, DrainReq  nothing
+ *   SharesReq      limit <= KVD_CTL_LIST_MAX
+ *   ShareDrop      key of KVD_CTL_CONTENT_KEY bytes
  * The Request is the caller's: kvd_ctl_free_request(). */
 Kvd__Request *kvd_ctl_decode_request(const void *buf, size_t len, struct kvd_ctl_err *err);
 void kvd_ctl_free_request(Kvd__Request *r);
@@ -167,6 +169,8 @@ void kvd_ctl_free_request(Kvd__Request *r);
  *   SeqInfo        seq != 0, strings as above
  *   ProfileInfo    kvd_ctl_check_profile(p, 1), n_dense <= layers
  *   LimitsReply    at most KVD_CTL_LIMIT_ROWS rows, KVD_CTL_LIST_MAX uids
+ *   ShareList      at most KVD_CTL_LIST_MAX rows, none missing, seq != 0,
+ *                  keys of KVD_CTL_CONTENT_KEY bytes, state as SeqInfo's
  * The fds of a HelloReply are not the decoder's business: the caller checks
  * that exactly two came with it.  A successful decode may still be an Error:
  * look at body_case.  kvd_ctl_free_response() frees it. */

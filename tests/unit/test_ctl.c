@@ -785,6 +785,9 @@ static void test_admin_requests(void **state)
 	Kvd__ProfilesReq pr = KVD__PROFILES_REQ__INIT;
 	Kvd__LimitsReq lq = KVD__LIMITS_REQ__INIT;
 	Kvd__DrainReq dr = KVD__DRAIN_REQ__INIT;
+	Kvd__SharesReq shr = KVD__SHARES_REQ__INIT;
+	Kvd__ShareDrop sd = KVD__SHARE_DROP__INIT;
+	uint8_t ckey[KVD_CTL_CONTENT_KEY + 1] = { 0 };
 	struct kvd_ctl_err e;
 	Kvd__Request *d;
 
@@ -864,6 +867,27 @@ static void test_admin_requests(void **state)
 	assert_non_null(d);
 	assert_string_equal(kvd_ctl_request_name(d->body_case), "drain");
 	kvd_ctl_free_request(d);
+
+	r.body_case = KVD__REQUEST__BODY_SHARES;
+	r.shares = &shr;
+	shr.limit = KVD_CTL_LIST_MAX + 1;
+	refused(&r, -EINVAL, "shares limit");
+	shr.limit = KVD_CTL_LIST_MAX;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_string_equal(kvd_ctl_request_name(d->body_case), "shares");
+	kvd_ctl_free_request(d);
+	r.body_case = KVD__REQUEST__BODY_SHARE_DROP;
+	r.share_drop = &sd;
+	refused(&r, -EINVAL, "share_drop key of 0 bytes");
+	sd.key.data = ckey;
+	sd.key.len = KVD_CTL_CONTENT_KEY + 1;
+	refused(&r, -EINVAL, "share_drop key of 17 bytes");
+	sd.key.len = KVD_CTL_CONTENT_KEY;
+	d = decode_packed(&r, &e);
+	assert_non_null(d);
+	assert_string_equal(kvd_ctl_request_name(d->body_case), "share_drop");
+	kvd_ctl_free_request(d);
 }
 
 /* Replies to admin requests, as a client's decoder sees them. */
@@ -930,6 +954,35 @@ static void test_admin_responses(void **state)
 	assert_non_null(d);
 	assert_string_equal(d->client_list->clients[0]->name, "");
 	kvd_ctl_free_response(d);
+
+	{
+		Kvd__ShareInfo shi = KVD__SHARE_INFO__INIT, *shp = &shi;
+		Kvd__ShareList shl = KVD__SHARE_LIST__INIT;
+		uint8_t ckey[KVD_CTL_CONTENT_KEY] = { 1 };
+
+		r.body_case = KVD__RESPONSE__BODY_SHARE_LIST;
+		r.share_list = &shl;
+		shl.n_shares = 1;
+		shl.shares = &shp;
+		shi.seq = 9;
+		n = kvd__response__pack(&r, buf);
+		assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* no key */
+		shi.key.data = ckey;
+		shi.key.len = sizeof ckey;
+		shi.state = 5;
+		n = kvd__response__pack(&r, buf);
+		assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* unknown state */
+		shi.state = 0;
+		shi.seq = 0;
+		n = kvd__response__pack(&r, buf);
+		assert_null(kvd_ctl_decode_response(buf, n, 3, &e));   /* seq 0 */
+		shi.seq = 9;
+		n = kvd__response__pack(&r, buf);
+		d = kvd_ctl_decode_response(buf, n, 3, &e);
+		assert_non_null(d);
+		assert_int_equal(d->share_list->shares[0]->key.len, KVD_CTL_CONTENT_KEY);
+		kvd_ctl_free_response(d);
+	}
 }
 
 static void test_garbage(void **state)

@@ -96,6 +96,10 @@ static void usage(FILE *f)
 		"  profiles            model profiles: geometry, K/V dtype, estimator,\n"
 		"                      references, bytes\n"
 		"  limits              caps ([limits], memory, spill) and usage per uid\n"
+		"  shares              published prefixes (snapshots): key, uid, tokens, bytes,\n"
+		"                      what a drop gives back, attaches, idle time\n"
+		"  share drop KEY      drop the prefixes published under KEY (32 hex digits);\n"
+		"                      sequences attached from them keep their rows\n"
 		"  drain [--no-wait]   stop kvd as SIGTERM does: stop accepting, answer what\n"
 		"                      clients queued, exit; waits until kvd has let go\n"
 		"  metrics             kvd's metrics, Prometheus text (other uids' series only\n"
@@ -104,7 +108,8 @@ static void usage(FILE *f)
 		"options:\n"
 		"  -s, --socket PATH   control socket (default " KVD_CONFIG_SOCKET ")\n"
 		"  -j, --json          one JSON object (status, seq show, limits, drain,\n"
-		"                      metrics) or array (clients, seqs, profiles) on stdout\n"
+		"                      metrics) or array (clients, seqs, profiles, shares) on\n"
+		"                      stdout\n"
 		"  -t, --timeout S     wait at most S seconds for each answer, and for a\n"
 		"                      drain to finish (default 60)\n"
 		"  -h, --help          this text\n"
@@ -911,7 +916,115 @@ static int cmd_metrics(void)
 	return 0;
 }
 
+/* ---- published prefixes ------------------------------------------------ */
+
+static const char *key_hex(const ProtobufCBinaryData *k, char *buf)
+{
+	for (size_t i = 0; i < k->len && i < KVD_CTL_CONTENT_KEY; i++)
+		snprintf(buf + 2 * i, 3, "%02x", k->data[i]);
+	return buf;
+}
+
+static int cmd_shares(void)
+{
+	uint64_t after = 0, next;
+	char hex[2 * KVD_CTL_CONTENT_KEY + 1] = "";
+
+	if (json)
+		jarr_open(NULL);
+	else
+		printf("%-32s %-10s %-8s %10s %10s %10s %8s %9s %s\n", "KEY", "UID", "PROFILE",
+		       "TOKENS", "BYTES", "FREEABLE", "ATTACHES", "IDLE_S", "STATE");
+	do {
+		Kvd__Request rq = KVD__REQUEST__INIT;
+		Kvd__SharesReq sr = KVD__SHARES_REQ__INIT;
+		Kvd__Response *r;
+
+		sr.after = after;
+		rq.body_case = KVD__REQUEST__BODY_SHARES;
+		rq.shares = &sr;
+		r = call_expect(&rq, KVD__RESPONSE__BODY_SHARE_LIST);
+		for (size_t i = 0; i < r->share_list->n_shares; i++) {
+			const Kvd__ShareInfo *x = r->share_list->shares[i];
+
+			key_hex(&x->key, hex);
+			if (json) {
+				jobj_open(NULL);
+				js("key", hex);
+				ju("seq", x->seq);
+				ju("uid", x->uid);
+				ju("ns", x->ns);
+				ju("profile_id", x->profile_id);
+				ju("tokens", x->tokens);
+				ju("bytes", x->bytes);
+				ju("freeable_bytes", x->freeable_bytes);
+				ju("attaches", x->attaches);
+				ju("idle_ms", x->idle_ms);
+				js("state", state_name(x->state));
+				jobj_close();
+			} else {
+				printf("%-32s %-10u %-8u %10" PRIu64 " %10s %10s %8" PRIu64 " %9.1f %s\n",
+				       hex, x->uid, x->profile_id, x->tokens, H(x->bytes),
+				       H(x->freeable_bytes), x->attaches, (double)x->idle_ms / 1000,
+				       state_name(x->state));
+			}
+		}
+		next = r->share_list->next;
+		kvd_ctl_free_response(r);
+		page_check(after, next);
+		after = next;
+	} while (after);
+	if (json) {
+		jarr_close();
+		putchar('\n');
+	}
+	return 0;
+}
+
+static int cmd_share_drop(const uint8_t *key, const char *hex)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ShareDrop sd = KVD__SHARE_DROP__INIT;
+	Kvd__Response *r;
+
+	sd.key.data = (uint8_t *)key;
+	sd.key.len = KVD_CTL_CONTENT_KEY;
+	rq.body_case = KVD__REQUEST__BODY_SHARE_DROP;
+	rq.share_drop = &sd;
+	r = call_expect(&rq, KVD__RESPONSE__BODY_OK);
+	kvd_ctl_free_response(r);
+	if (json) {
+		jobj_open(NULL);
+		js("key", hex);
+		js("done", "drop");
+		jobj_close();
+		putchar('\n');
+	} else {
+		printf("prefix %s: dropped\n", hex);
+	}
+	return 0;
+}
+
 /* ---- main -------------------------------------------------------------- */
+
+/* 32 hex digits -> a content key. */
+static void parse_key(const char *s, uint8_t *key)
+{
+	if (!s)
+		usage_error("%s: missing KEY", cmd_name);
+	for (int i = 0; i < 2 * KVD_CTL_CONTENT_KEY; i++) {
+		int c = s[i], v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 :
+				  c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+
+		if (v < 0)
+			usage_error("%s: '%s' is not a key (%d hex digits)", cmd_name, s,
+				    2 * KVD_CTL_CONTENT_KEY);
+		key[i / 2] = (uint8_t)(i % 2 ? key[i / 2] | v : v << 4);
+	}
+	if (s[2 * KVD_CTL_CONTENT_KEY])
+		usage_error("%s: '%s' is not a key (%d hex digits)", cmd_name, s,
+			    2 * KVD_CTL_CONTENT_KEY);
+}
 
 static uint64_t parse_seq(const char *s)
 {
@@ -1024,9 +1137,23 @@ int main(int argc, char **argv)
 		connect_kvd();
 		return cmd_seq(op, seq);
 	}
+	if (!strcmp(cmd, "share")) {
+		uint8_t key[KVD_CTL_CONTENT_KEY];
+
+		if (nargs < 1 || strcmp(argv[optind + 1], "drop"))
+			usage_error("share: drop, then a KEY");
+		cmd_name = "share drop";
+		if (nargs > 2)
+			usage_error("%s: one KEY, not %d arguments", cmd_name, nargs - 1);
+		parse_key(nargs > 1 ? argv[optind + 2] : NULL, key);
+		snprintf(cmd_buf, sizeof cmd_buf, "share drop %s", argv[optind + 2]);
+		cmd_name = cmd_buf;
+		connect_kvd();
+		return cmd_share_drop(key, argv[optind + 2]);
+	}
 	if (strcmp(cmd, "status") && strcmp(cmd, "clients") && strcmp(cmd, "seqs") &&
 	    strcmp(cmd, "profiles") && strcmp(cmd, "limits") && strcmp(cmd, "drain") &&
-	    strcmp(cmd, "metrics"))
+	    strcmp(cmd, "metrics") && strcmp(cmd, "shares"))
 		usage_error("unknown command '%s'", cmd);
 	if (nargs)
 		usage_error("%s takes no arguments ('%s')", cmd, argv[optind + 1]);
@@ -1046,6 +1173,8 @@ int main(int argc, char **argv)
 			return cmd_limits();
 		if (!strcmp(cmd, "metrics"))
 			return cmd_metrics();
+		if (!strcmp(cmd, "shares"))
+			return cmd_shares();
 		return cmd_drain(!no_wait);
 	}
 }
