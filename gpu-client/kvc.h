@@ -217,8 +217,9 @@ int kvc_seq_layer(const struct kvc_seq *s, uint32_t layer, uint64_t *start, uint
  * layer prefilled and of the same length, a whole number of chunks.  kvd
  * keeps a copy-on-write snapshot (sharing its sealed segments) and a copy of
  * the rows kept here; s goes on unchanged.  Publishing a key twice keeps
- * the first.  kvd may drop the uid's least recently used prefixes to make
- * room for a new one. */
+ * the first.  Published prefixes are a cache: kvd drops the least recently
+ * used ones when memory is short (a sequence attached from one keeps its
+ * rows; the next attach of it is a miss). */
 int kvc_seq_publish(struct kvc *c, struct kvc_seq *s, const uint8_t *key);
 /* A new sequence holding the longest published prefix named by keys[0..nkeys)
  * (kvc_content_keys of the prompt); *tokens its length, 0 when nothing was
