@@ -240,16 +240,24 @@ static int may_go(const struct pub *x, uint32_t uid, int any, int pass)
 static uint64_t reclaim(void *arg, uint32_t uid, int any, uint64_t need)
 {
 	struct kvd_share *sh = arg;
-	uint64_t most = 0, before, now;
+	struct kvd_seqn **all;
+	uint64_t most, before, now;
+	size_t k = 0;
 	unsigned n = 0;
 
-	/* An upper bound of what could come back (shared segments counted,
-	 * and the bookkeeping twice): a request that cannot fit even then
-	 * empties nobody's cache for nothing. */
-	for (const struct pub *x = sh->lru_tail; x && most < need; x = x->lru_prev)
+	/* What all of them could give back, segments that attached sequences
+	 * hold not counted: a request that cannot fit even then empties
+	 * nobody's cache for nothing. */
+	for (const struct pub *x = sh->lru_tail; x; x = x->lru_prev)
+		k += may_go(x, uid, any, 0) || may_go(x, uid, any, 1);
+	if (!k || !(all = malloc(k * sizeof *all)))
+		return 0;
+	k = 0;
+	for (const struct pub *x = sh->lru_tail; x; x = x->lru_prev)
 		if (may_go(x, uid, any, 0) || may_go(x, uid, any, 1))
-			most += kvd_store_seq_bytes(x->snap) + kvd_store_local_bytes(x->snap) +
-				kvd_store_fork_bytes(x->snap) + 1024;
+			all[k++] = x->snap;
+	most = kvd_store_freeable_set(all, k);
+	free(all);
 	if (most < need)
 		return 0;
 	now = before = mem_now(sh, uid, any);

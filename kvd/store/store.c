@@ -1433,6 +1433,87 @@ int kvd_store_seq_pinned(const struct kvd_seqn *q)
 	return q->pins != 0;
 }
 
+/* A set of pointers, each with a count (kvd_store_freeable_set). */
+struct ptr_count {
+	const void *p;
+	uint32_t n;
+};
+
+static void pc_add(struct ptr_count *t, size_t mask, const void *p)
+{
+	size_t i = (size_t)kvd_mix64((uint64_t)(uintptr_t)p) & mask;
+
+	while (t[i].p && t[i].p != p)
+		i = (i + 1) & mask;
+	t[i].p = p;
+	t[i].n++;
+}
+
+uint64_t kvd_store_freeable_set(struct kvd_seqn *const *qs, size_t n)
+{
+	uint64_t got = 0, upper = 0;
+	size_t held = 0, cap = 16;
+	struct ptr_count *t;
+
+	for (size_t k = 0; k < n; k++) {
+		const struct kvd_seqn *q = qs[k];
+
+		upper += q->bytes + q->fixed + (q->loc ? q->loc->bytes : 0);
+		held += 1;
+		for (uint32_t i = 0; i < q->p->layers; i++)
+			held += q->ly[i].nseg;
+	}
+	while (cap < 2 * held)
+		cap *= 2;
+	/* Without the room to count, the upper bound: nothing is dropped
+	 * that could have made the room. */
+	if (!(t = calloc(cap, sizeof *t)))
+		return upper;
+	for (size_t k = 0; k < n; k++) {
+		const struct kvd_seqn *q = qs[k];
+		uint64_t own = q->bytes + q->fixed;
+
+		for (uint32_t i = 0; i < q->p->layers; i++) {
+			for (uint32_t j = 0; j < q->ly[i].nseg; j++) {
+				own -= q->ly[i].seg[j]->bytes;
+				pc_add(t, cap - 1, q->ly[i].seg[j]);
+			}
+		}
+		got += own;
+		if (q->loc)
+			pc_add(t, cap - 1, q->loc);
+	}
+	/* A segment or a blob of client rows goes when every holder is in
+	 * the set.  A segment's refs and a blob's are both its holders. */
+	for (size_t k = 0; k < n; k++) {
+		const struct kvd_seqn *q = qs[k];
+
+		for (uint32_t i = 0; i < q->p->layers; i++) {
+			for (uint32_t j = 0; j < q->ly[i].nseg; j++) {
+				const struct kvd_seg *sg = q->ly[i].seg[j];
+				size_t x = (size_t)kvd_mix64((uint64_t)(uintptr_t)sg) & (cap - 1);
+
+				while (t[x].p != sg)
+					x = (x + 1) & (cap - 1);
+				if (t[x].n == sg->refs)
+					got += sg->bytes;
+				t[x].n = 0;     /* counted once */
+			}
+		}
+		if (q->loc) {
+			size_t x = (size_t)kvd_mix64((uint64_t)(uintptr_t)q->loc) & (cap - 1);
+
+			while (t[x].p != q->loc)
+				x = (x + 1) & (cap - 1);
+			if (t[x].n == q->loc->refs)
+				got += q->loc->bytes;
+			t[x].n = 0;
+		}
+	}
+	free(t);
+	return got;
+}
+
 uint64_t kvd_store_seq_gen(const struct kvd_seqn *q)
 {
 	return q->gen;

@@ -258,6 +258,10 @@ size_t kvd_store_seq_bytes(const struct kvd_seqn *q);
 /* What dropping q would give back now: its bytes less the segments another
  * sequence also holds. */
 size_t kvd_store_seq_freeable(const struct kvd_seqn *q);
+/* What freeing all of qs[0..n) (distinct sequences) at once would give back
+ * now, bookkeeping included: segments and client rows count when every one
+ * of their holders is in the set.  Without memory to count: an upper bound. */
+uint64_t kvd_store_freeable_set(struct kvd_seqn *const *qs, size_t n);
 uint64_t kvd_store_seq_gen(const struct kvd_seqn *q);
 enum kvd_seq_state kvd_store_seq_state(const struct kvd_seqn *q);
 uint32_t kvd_store_seq_ready_layers(const struct kvd_seqn *q);

@@ -959,7 +959,18 @@ static void test_fork(void **state)
 	/* a fork of the fork; then the original goes first */
 	assert_int_equal(kvd_store_seq_fork(s, f, 9, "9:t", 3, &g, msg, sizeof msg), 0);
 	assert_int_equal(kvd_store_view(g, 1).seg[0]->refs, 3);
-	kvd_store_seq_free(s, q);
+	/* what freeing a set gives back: all three, everything but the
+	 * profile; q alone, exactly what its free then gives back (the
+	 * segments f and g hold stay) */
+	{
+		struct kvd_seqn *all[3] = { q, f, g };
+		uint64_t fq = kvd_store_freeable_set(all, 1), m = mem_total(l);
+
+		assert_int_equal(kvd_store_freeable_set(all, 3), m - kvd_store_profile_bytes(p));
+		assert_true(kvd_store_freeable_set(all + 1, 2) < kvd_store_freeable_set(all, 3) - fq);
+		kvd_store_seq_free(s, q);
+		assert_int_equal(m - mem_total(l), fq);
+	}
 	/* the segments q made stay charged while f and g hold them */
 	assert_int_equal(store_total(s), mem_total(l));
 	b = kvd_store_view(f, 0);
