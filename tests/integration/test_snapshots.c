@@ -43,7 +43,7 @@
 #define CHUNK   256             /* the profile's default: seal_tokens 256 */
 #define P_TOK   1024            /* a prefix: 4 chunks, about 2.2 MiB in kvd */
 #define MEM_MB  32              /* --mem-limit */
-#define N_PUB   24              /* the attacker's prefixes: about 50 MiB of them */
+#define N_PUB   20              /* the attacker's prefixes: about 44 MiB of them */
 #define UID_B   65534
 
 static const struct kvc_model model = {
