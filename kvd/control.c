@@ -638,8 +638,9 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
  * sees every uid; anyone else only its own uid, every tenant of it.  What a
  * caller may not see does not exist for it: the same -ENOENT as a missing
  * id, an empty page for a uid it may not list.  Listings page in ascending
- * id order, at most KVD_CTL_LIST_MAX rows a reply; each is one pass over
- * the table under the state lock (a sort of what is above the cursor). */
+ * id order, at most KVD_CTL_LIST_MAX rows a reply.  Clients and profiles
+ * are bounded tables, one pass each; a SeqList page looks at a bounded
+ * part of the sequences (SEQ_LIST_VISIT), as many as there may be. */
 
 static int may_see(const struct client *c, uint32_t uid)
 {
@@ -662,14 +663,6 @@ static uint32_t page_limit(uint32_t limit)
 static int by_client_id(const void *a, const void *b)
 {
 	uint64_t x = (*(const struct client *const *)a)->id, y = (*(const struct client *const *)b)->id;
-
-	return x < y ? -1 : x > y;
-}
-
-static int by_seq_id(const void *a, const void *b)
-{
-	uint64_t x = kvd_store_seq_id(*(struct kvd_seqn *const *)a);
-	uint64_t y = kvd_store_seq_id(*(struct kvd_seqn *const *)b);
 
 	return x < y ? -1 : x > y;
 }
@@ -796,76 +789,54 @@ static void seq_info(struct kvd_server *s, struct kvd_seqn *q, Kvd__SeqInfo *m)
 	m->durable = durable;
 }
 
-struct seq_pick {
+/* A page of SeqList looks at about this many sequences, whatever the table
+ * holds (its walk is under the state lock); a page may then hold fewer rows
+ * than asked, none even, with `next` to go on from. */
+#define SEQ_LIST_VISIT 4096u
+
+struct seq_page {
 	const struct client *c;
 	const Kvd__SeqListReq *m;
 	struct kvd_seqn **sel;
-	uint32_t n, cap, total;
+	uint32_t n, lim, total;
 };
 
-/* sel is a max-heap by id of the cap smallest ids past `after`: a page
- * costs one walk and O(log cap) per sequence, not a sort of all of them
- * (the loop holds the state lock meanwhile). */
-static void heap_down(struct kvd_seqn **h, uint32_t n, uint32_t i)
+static int seq_visible(const struct seq_page *p, struct kvd_seqn *q)
 {
-	for (;;) {
-		uint32_t l = 2 * i + 1, r = l + 1, m = i;
+	uint32_t uid = kvd_store_seq_uid(q);
 
-		if (l < n && kvd_store_seq_id(h[l]) > kvd_store_seq_id(h[m]))
-			m = l;
-		if (r < n && kvd_store_seq_id(h[r]) > kvd_store_seq_id(h[m]))
-			m = r;
-		if (m == i)
-			return;
-		struct kvd_seqn *t = h[i];
-
-		h[i] = h[m];
-		h[m] = t;
-		i = m;
-	}
+	return kvd_store_seq_tenant(q)[0] && !kvd_store_seq_hidden(q) && may_see(p->c, uid) &&
+	       (!p->m->filter_uid || uid == p->m->uid);
 }
 
-static void pick_seq(void *arg, struct kvd_seqn *q)
+static int take_seq(void *arg, struct kvd_seqn *q)
 {
-	struct seq_pick *p = arg;
-	uint32_t uid = kvd_store_seq_uid(q);
-	uint64_t qid = kvd_store_seq_id(q);
+	struct seq_page *p = arg;
 
-	if (!kvd_store_seq_tenant(q)[0] || kvd_store_seq_hidden(q) || !may_see(p->c, uid) ||
-	    (p->m->filter_uid && uid != p->m->uid))
-		return;
-	p->total++;
-	if (qid <= p->m->after)
-		return;
-	if (p->n < p->cap) {
-		uint32_t i = p->n++;
+	if (seq_visible(p, q))
+		p->sel[p->n++] = q;
+	return p->n == p->lim;
+}
 
-		p->sel[i] = q;
-		while (i && kvd_store_seq_id(p->sel[(i - 1) / 2]) < kvd_store_seq_id(p->sel[i])) {
-			struct kvd_seqn *t = p->sel[i];
+static void count_seq(void *arg, struct kvd_seqn *q)
+{
+	struct seq_page *p = arg;
 
-			p->sel[i] = p->sel[(i - 1) / 2];
-			p->sel[(i - 1) / 2] = t;
-			i = (i - 1) / 2;
-		}
-	} else if (qid < kvd_store_seq_id(p->sel[0])) {
-		p->sel[0] = q;
-		heap_down(p->sel, p->n, 0);
-	}
+	p->total += seq_visible(p, q);
 }
 
 static int do_seq_list(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__SeqListReq *m)
 {
 	uint32_t lim = page_limit(m->limit);
-	struct seq_pick p = { .c = c, .m = m };
+	struct seq_page p = { .c = c, .m = m, .lim = lim };
 	Kvd__SeqList sl = KVD__SEQ_LIST__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
+	struct kvd_store_stats st;
 	Kvd__SeqInfo *row;
 	Kvd__SeqInfo **ptr;
 	int rc;
 
-	p.cap = lim + 1;                        /* one more: is there a next page */
-	p.sel = calloc(p.cap, sizeof *p.sel);
+	p.sel = calloc(lim, sizeof *p.sel);
 	row = calloc(lim, sizeof *row);
 	ptr = calloc(lim, sizeof *ptr);
 	if (!p.sel || !row || !ptr) {
@@ -874,10 +845,11 @@ static int do_seq_list(struct kvd_server *s, struct client *c, uint64_t id, cons
 		free(ptr);
 		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
 	}
-	kvd_store_each(s->store, pick_seq, &p);
-	qsort(p.sel, p.n, sizeof *p.sel, by_seq_id);
-	sl.next = p.n > lim ? kvd_store_seq_id(p.sel[lim - 1]) : 0;
-	p.n = p.n > lim ? lim : p.n;
+	sl.next = kvd_store_each_after(s->store, m->after, SEQ_LIST_VISIT, take_seq, &p);
+	/* Counted only while a count costs no more than a page. */
+	kvd_store_stats(s->store, &st);
+	if (st.sequences <= SEQ_LIST_VISIT)
+		kvd_store_each(s->store, count_seq, &p);
 	for (uint32_t i = 0; i < p.n; i++) {
 		seq_info(s, p.sel[i], &row[i]);
 		ptr[i] = &row[i];

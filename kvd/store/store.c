@@ -13,7 +13,8 @@
 #include "rng.h"
 #include "store_int.h"
 
-#define SEQ_BUCKETS 4096        /* chains stay short for thousands of sequences */
+#define SEQ_BUCKET_BITS 12
+#define SEQ_BUCKETS (1u << SEQ_BUCKET_BITS)     /* chains stay short for thousands of sequences */
 #define PROF_BUCKETS 1024
 #define MAX_PROFILES 256        /* old API without limits: the cap it always had */
 
@@ -591,9 +592,13 @@ const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const c
 
 /* ---- sequences --------------------------------------------------------- */
 
+/* The top bits: ids are already mix64 of a counter and a secret key
+ * (kvd_store_seq_create_uid), uniform and not a client's choice, and a
+ * bucket is then a range of ids, so listings page in id order bucket by
+ * bucket (kvd_store_each_after). */
 static uint32_t bucket_of(uint64_t id)
 {
-	return (uint32_t)(kvd_mix64(id) & (SEQ_BUCKETS - 1));
+	return (uint32_t)(id >> (64 - SEQ_BUCKET_BITS));
 }
 
 static struct kvd_seqn *seq_find(struct kvd_store *s, uint64_t id)
@@ -728,6 +733,62 @@ void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *
 			fn(arg, q);
 		}
 	}
+}
+
+static int by_id(const void *a, const void *b)
+{
+	uint64_t x = (*(struct kvd_seqn *const *)a)->id, y = (*(struct kvd_seqn *const *)b)->id;
+
+	return x < y ? -1 : x > y;
+}
+
+uint64_t kvd_store_each_after(struct kvd_store *s, uint64_t after, uint32_t budget,
+			      int (*fn)(void *arg, struct kvd_seqn *q), void *arg)
+{
+	struct kvd_seqn *stack[64], **v = stack;
+	uint32_t cap = 64, seen = 0;
+	uint64_t next = 0;
+
+	for (uint32_t b = bucket_of(after); b < SEQ_BUCKETS; b++) {
+		uint32_t n = 0;
+
+		for (struct kvd_seqn *q = s->bucket[b]; q; q = q->next) {
+			seen++;
+			if (q->id <= after)
+				continue;
+			if (n == cap) {
+				struct kvd_seqn **w = malloc(2 * cap * sizeof *w);
+
+				if (!w) {
+					/* out of memory: the same page again next time */
+					next = after;
+					goto out;
+				}
+				memcpy(w, v, n * sizeof *v);
+				if (v != stack)
+					free(v);
+				v = w;
+				cap *= 2;
+			}
+			v[n++] = q;
+		}
+		qsort(v, n, sizeof *v, by_id);
+		for (uint32_t i = 0; i < n; i++)
+			if (fn(arg, v[i])) {
+				next = v[i]->id;
+				goto out;
+			}
+		/* the last id of bucket b's range: past `after`, or the page
+		 * would not move */
+		next = ((uint64_t)(b + 1) << (64 - SEQ_BUCKET_BITS)) - 1;
+		if (seen >= budget && b + 1 < SEQ_BUCKETS && next > after)
+			goto out;
+		next = 0;
+	}
+out:
+	if (v != stack)
+		free(v);
+	return next;
 }
 
 void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q)

@@ -189,6 +189,15 @@ struct kvd_seqn *kvd_store_seq_get(struct kvd_store *s, uint64_t id, const char 
 void kvd_store_seq_free(struct kvd_store *s, struct kvd_seqn *q);
 /* Calls fn on every sequence; fn may free the one it is given. */
 void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
+/* A bounded walk for listings: fn on the sequences with ids above `after`
+ * in ascending id order, until fn returns nonzero or about `budget`
+ * sequences were looked at (whole hash buckets, each a range of ids).
+ * Returns the id to go on after: the one fn stopped at, the end of the
+ * last range looked at when the budget ran out (no sequence's id, possibly),
+ * or 0 when every sequence above `after` was seen.  fn must not create or
+ * free sequences. */
+uint64_t kvd_store_each_after(struct kvd_store *s, uint64_t after, uint32_t budget,
+			      int (*fn)(void *arg, struct kvd_seqn *q), void *arg);
 /* Any tenant's sequence (admin requests): NULL unless it exists, is not
  * being freed and is not a published snapshot (kvd/store/share.h owns
  * those). */
