@@ -209,8 +209,6 @@ static int send_profile(struct client *c, uint64_t id, const struct kvd_profile 
 	return rc;
 }
 
-#define W_UNLOCKED_BYTES (1u << 20)
-
 /* The connection takes one reference on each profile it created or opened,
  * dropped when it goes (kvd_control_release): a profile lives while a
  * client or a sequence uses it. */
@@ -275,13 +273,14 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 	for (size_t i = 0; i < m->n_dense_layers; i++)
 		dense[m->dense_layers[i]] = 1;
 	want.dense = dense;
-	/* W of a new profile is made without the state lock: up to 16 MiB of
-	 * Gaussians (130 ms on one core) would otherwise hold every client's
-	 * decode.  Counted first, like everything a client makes kvd hold. */
+	/* W of a new profile is made without the state lock, whatever its
+	 * size: up to 16 MiB of Gaussians (130 ms on one core), and a few
+	 * hundred KiB pipelined from several connections add up as much.
+	 * Counted first, like everything a client makes kvd hold. */
 	size_t wbytes = rc ? 0 : (size_t)want.g.d * want.g.K * want.g.L * sizeof(float);
 	int wcharged = 0;
 
-	if (!rc && wbytes >= W_UNLOCKED_BYTES && !kvd_store_profile_find(s->store, c->ns, want.name)) {
+	if (!rc && wbytes && !kvd_store_profile_find(s->store, c->ns, want.name)) {
 		rc = kvd_limits_charge(s->limits, c->uid, KVD_RES_MEMORY, wbytes, msg, sizeof msg);
 		wcharged = !rc;
 		if (!rc && !(want.W = malloc(wbytes)))
@@ -374,6 +373,7 @@ static int do_seq_create(struct kvd_server *s, struct client *c, uint64_t id, co
 	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
 
+	c->owns = 1;
 	sr.seq = kvd_store_seq_id(q);
 	if (attached) {
 		if (!(local = malloc(p->layers * sizeof *local))) {
@@ -460,6 +460,7 @@ static int do_seq_open(struct kvd_server *s, struct client *c, uint64_t id, uint
 	if (kvd_store_seq_claim(q, c->id))
 		return kvd_ctl_send_error(c->fd, id, -EBUSY, "sequence %llu belongs to another client",
 					  (unsigned long long)seq);
+	c->owns = 1;
 	sr.seq = kvd_store_seq_id(q);
 	sr.profile_id = kvd_store_seq_profile(q)->id;
 	kvd_store_seq_stats(q, &sr.tokens, &segs);
@@ -514,7 +515,8 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	for (const struct share *sh = ur->shares; sh; sh = sh->next)
 		if (sh->uid == uid)
 			m->exec_ns = sh->busy_ns, m->control_ns = sh->ctl_ns,
-			m->control_paused = sh->ctl_paused;
+			m->control_paused = sh->ctl_paused, m->accepts = sh->accepts,
+			m->conn_refused = sh->conn_refused;
 	ur->ptr[ur->n++] = m;
 }
 
@@ -1313,10 +1315,19 @@ void kvd_control_event(struct kvd_server *s, struct client *c)
 	 * receipt to its reply; past the budget the socket waits. */
 	for (int burst = 0; burst < CTL_BURST && kvd_control_admit(s, c);
 	     burst++, kvd_control_spent(s, c, (t1 = kvd_now_ns()) - t0), t0 = t1) {
-		int fds[4], nfds = 4;
-		int n = kvd_ctl_recv(c->fd, s->rxbuf, KVD_CTL_REQ_MAX, fds, &nfds);
+		int fds[4], nfds = 4, n;
 		struct kvd_ctl_err err;
 		Kvd__Request *rq;
+
+		/* Bounded in time too: past its hold, the loop lets the
+		 * executor run a pass between two requests (not charged). */
+		if (burst) {
+			kvd_loop_breathe(s);
+			t0 = kvd_now_ns();
+			if (c->dead)
+				return;
+		}
+		n = kvd_ctl_recv(c->fd, s->rxbuf, KVD_CTL_REQ_MAX, fds, &nfds);
 
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);          /* clients have no business sending fds */

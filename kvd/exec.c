@@ -730,6 +730,16 @@ static void yield_to_loop(struct kvd_server *s)
 		pthread_cond_wait(&s->handoff, &s->mu);
 }
 
+/* A pass done (work or none): a loop breathing (kvd_loop_breathe) waits
+ * for exactly this. */
+static int passed(struct kvd_server *s, int worked)
+{
+	s->exec_passes++;
+	if (s->loop_parked)
+		pthread_cond_broadcast(&s->handoff);
+	return worked;
+}
+
 static void set_sleeping(struct kvd_server *s, int on)
 {
 	for (struct client *c = s->clients; c; c = c->next)
@@ -753,7 +763,7 @@ static void *exec_main(void *arg)
 				DRAIN_SECONDS);
 			break;
 		}
-		if (exec_pass(s)) {
+		if (passed(s, exec_pass(s))) {
 			idle_since = kvd_now_ns();
 			yield_to_loop(s);
 			continue;
@@ -773,7 +783,7 @@ static void *exec_main(void *arg)
 		 * caught by this second look (see shm_ring_set_sleeping); one
 		 * that commits after it kicks its eventfd and the loop wakes us. */
 		set_sleeping(s, 1);
-		if (!exec_pass(s) && !s->exec_stop) {
+		if (!passed(s, exec_pass(s)) && !s->exec_stop) {
 			struct epoll_event ev[16];
 			uint64_t x;
 

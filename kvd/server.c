@@ -70,6 +70,7 @@ void kvd_state_lock(struct kvd_server *s)
 	atomic_fetch_add_explicit(&s->loop_wants, 1, memory_order_release);
 	pthread_mutex_lock(&s->mu);
 	atomic_fetch_sub_explicit(&s->loop_wants, 1, memory_order_relaxed);
+	s->hold_t0 = kvd_now_ns();
 }
 
 void kvd_state_unlock(struct kvd_server *s)
@@ -77,6 +78,32 @@ void kvd_state_unlock(struct kvd_server *s)
 	s->loop_turns++;
 	pthread_cond_broadcast(&s->handoff);
 	pthread_mutex_unlock(&s->mu);
+}
+
+void kvd_loop_breathe(struct kvd_server *s)
+{
+	uint64_t now = kvd_now_ns(), p0 = s->exec_passes, until;
+	struct timespec ts;
+
+	if (now - s->hold_t0 < KVD_LOOP_HOLD_NS)
+		return;
+	/* A new turn releases an executor waiting in yield_to_loop(); counted
+	 * in loop_wants, we get the lock back after its next pass.  An idle
+	 * executor has nothing to run: a short wait lets one just woken in. */
+	until = now + (atomic_load_explicit(&s->exec_idle, memory_order_relaxed) ? 100000
+										: KVD_LOOP_WAIT_NS);
+	ts.tv_sec = (time_t)(until / 1000000000u);
+	ts.tv_nsec = (long)(until % 1000000000u);
+	s->loop_turns++;
+	s->loop_parked = 1;
+	atomic_fetch_add_explicit(&s->loop_wants, 1, memory_order_release);
+	pthread_cond_broadcast(&s->handoff);
+	while (s->exec_passes == p0 && !s->exec_stop &&
+	       pthread_cond_timedwait(&s->handoff, &s->mu, &ts) != ETIMEDOUT) {
+	}
+	atomic_fetch_sub_explicit(&s->loop_wants, 1, memory_order_relaxed);
+	s->loop_parked = 0;
+	s->hold_t0 = kvd_now_ns();
 }
 
 /* ---- clients ----------------------------------------------------------- */
@@ -115,10 +142,40 @@ static struct share *share_get(struct kvd_server *s, uint32_t uid)
 		sh->ctl_at_ns = kvd_now_ns();
 		sh->next = s->shares;
 		s->shares = sh;
+	} else if (sh && !sh->refs) {
+		s->idle_shares--;
 	}
 	if (sh)
 		sh->refs++;
 	return sh;
+}
+
+/* The uid's share when it has one (no reference taken). */
+static struct share *share_find(struct kvd_server *s, uint32_t uid)
+{
+	struct share *sh;
+
+	for (sh = s->shares; sh && sh->uid != uid; sh = sh->next)
+		;
+	return sh;
+}
+
+static int ctl_refill(struct kvd_server *s, struct share *sh, uint64_t now);
+
+/* Whether a share without connections may go: nothing owed, nothing
+ * waiting to be logged. */
+static int share_spent(struct kvd_server *s, struct share *sh, uint64_t now)
+{
+	ctl_refill(s, sh, now);
+	return sh->ctl_budget_ns >= CTL_BURST_NS(s) && !sh->log_quiet;
+}
+
+static void share_free(struct kvd_server *s, struct share **pp)
+{
+	struct share *sh = *pp;
+
+	*pp = sh->next;
+	free(sh);
 }
 
 static void share_put(struct kvd_server *s, struct share *sh)
@@ -127,16 +184,76 @@ static void share_put(struct kvd_server *s, struct share *sh)
 
 	if (!sh || --sh->refs)
 		return;
+	if (!share_spent(s, sh, kvd_now_ns())) {
+		s->idle_shares++;
+		return;
+	}
 	while (*pp && *pp != sh)
 		pp = &(*pp)->next;
 	if (*pp)
-		*pp = sh->next;
-	free(sh);
+		share_free(s, pp);
+}
+
+/* Shares without connections go once their debt is paid and their count of
+ * lines not logged was reported. */
+static void shares_gc(struct kvd_server *s)
+{
+	uint64_t now = kvd_now_ns();
+
+	for (struct share **pp = &s->shares; *pp && s->idle_shares;) {
+		struct share *sh = *pp;
+
+		if (sh->refs) {
+			pp = &sh->next;
+			continue;
+		}
+		if (sh->log_quiet && now - sh->log_ns >= 1000000000u) {
+			kvd_log(LOG_NOTICE, "uid %u: %u more line(s) about its connections not logged",
+				sh->uid, sh->log_quiet);
+			sh->log_quiet = 0;
+		}
+		if (!share_spent(s, sh, now)) {
+			pp = &sh->next;
+			continue;
+		}
+		s->idle_shares--;
+		share_free(s, pp);
+	}
+}
+
+void kvd_log_uid(struct kvd_server *s, struct share *sh, int level, const char *fmt, ...)
+{
+	uint64_t now = kvd_now_ns();
+	char line[512];
+	va_list ap;
+
+	(void)s;
+	if (!sh || now - sh->log_ns >= 1000000000u) {
+		if (sh) {
+			sh->log_ns = now;
+			sh->log_lines = 0;
+		}
+	} else if (sh->log_lines >= KVD_UID_LOG_LINES) {
+		sh->log_quiet++;
+		return;
+	}
+	va_start(ap, fmt);
+	vsnprintf(line, sizeof line, fmt, ap);
+	va_end(ap);
+	if (sh && sh->log_quiet) {
+		kvd_log(level, "%s (and %u more about uid %u not logged)", line, sh->log_quiet, sh->uid);
+		sh->log_quiet = 0;
+	} else {
+		kvd_log(level, "%s", line);
+	}
+	if (sh)
+		sh->log_lines++;
 }
 
 static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 {
 	struct client **pp = &s->clients;
+	uint64_t t0 = kvd_now_ns();
 	unsigned nseq;
 
 	while (*pp && *pp != c)
@@ -144,17 +261,22 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	if (*pp)
 		*pp = c->next;
 	s->nclients--;
-	nseq = kvd_tier_free_owner(s->tier, c->id);
+	/* A walk of every sequence: only for a client that may own one. */
+	nseq = c->owns ? kvd_tier_free_owner(s->tier, c->id) : 0;
 	kvd_control_release(s, c);
 	kvd_limits_uncharge(s->limits, c->uid, KVD_RES_CONNECTIONS, 1);
-	kvd_log(LOG_INFO, "client %llu (%s, pid %d) gone: %s; released %u sequence(s), %zu bytes of shared memory",
-		(unsigned long long)c->id, c->name[0] ? c->name : "?", (int)c->pid, why, nseq,
-		c->map_size);
+	kvd_log_uid(s, c->share, c->hello ? LOG_INFO : LOG_DEBUG,
+		    "client %llu (%s, pid %d, uid %u) gone: %s; released %u sequence(s), %zu bytes of shared memory",
+		    (unsigned long long)c->id, c->name[0] ? c->name : "?", (int)c->pid,
+		    (unsigned)c->uid, why, nseq, c->map_size);
 	kvd_control_unmap(s, c);
 	epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
 	if (c->ctl_paused)
 		s->ctl_paused--;
+	/* Its going is the uid's control time too, as its coming was. */
+	if (c->share)
+		kvd_control_spent(s, c, kvd_now_ns() - t0);
 	share_put(s, c->share);
 	free(c->job.ids);
 	free(c);
@@ -234,7 +356,8 @@ void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why)
 	if (c->dead)
 		return;
 	s->disconnects++;
-	kvd_log(LOG_WARNING, "client %llu: %s: disconnecting", (unsigned long long)c->id, why);
+	kvd_log_uid(s, c->share, LOG_WARNING, "client %llu (uid %u): %s: disconnecting",
+		    (unsigned long long)c->id, (unsigned)c->uid, why);
 	c->dead = 1;
 	poke(s->sfd);
 }
@@ -310,15 +433,28 @@ static void refuse(struct kvd_server *s, int fd, int code, const char *why)
 	close(fd);
 }
 
+/* What one accepted connection costs its uid's control budget at least
+ * (its accept, set-up and drop measured, when more): churn is paid for, at
+ * most 1 s / KVD_CONN_COST_NS * control_cpu_per_uid connections a second. */
+#define KVD_CONN_COST_NS 200000u
+/* Connections taken per listener event: the backlog's rest comes next
+ * turn, after the other events. */
+#define ACCEPT_BURST 16
+
 static void accept_clients(struct kvd_server *s)
 {
-	while (!s->listen_paused) {
+	for (int burst = 0; burst < ACCEPT_BURST && !s->listen_paused; burst++) {
 		int fd = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		uint64_t t0 = kvd_now_ns(), t1;
 		struct ucred cred;
 		socklen_t len = sizeof cred;
 		struct client *c;
+		struct share *sh;
 		char msg[160];
 		int rc;
+
+		if (burst)
+			kvd_loop_breathe(s);
 
 		if (fd < 0) {
 			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
@@ -333,6 +469,20 @@ static void accept_clients(struct kvd_server *s)
 		}
 		if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len)) {
 			close(fd);
+			continue;
+		}
+		/* Out of control budget: refused before anything is made for
+		 * it, at the cost of the refusal, which the uid pays too. */
+		sh = share_find(s, cred.uid);
+		if (sh && !ctl_refill(s, sh, t0)) {
+			sh->conn_refused++;
+			kvd_log_uid(s, sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
+				    "past limits.control_cpu_per_uid (%u%% of a core)", (int)cred.pid,
+				    (unsigned)cred.uid, s->cfg->control_cpu_pct);
+			refuse(s, fd, -EAGAIN, "connections past limits.control_cpu_per_uid: try later");
+			t1 = kvd_now_ns();
+			sh->ctl_budget_ns -= (int64_t)(t1 - t0);
+			sh->ctl_ns += t1 - t0;
 			continue;
 		}
 		/* Counted before anything is allocated for it, per uid: a uid that
@@ -380,8 +530,11 @@ static void accept_clients(struct kvd_server *s)
 		c->next = s->clients;
 		s->clients = c;
 		s->nclients++;
-		kvd_log(LOG_DEBUG, "client %llu connected: pid %d uid %d", (unsigned long long)c->id,
-			(int)cred.pid, (int)cred.uid);
+		kvd_log_uid(s, c->share, LOG_DEBUG, "client %llu connected: pid %d uid %d",
+			    (unsigned long long)c->id, (int)cred.pid, (int)cred.uid);
+		t1 = kvd_now_ns() - t0;
+		c->share->accepts++;
+		kvd_control_spent(s, c, t1 > KVD_CONN_COST_NS ? t1 : KVD_CONN_COST_NS);
 	}
 }
 
@@ -512,6 +665,8 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 		if (!locked) {
 			kvd_state_lock(s);
 			locked = 1;
+		} else {
+			kvd_loop_breathe(s);
 		}
 		switch (tag->kind) {
 		case EV_LISTEN:
@@ -545,6 +700,8 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 	reap_dead(s);
 	if (s->ctl_paused)
 		ctl_resume(s);
+	if (s->idle_shares)
+		shares_gc(s);
 	/* Paused for EMFILE: try again now and then even if no client left
 	 * (descriptors also free when spill files close). */
 	if (s->listen_paused && kvd_now_ns() - s->emfile_logged_ns > 1000000000u) {
@@ -582,7 +739,7 @@ int kvd_server_run(struct kvd_server *s)
 		/* The executor polls the rings; the loop only waits for events.
 		 * A bounded wait: a second's wake-up costs nothing and re-checks
 		 * the signal flags and a paused listener. */
-		int n = epoll_wait(s->epfd, ev, 64, s->ctl_paused ? 5 : 1000);
+		int n = epoll_wait(s->epfd, ev, 64, s->ctl_paused ? 5 : s->idle_shares ? 100 : 1000);
 
 		handle_events(s, ev, n > 0 ? n : 0);
 	}
@@ -706,7 +863,15 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	if (!s->rxbuf)
 		goto fail;
 	pthread_mutex_init(&s->mu, NULL);
-	pthread_cond_init(&s->handoff, NULL);
+	{
+		pthread_condattr_t ca;
+
+		/* kvd_loop_breathe waits on it against kvd_now_ns(). */
+		pthread_condattr_init(&ca);
+		pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+		pthread_cond_init(&s->handoff, &ca);
+		pthread_condattr_destroy(&ca);
+	}
 	s->sync_init = 1;
 	if ((rc = kvd_exec_init(s)) || (rc = kvd_metrics_create(&s->metrics)))
 		goto fail;
@@ -907,6 +1072,8 @@ void kvd_server_destroy(struct kvd_server *s)
 	kvd_numa_fini(&s->numa);
 	free(s->rxbuf);
 	kvd_exec_free(s);
+	while (s->shares)
+		share_free(s, &s->shares);      /* kept for a debt after their last client */
 	kvd_limits_destroy(s->limits);
 	if (s->sync_init) {
 		pthread_mutex_destroy(&s->mu);

@@ -75,6 +75,13 @@ struct share {
 	uint64_t ctl_at_ns;             /* when the budget was last refilled */
 	uint64_t ctl_ns;                /* control time spent for the uid, in all */
 	uint64_t ctl_paused;            /* times one of its connections was paused */
+	/* Connections cost their uid control time too (accept, set-up, the
+	 * drop); a uid out of budget has new ones refused at accept.  Kept
+	 * while it owes time or has a log line pending, connections or not,
+	 * so closing them all does not wipe the debt. */
+	uint64_t accepts, conn_refused;
+	uint64_t log_ns;                /* start of its current one-second log window */
+	uint32_t log_lines, log_quiet;  /* lines logged in that window, lines not logged */
 	struct share *next;
 };
 
@@ -93,6 +100,7 @@ struct client {
 	int admin;                      /* root, kvd's uid or [server] admin_group: sees every uid */
 	int parked;                     /* its job waits for a restore or for room */
 	int ctl_paused;                 /* its uid's control budget ran out: fd not polled */
+	int owns;                       /* it created or opened a sequence: its drop looks for them */
 	int was_ready;
 	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
 	struct share *share;            /* its uid's */
@@ -159,6 +167,10 @@ struct kvd_server {
 	uint64_t vclock;                /* fair-share clock of the last unit started */
 	uint64_t uvclock;               /* the same between uids */
 	struct share *shares;
+	unsigned idle_shares;           /* shares without connections, kept for a debt or a log */
+	uint64_t hold_t0;               /* loop thread: when it took the lock (or last breathed) */
+	uint64_t exec_passes;           /* under mu: the executor's passes so far */
+	int loop_parked;                /* under mu: the loop waits for an executor pass */
 	unsigned ctl_paused;            /* connections paused for their uid's control budget */
 	struct kvd_exec_buf *xb;        /* the executor's unit buffers */
 };
@@ -187,6 +199,20 @@ struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t
 /* The loop's side of the state lock. */
 void kvd_state_lock(struct kvd_server *s);
 void kvd_state_unlock(struct kvd_server *s);
+/* The loop's turn is bounded in time, not only in count: once it has held
+ * the lock for KVD_LOOP_HOLD_NS, the executor gets one pass (the loop waits
+ * for it at most KVD_LOOP_WAIT_NS) before the loop goes on.  Called between
+ * requests, events and accepts; whatever the caller holds must stay valid
+ * without the lock (clients are freed only by the loop). */
+#define KVD_LOOP_HOLD_NS 1000000ull
+#define KVD_LOOP_WAIT_NS 2000000ull
+void kvd_loop_breathe(struct kvd_server *s);
+/* A line about uid's connections (refused, kicked, gone): at most
+ * KVD_UID_LOG_LINES a second per uid, the rest counted and reported with
+ * the next line logged, so one uid's churn cannot flood the log. */
+#define KVD_UID_LOG_LINES 5
+void kvd_log_uid(struct kvd_server *s, struct share *sh, int level, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
 
 /* control.c: reads and answers what c's control socket holds (under the
  * lock). */

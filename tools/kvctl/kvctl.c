@@ -444,6 +444,8 @@ static void uid_rows_json(const char *key, Kvd__UidUsage **u, size_t n)
 		ju("exec_ns", u[i]->exec_ns);
 		ju("control_ns", u[i]->control_ns);
 		ju("control_paused", u[i]->control_paused);
+		ju("accepts", u[i]->accepts);
+		ju("conn_refused", u[i]->conn_refused);
 		jobj_close();
 	}
 	jarr_close();
@@ -451,13 +453,14 @@ static void uid_rows_json(const char *key, Kvd__UidUsage **u, size_t n)
 
 static void uid_rows_text(Kvd__UidUsage **u, size_t n)
 {
-	printf("%-10s %6s %8s %8s %12s %12s %12s %10s %10s %8s\n", "UID", "CONNS", "SEQS",
-	       "PROFILES", "BYTES", "SPILL", "SHM", "EXEC_S", "CTL_S", "CTL_WAIT");
+	printf("%-10s %6s %8s %8s %12s %12s %12s %10s %10s %8s %8s\n", "UID", "CONNS", "SEQS",
+	       "PROFILES", "BYTES", "SPILL", "SHM", "EXEC_S", "CTL_S", "CTL_WAIT", "REFUSED");
 	for (size_t i = 0; i < n; i++)
-		printf("%-10u %6u %8u %8u %12s %12s %12s %10.3f %10.3f %8llu\n", u[i]->uid,
+		printf("%-10u %6u %8u %8u %12s %12s %12s %10.3f %10.3f %8llu %8llu\n", u[i]->uid,
 		       u[i]->connections, u[i]->sequences, u[i]->profiles, H(u[i]->bytes),
 		       H(u[i]->spill_bytes), H(u[i]->shm_bytes), (double)u[i]->exec_ns / 1e9,
-		       (double)u[i]->control_ns / 1e9, (unsigned long long)u[i]->control_paused);
+		       (double)u[i]->control_ns / 1e9, (unsigned long long)u[i]->control_paused,
+		       (unsigned long long)u[i]->conn_refused);
 }
 
 static int cmd_status(void)
