@@ -489,8 +489,14 @@ static void accept_clients(struct kvd_server *s)
 		 * opens connections and never says Hello runs into its own cap. */
 		rc = kvd_limits_charge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1, msg, sizeof msg);
 		if (rc) {
-			kvd_log_refusal("refusing a connection of pid %d (uid %u): %s", (int)cred.pid,
-					(unsigned)cred.uid, msg);
+			/* A uid at its own cap holds connections, so has a share:
+			 * its lines are its own.  At the global cap, one a second. */
+			if (sh)
+				kvd_log_uid(s, sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): %s",
+					    (int)cred.pid, (unsigned)cred.uid, msg);
+			else
+				kvd_log_refusal("refusing a connection of pid %d (uid %u): %s",
+						(int)cred.pid, (unsigned)cred.uid, msg);
 			refuse(s, fd, rc, msg);
 			continue;
 		}
