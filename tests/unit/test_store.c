@@ -374,6 +374,59 @@ static void test_per_uid_caps(void **state)
 	kvd_limits_destroy(l);
 }
 
+/* kvd_store_each_after: pages by a bounded walk return every sequence once,
+ * in ascending id order, from any cursor, and a page looks at about the
+ * budget (whole buckets), however many there are; ids adopted from disk
+ * land where their value says, a hundred of them in one bucket included. */
+struct walk {
+	uint64_t last;
+	uint32_t n, lim, taken;
+};
+
+static int walk_take(void *arg, struct kvd_seqn *q)
+{
+	struct walk *w = arg;
+
+	assert_true(kvd_store_seq_id(q) > w->last);
+	w->last = kvd_store_seq_id(q);
+	w->n++;
+	return ++w->taken == w->lim;
+}
+
+static void test_each_after(void **state)
+{
+	struct kvd_store *s = store(NULL);
+	struct kvd_profile a = profile("w", 1);
+	const struct kvd_profile *p;
+	struct kvd_seqn *q;
+	uint64_t after = 0;
+	uint32_t pages = 0;
+	struct walk w = { .lim = 300 };
+	char msg[200];
+	enum { N = 3000, SAME = 100 };
+
+	assert_int_equal(kvd_store_profile_ns(s, 1, 1, &a, &p, msg, sizeof msg), 0);
+	for (int i = 0; i < N; i++)
+		assert_int_equal(kvd_store_seq_create_uid(s, p, 1, "1:t", 1, &q, msg, sizeof msg), 0);
+	for (uint64_t i = 0; i < SAME; i++)     /* one bucket: the top 12 bits all ones */
+		assert_int_equal(kvd_store_seq_adopt(s, p, "1:t", ~0ull - 7 * i, 0, &q), 0);
+	do {
+		uint64_t next;
+
+		w.taken = 0;
+		next = kvd_store_each_after(s, after, 500, walk_take, &w);
+		assert_true(!next || next > after);
+		assert_true(next || w.n == N + SAME);
+		after = next;
+		pages++;
+	} while (after);
+	assert_int_equal(w.n, N + SAME);
+	/* a page stops at its limit or at about its budget of buckets */
+	assert_true(pages >= (N + SAME) / 300 && pages < (N + SAME) / 8);
+	kvd_store_profile_unref(s, p);
+	kvd_store_destroy(s);
+}
+
 /* Without limits everything works as before (old API included). */
 static void test_no_limits(void **state)
 {
@@ -1050,6 +1103,7 @@ int main(void)
 		cmocka_unit_test(test_profile_refs),
 		cmocka_unit_test(test_per_uid_caps),
 		cmocka_unit_test(test_no_limits),
+		cmocka_unit_test(test_each_after),
 		cmocka_unit_test(test_prefill_staging_seals),
 		cmocka_unit_test(test_append_tail_seals),
 		cmocka_unit_test(test_attend_ready),
