@@ -208,8 +208,8 @@ static void shares_gc(struct kvd_server *s)
 			continue;
 		}
 		if (sh->log_quiet && now - sh->log_ns >= 1000000000u) {
-			kvd_log(LOG_NOTICE, "uid %u: %u more line(s) about its connections not logged",
-				sh->uid, sh->log_quiet);
+			kvd_log(LOG_NOTICE, "uid %u: %u more line(s) about its connections "
+				"not logged", sh->uid, sh->log_quiet);
 			sh->log_quiet = 0;
 		}
 		if (!share_spent(s, sh, now)) {
@@ -241,7 +241,8 @@ void kvd_log_uid(struct kvd_server *s, struct share *sh, int level, const char *
 	vsnprintf(line, sizeof line, fmt, ap);
 	va_end(ap);
 	if (sh && sh->log_quiet) {
-		kvd_log(level, "%s (and %u more about uid %u not logged)", line, sh->log_quiet, sh->uid);
+		kvd_log(level, "%s (and %u more about uid %u not logged)", line, sh->log_quiet,
+			sh->uid);
 		sh->log_quiet = 0;
 	} else {
 		kvd_log(level, "%s", line);
@@ -479,7 +480,8 @@ static void accept_clients(struct kvd_server *s)
 			kvd_log_uid(s, sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
 				    "past limits.control_cpu_per_uid (%u%% of a core)", (int)cred.pid,
 				    (unsigned)cred.uid, s->cfg->control_cpu_pct);
-			refuse(s, fd, -EAGAIN, "connections past limits.control_cpu_per_uid: try later");
+			refuse(s, fd, -EAGAIN,
+			       "connections past limits.control_cpu_per_uid: try later");
 			t1 = kvd_now_ns();
 			sh->ctl_budget_ns -= (int64_t)(t1 - t0);
 			sh->ctl_ns += t1 - t0;
@@ -492,7 +494,8 @@ static void accept_clients(struct kvd_server *s)
 			/* A uid at its own cap holds connections, so has a share:
 			 * its lines are its own.  At the global cap, one a second. */
 			if (sh)
-				kvd_log_uid(s, sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): %s",
+				kvd_log_uid(s, sh, LOG_NOTICE,
+					    "refusing a connection of pid %d (uid %u): %s",
 					    (int)cred.pid, (unsigned)cred.uid, msg);
 			else
 				kvd_log_refusal("refusing a connection of pid %d (uid %u): %s",
@@ -744,8 +747,10 @@ int kvd_server_run(struct kvd_server *s)
 	while (!s->stopping) {
 		/* The executor polls the rings; the loop only waits for events.
 		 * A bounded wait: a second's wake-up costs nothing and re-checks
-		 * the signal flags and a paused listener. */
-		int n = epoll_wait(s->epfd, ev, 64, s->ctl_paused ? 5 : s->idle_shares ? 100 : 1000);
+		 * the signal flags and a paused listener; shares kept for a
+		 * debt are looked at ten times a second. */
+		int ms = s->ctl_paused ? 5 : s->idle_shares ? 100 : 1000;
+		int n = epoll_wait(s->epfd, ev, 64, ms);
 
 		handle_events(s, ev, n > 0 ? n : 0);
 	}

@@ -100,7 +100,7 @@ struct client {
 	int admin;                      /* root, kvd's uid or [server] admin_group: sees every uid */
 	int parked;                     /* its job waits for a restore or for room */
 	int ctl_paused;                 /* its uid's control budget ran out: fd not polled */
-	int owns;                       /* it created or opened a sequence: its drop looks for them */
+	int owns;                       /* created or opened a sequence: its drop looks */
 	int was_ready;
 	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
 	struct share *share;            /* its uid's */

@@ -33,7 +33,9 @@
 
 #define UID_H 65534             /* the hostile uid */
 #define LOAD_MS 1000            /* how long each load runs */
-#define VICTIM_MAX_MS 1000      /* a liveness bound, not a latency target: on a loaded 2-core box a quiet victim saw 510 ms */
+/* A victim ATTEND's bound: liveness, not a latency target (on a loaded
+ * 2-core box a quiet victim saw 510 ms); the figures are printed. */
+#define VICTIM_MAX_MS 1000
 
 static struct daemon D;
 static char cfg_path[160], log_path[160];
