@@ -34,8 +34,9 @@
 #define UID_H 65534             /* the hostile uid */
 #define LOAD_MS 1000            /* how long each load runs */
 /* A victim ATTEND's bound: liveness, not a latency target (on a loaded
- * 2-core box a quiet victim saw 510 ms); the figures are printed. */
-#define VICTIM_MAX_MS 1000
+ * 2-core box a quiet victim saw 510 ms, one under churn in the TSan build
+ * 738 ms); the figures are printed. */
+#define VICTIM_MAX_MS 3000
 
 static struct daemon D;
 static char cfg_path[160], log_path[160];
