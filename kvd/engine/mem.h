@@ -6,6 +6,10 @@
  * memory.  Pages are faulted in by whoever touches them first: prefaulting
  * here (MADV_POPULATE_WRITE, or a touch per page) runs on one thread and
  * measured slower than letting the pool's workers fault their own parts.
+ * A mapping is the size asked for in whole 4 KiB pages, and only its whole
+ * aligned 2 MiB ranges can become huge pages: what it holds resident is at
+ * most that size, the bytes its owner was charged (the last partial 2 MiB
+ * is small pages, a TLB miss per 4 KiB there, never a huge page more).
  * kvd_mem_free() needs the size given to kvd_mem_alloc(). */
 #ifndef KVD_MEM_H
 #define KVD_MEM_H
@@ -13,6 +17,7 @@
 #include <stddef.h>
 
 #define KVD_MEM_HUGE (2u << 20)
+#define KVD_MEM_PAGE 4096u
 
 void *kvd_mem_alloc(size_t bytes);
 
