@@ -37,6 +37,7 @@ struct kvd_store {
 	uint32_t next_pid;              /* last profile id handed out */
 	uint64_t prof_bytes;
 	uint64_t fixed;                 /* sequences' structs and layer arrays */
+	size_t seq_extra;               /* kvd_store_set_seq_extra: in every q->fixed */
 	uint64_t local_bytes;           /* kvd_local blobs, each once */
 	struct kvd_limits *lim;
 	kvd_store_room_fn room;         /* the tier's policy before the wall */
@@ -105,6 +106,14 @@ void kvd_store_set_reclaim(struct kvd_store *s, kvd_store_reclaim_fn fn, void *a
 uint64_t kvd_store_reclaim(struct kvd_store *s, uint32_t uid, int any, uint64_t need)
 {
 	return s->reclaim && need ? s->reclaim(s->reclaim_arg, uid, any, need) : 0;
+}
+
+int kvd_store_set_seq_extra(struct kvd_store *s, size_t bytes)
+{
+	if (s->nseq)
+		return -EBUSY;
+	s->seq_extra = bytes;
+	return 0;
 }
 
 /* ---- charges ------------------------------------------------------------ */
@@ -623,7 +632,8 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, uint32_t ui
 		   const char *tenant, uint64_t id, uint64_t owner, struct kvd_seqn **out,
 		   char *msg, size_t msglen)
 {
-	size_t fixed = sizeof(struct kvd_seqn) + (size_t)p->layers * sizeof(struct kvd_layer_state);
+	size_t fixed = sizeof(struct kvd_seqn) + (size_t)p->layers * sizeof(struct kvd_layer_state) +
+		       s->seq_extra;
 	struct kvd_seqn *q;
 	int rc;
 

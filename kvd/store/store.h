@@ -111,6 +111,12 @@ void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg);
 typedef uint64_t (*kvd_store_reclaim_fn)(void *arg, uint32_t uid, int any, uint64_t need);
 void kvd_store_set_reclaim(struct kvd_store *s, kvd_store_reclaim_fn fn, void *arg);
 uint64_t kvd_store_reclaim(struct kvd_store *s, uint32_t uid, int any, uint64_t need);
+/* Bytes a layer above keeps for every sequence (the tier's record), made
+ * part of each sequence's fixed bytes: charged with them at SeqCreate (a
+ * refusal there is the client's answer) and given back with them when the
+ * sequence is freed, so that the layer never charges them on its own.
+ * Before any sequence exists (-EBUSY otherwise).  kvd_tier_create sets it. */
+int kvd_store_set_seq_extra(struct kvd_store *s, size_t bytes);
 /* NUMA: sequences are spread over n nodes (the one with the fewest resident
  * bytes takes the next sequence); node i seals on pools[i] and allocates
  * with kvd_mem_alloc_node(mem[i]).  Before any sequence exists.  Without

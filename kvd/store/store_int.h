@@ -59,8 +59,9 @@ struct kvd_seqn {
 	size_t segb;                    /* the segments' part of bytes: each segment
 					 * is charged once, to its chg_uid, not to
 					 * every holder (kvd_store_seq_freeable) */
-	size_t fixed;                   /* the struct and its layer array: charged, and
-					 * kept when dropped, but not in bytes */
+	size_t fixed;                   /* the struct, its layer array and the tier's
+					 * record: charged, and kept when dropped, but
+					 * not in bytes */
 	uint64_t gen;                   /* bumped before and after every change to the
 					 * data: a state seen mid-change has a gen the
 					 * sequence no longer has once it is done */

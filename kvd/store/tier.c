@@ -151,15 +151,10 @@ static struct rec *rec_of(struct kvd_tier *t, struct kvd_seqn *q)
 {
 	struct rec *r = q->tier;
 
-	/* Charged without a check: one record a sequence, and sequences are
-	 * capped; refusing it would only turn into "out of memory". */
-	if (!r && lim(t) && kvd_limits_force(lim(t), q->uid, KVD_RES_MEMORY, sizeof *r))
+	/* Not charged here: the record is part of q's fixed bytes, charged
+	 * (and refusable) at SeqCreate (kvd_store_set_seq_extra). */
+	if (!r && !(r = calloc(1, sizeof *r)))
 		return NULL;
-	if (!r && !(r = calloc(1, sizeof *r))) {
-		if (lim(t))
-			kvd_limits_uncharge(lim(t), q->uid, KVD_RES_MEMORY, sizeof *r);
-		return NULL;
-	}
 	if (!r->q) {
 		r->q = q;
 		r->uid = q->uid;
@@ -203,8 +198,6 @@ static void rec_free(struct kvd_tier *t, struct rec *r)
 {
 	spill_unchg(t, r);
 	rem_unchg(t, r);
-	if (lim(t))
-		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, sizeof *r);
 	lru_del(t, r);
 	if (r->unl)
 		r->unl->r = NULL;
@@ -1190,7 +1183,8 @@ int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct
 	if (!t->cfg.poll_ns)
 		t->cfg.poll_ns = POLL_NS;
 	t->st = st;
-	if (cfg->spill && (rc = kvd_spill_create(&t->cfg.io, &t->sp))) {
+	if ((rc = kvd_store_set_seq_extra(st, sizeof(struct rec))) ||
+	    (cfg->spill && (rc = kvd_spill_create(&t->cfg.io, &t->sp)))) {
 		free(t);
 		return rc;
 	}
@@ -1217,8 +1211,6 @@ static void free_all(void *arg, struct kvd_seqn *q)
 	}
 	spill_unchg(t, r);
 	rem_unchg(t, r);
-	if (lim(t))
-		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, sizeof *r);
 	lru_del(t, r);
 	free(r->ext);
 	free(r);

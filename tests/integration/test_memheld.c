@@ -7,6 +7,10 @@
  *                             than the budget counts (a buffer's last
  *                             partial 2 MiB is not a huge page), and kvd's
  *                             RSS grows by at most 1.1x of it
+ *   test_tier_record_charged  the spill tier's record of a sequence is
+ *                             charged at SeqCreate: a PREFETCH of every
+ *                             sequence of a uid at its cap leaves its
+ *                             bytes, and used_bytes, within the caps
  *
  * Every test starts its own kvd from a config file and stops it at the end:
  * daemon_stop() returning 0 (a clean drain) is part of every test. */
@@ -124,6 +128,13 @@ static int rows(struct raw *x, const Kvd__Profile *p, uint64_t seq, uint8_t op, 
 
 	assert_true(len <= x->r.geo.slot_size);
 	memset(shm_slot(&x->r, 0), 0, len);
+	return raw_ring(x, &e);
+}
+
+static int prefetch(struct raw *x, uint64_t seq)
+{
+	struct kvd_sqe e = { .op = KVD_OP_PREFETCH, .seq = seq };
+
 	return raw_ring(x, &e);
 }
 
@@ -273,10 +284,48 @@ static void test_huge_pages_charged(void **state)
 	raw_close(&x);
 }
 
+/* ---- 9. the tier's record of a sequence ---------------------------------------- */
+
+static void test_tier_record_charged(void **state)
+{
+	Kvd__Profile p = mkprof("held-rec", 1, 16, 1, 1, 1024, 0);
+	static uint64_t seqs[8192];
+	struct raw x;
+	uint32_t pid = 0;
+	struct usage u0, u1;
+	int rc = 0, n = 0;
+
+	assert_int_equal(up("[memory]\nlimit = 2M\n[limits]\nmemory_per_uid = 1M\n"), 0);
+	assert_int_equal(raw_open(&x, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&x, "memheld", "t", 2, 1 << 16), 0);
+	assert_int_equal(raw_profile_create(&x, &p, &pid), 0);
+	while (n < 8192 && !(rc = raw_seq_create(&x, pid, 0, &seqs[n])))
+		n++;
+	if (rc != -EDQUOT)
+		fail_msg("SeqCreate %d: %d '%s', want -EDQUOT (memory_per_uid)", n, rc, x.msg);
+	u0 = usage_of(&x);
+	for (int i = 0; i < n; i++)
+		if ((rc = prefetch(&x, seqs[i])))
+			fail_msg("PREFETCH of sequence %d of %d: %d '%s'", i, n, rc, x.msg);
+	u1 = usage_of(&x);
+	print_message("  %d sequences; uid bytes %llu -> %llu after a PREFETCH of each, used_bytes "
+		      "%llu -> %llu (caps 1M, 2M)\n", n, (unsigned long long)u0.uid_bytes,
+		      (unsigned long long)u1.uid_bytes, (unsigned long long)u0.used,
+		      (unsigned long long)u1.used);
+	if (u1.uid_bytes > MiB)
+		fail_msg("PREFETCH took the uid to %llu bytes of a 1 MiB memory_per_uid",
+			 (unsigned long long)u1.uid_bytes);
+	assert_true(u1.used <= u1.limit);
+	/* Nothing a PREFETCH of a resident sequence needs is new. */
+	assert_int_equal(u1.uid_bytes, u0.uid_bytes);
+	raw_close(&x);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_teardown(test_huge_pages_charged, down),
+		cmocka_unit_test_teardown(test_tier_record_charged, down),
 	};
 
 	signal(SIGPIPE, SIG_IGN);
