@@ -56,7 +56,10 @@ struct rec {
 					 * (charged to uid's memory in kvd_limits) */
 	uint64_t spill_chg;             /* bytes of the file (being) written, charged to
 					 * uid's KVD_RES_SPILL until the file goes */
-	uint64_t pend;                  /* WRITE with evict_after: counted in t->pending */
+	uint64_t pend;                  /* WRITE with evict_after: counted in t->pending
+					 * (what the drop frees, and wcopy) */
+	uint64_t wcopy;                 /* WRITE: its copies and arrays (write_copies),
+					 * charged to uid's memory in kvd_limits */
 	uint64_t backoff_until;
 	uint64_t io_t0;                 /* when the running write or restore was submitted */
 	char why[96];                   /* LOST: the reason */
@@ -286,8 +289,9 @@ static void job_release(struct kvd_tier *t, struct rec *r)
 	r->wext = NULL;
 	t->reserved -= r->reserved;
 	if (lim(t))
-		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, r->reserved);
+		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, r->reserved + r->wcopy);
 	r->reserved = 0;
+	r->wcopy = 0;
 	r->busy = 0;
 	memset(&r->job, 0, sizeof r->job);
 }
@@ -331,6 +335,33 @@ static int header_ext(struct rec *r, unsigned i, const struct kvd_sfmt_file *f,
 	return 0;
 }
 
+/* What build_write allocates for q's file besides the segments' own
+ * buffers: the job's arrays for n extents, and the extents it copies
+ * (PROFILE, each LAYER's mean and tail, LOCAL rows, PUB and END pages). */
+static uint64_t write_copies(const struct kvd_sfmt_file *f, const struct kvd_seqn *q, unsigned n)
+{
+	const struct kvd_profile *p = q->p;
+	struct kvd_sfmt_ext e = { .kind = KVD_SFMT_PROFILE };
+	uint64_t b = (uint64_t)n * (sizeof(struct kvd_spill_buf) + 1 + sizeof(struct ext) +
+				    sizeof(struct kvd_seg *));
+
+	b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
+	for (uint32_t ly = 0; ly < p->layers; ly++) {
+		const struct kvd_layer_state *l = &q->ly[ly];
+
+		if (l->mean || l->tail_n || l->nseg) {
+			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_LAYER, .n = l->tail_n,
+						   .flags = l->mean ? KVD_SFMT_LF_MEAN : 0 };
+			b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
+		}
+		if (q->loc && q->loc->ly[ly].n) {
+			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_LOCAL, .n = q->loc->ly[ly].n };
+			b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
+		}
+	}
+	return b + (q->hidden ? 2 : 1) * (uint64_t)PAGE;
+}
+
 /* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
  * END; -EAGAIN while a segment of q is in another write (forks and
  * attached prefixes share segments, and each file writes its own header
@@ -362,6 +393,21 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 					 "out with another sequence: try again");
 				return -EAGAIN;
 			}
+	/* The copies are the uid's memory while the write runs: charged before
+	 * they exist, checked like any other bytes.  Refused, the sequence
+	 * stays in RAM and is not tried again before the back-off. */
+	if (lim(t)) {
+		uint64_t cb = write_copies(&f, q, n);
+		char why[128];
+		int rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_MEMORY, cb, why, sizeof why);
+
+		if (rc) {
+			snprintf(t->why, sizeof t->why, "the write-back's copies: %s", why);
+			r->backoff_until = now_ns() + BACKOFF_NS;
+			return rc;
+		}
+		r->wcopy = cb;
+	}
 	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)) ||
 	    !(r->wseg = calloc(n, sizeof *r->wseg)))
 		goto nomem;
@@ -522,7 +568,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 		return 0;
 	if (q->state == KVD_SEQ_SPILLING) {
 		if (!r->evict_after) {
-			r->pend = kvd_store_seq_freeable(q);
+			r->pend = kvd_store_seq_freeable(q) + r->wcopy;
 			t->pending += r->pend;
 		}
 		r->evict_after = 1;
@@ -574,7 +620,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 	r->evict_after = evict;
 	q->state = KVD_SEQ_SPILLING;
 	if (evict) {
-		r->pend = kvd_store_seq_freeable(q);
+		r->pend = kvd_store_seq_freeable(q) + r->wcopy;
 		t->pending += r->pend;
 	}
 	kvd_log(LOG_DEBUG, "sequence %016llx: writing %zu bytes out%s", (unsigned long long)q->id,

@@ -7,6 +7,11 @@
  *                             than the budget counts (a buffer's last
  *                             partial 2 MiB is not a huge page), and kvd's
  *                             RSS grows by at most 1.1x of it
+ *   test_writeback_charged    a write-back's copies (profile, layer tails,
+ *                             header pages) are charged to the uid before
+ *                             they exist: a SeqEvict whose copies do not
+ *                             fit memory_per_uid is refused, the sequence
+ *                             stays and answers; one that fits is written
  *   test_tier_record_charged  the spill tier's record of a sequence is
  *                             charged at SeqCreate: a PREFETCH of every
  *                             sequence of a uid at its cap leaves its
@@ -95,6 +100,34 @@ static struct usage usage_of(struct raw *x)
 			u.uid_bytes = r->server_stats->uids[i]->bytes;
 	kvd_ctl_free_response(r);
 	return u;
+}
+
+static Kvd__SeqStats *seq_stats(struct raw *x, uint64_t seq, Kvd__Response **r)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqStatsReq sr = KVD__SEQ_STATS_REQ__INIT;
+
+	sr.seq = seq;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_STATS;
+	rq.seq_stats = &sr;
+	assert_int_equal(raw_expect(x, &rq, KVD__RESPONSE__BODY_SEQ_STATS, r), 0);
+	return (*r)->seq_stats;
+}
+
+static int seq_evict(struct raw *x, uint64_t seq)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__SeqEvict se = KVD__SEQ_EVICT__INIT;
+	Kvd__Response *r;
+	int rc;
+
+	se.seq = seq;
+	rq.body_case = KVD__REQUEST__BODY_SEQ_EVICT;
+	rq.seq_evict = &se;
+	rc = raw_expect(x, &rq, KVD__RESPONSE__BODY_OK, &r);
+	if (!rc)
+		kvd_ctl_free_response(r);
+	return rc;
 }
 
 static Kvd__Profile mkprof(const char *name, uint32_t kvh, uint32_t d, uint32_t K, uint32_t L,
@@ -284,6 +317,94 @@ static void test_huge_pages_charged(void **state)
 	raw_close(&x);
 }
 
+/* ---- 8. a write-back's copies ------------------------------------------------ */
+
+/* Four kv heads, d = 128, L = 8: a token's row is 2112 bytes.  A tail of
+ * WB_BIG rows (its buffers of WB_SEAL rows are charged 8.25 MiB) needs a
+ * copy of 8.1 MiB to be written: the two do not fit 16 MiB. */
+#define WB_SEAL 4096
+#define WB_BIG  4000
+#define WB_SMALL 64
+
+/* A sequence sealed after one token, then n appended rows in its tail. */
+static uint64_t tail_seq(struct raw *x, const Kvd__Profile *p, uint32_t pid, uint32_t n)
+{
+	uint64_t seq = 0;
+
+	assert_int_equal(raw_seq_create(x, pid, 0, &seq), 0);
+	assert_int_equal(rows(x, p, seq, KVD_OP_PREFILL, KVD_RF_MEAN | KVD_RF_LAST, 1), 0);
+	for (uint32_t done = 0; done < n; done += 1000) {
+		int rc = rows(x, p, seq, KVD_OP_APPEND, 0, n - done < 1000 ? n - done : 1000);
+
+		if (rc)
+			fail_msg("APPEND to %u rows: %d %s", done, rc, x->msg);
+	}
+	return seq;
+}
+
+static void test_writeback_charged(void **state)
+{
+	Kvd__Profile p = mkprof("held-wb", 4, 128, 1, 8, WB_SEAL, WB_SEAL);
+	Kvd__Response *r;
+	Kvd__SeqStats *ss;
+	struct raw x;
+	uint32_t pid = 0;
+	uint64_t small, big, cap = 16 * MiB, seen = 0;
+	int rc, polls = 0;
+
+	assert_int_equal(up("[memory]\nlimit = 64M\n[limits]\nmemory_per_uid = 16M\n"
+			    "[spill]\ndir = %s\n"), 0);
+	assert_int_equal(raw_open(&x, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&x, "memheld", "t", 2, 4 << 20), 0);
+	assert_int_equal(raw_profile_create(&x, &p, &pid), 0);
+
+	/* A small tail: its copies fit beside it, and it is written out. */
+	small = tail_seq(&x, &p, pid, WB_SMALL);
+	assert_int_equal(seq_evict(&x, small), 0);
+	for (;;) {
+		struct usage u = usage_of(&x);
+
+		seen = u.uid_bytes > seen ? u.uid_bytes : seen;
+		ss = seq_stats(&x, small, &r);
+		if (ss->state == 2) {   /* DISK */
+			kvd_ctl_free_response(r);
+			break;
+		}
+		assert_true(ss->state == 0 || ss->state == 1);
+		kvd_ctl_free_response(r);
+		if (++polls > 3000)
+			fail_msg("the small sequence was not written out in 30 s");
+		daemon_sleep_ms(10);
+	}
+
+	/* A big tail alone fits memory_per_uid; with its copies it would not. */
+	big = tail_seq(&x, &p, pid, WB_BIG);
+	struct usage u = usage_of(&x);
+
+	print_message("  uid bytes: %llu at most while the small one was written; %llu with the "
+		      "big tail, cap %llu\n", (unsigned long long)seen,
+		      (unsigned long long)u.uid_bytes, (unsigned long long)cap);
+	assert_true(u.uid_bytes <= cap);
+	assert_true(u.uid_bytes + (uint64_t)WB_BIG * 2112 > cap);
+	rc = seq_evict(&x, big);
+	print_message("  SeqEvict of the big tail: %d '%s'; VmHWM %ld KiB\n", rc, rc ? x.msg : "",
+		      proc_status_kib(D.pid, "VmHWM"));
+	if (rc == 0)
+		fail_msg("SeqEvict started a write whose copies (%u rows) do not fit memory_per_uid "
+			 "beside the sequence", WB_BIG);
+	if (rc != -EDQUOT || !strstr(x.msg, "memory_per_uid"))
+		fail_msg("SeqEvict refused with %d '%s', want -EDQUOT naming memory_per_uid", rc,
+			 x.msg);
+	/* Refused, the sequence stays as it was, charged as before. */
+	ss = seq_stats(&x, big, &r);
+	assert_int_equal(ss->state, 0);
+	assert_int_equal(ss->tokens, 1 + WB_BIG);
+	kvd_ctl_free_response(r);
+	assert_int_equal(usage_of(&x).uid_bytes, u.uid_bytes);
+	assert_int_equal(rows(&x, &p, big, KVD_OP_APPEND, 0, 1), 0);
+	raw_close(&x);
+}
+
 /* ---- 9. the tier's record of a sequence ---------------------------------------- */
 
 static void test_tier_record_charged(void **state)
@@ -325,6 +446,7 @@ int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_teardown(test_huge_pages_charged, down),
+		cmocka_unit_test_teardown(test_writeback_charged, down),
 		cmocka_unit_test_teardown(test_tier_record_charged, down),
 	};
 
