@@ -306,13 +306,16 @@ static void test_huge_pages_charged(void **state)
 	if (hg1 - hg0 > charged_kib + charged_kib / 10)
 		fail_msg("kvd_mem's mappings grew by %ld KiB for %ld KiB charged (%d segments)",
 			 hg1 - hg0, charged_kib, n);
-	/* The process as a whole: within 1.1x of the budget plus the fixed
-	 * overhead docs/OPERATIONS.md gives (16 MiB).  Sanitizer builds
-	 * shadow and pad the heap: only the mappings above are checked. */
+	/* The process as a whole: rss0 holds the fixed overhead already (the
+	 * warm-up touched it), so it grows by what was charged, within 1.1x
+	 * and 4 MiB.  That also holds where the kernel gives no huge pages:
+	 * freed staging kept in the heap (22 MiB here before) shows in it.
+	 * Sanitizer builds shadow and pad the heap: only the mappings above
+	 * are checked there. */
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-	if (rss1 - rss0 > (long)(HP_CAP / 1024 + HP_CAP / 10240) + 16 * 1024)
-		fail_msg("kvd's RSS grew by %ld KiB within a %llu KiB budget", rss1 - rss0,
-			 HP_CAP / 1024);
+	if (rss1 - rss0 > charged_kib + charged_kib / 10 + 4096)
+		fail_msg("kvd's RSS grew by %ld KiB for %ld KiB charged (budget %llu KiB)",
+			 rss1 - rss0, charged_kib, HP_CAP / 1024);
 #endif
 	raw_close(&x);
 }
