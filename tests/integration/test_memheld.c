@@ -171,7 +171,7 @@ static int prefetch(struct raw *x, uint64_t seq)
 	return raw_ring(x, &e);
 }
 
-/* ---- what the kernel says kvd holds --------------------------------------- */
+/* ---- what the kernel says kvd holds -------------------------------------- */
 
 /* A "Name:   N kB" line of /proc/<pid>/status, in KiB; -1 when missing. */
 static long proc_status_kib(pid_t pid, const char *name)
@@ -225,7 +225,7 @@ static long hg_rss_kib(pid_t pid, long *huge)
 	return total;
 }
 
-/* ---- 5. a buffer's partial huge page ---------------------------------------- */
+/* ---- a buffer's last partial huge page ----------------------------------- */
 
 /* One kv head, d = 128, K = 10, L = 62: a 3072-token segment's payload is
  * 2093440 bytes, its buffer (a 4 KiB header page first) 2 MiB + 4 KiB. */
@@ -257,7 +257,7 @@ static void test_huge_pages_charged(void **state)
 	uint64_t seq = 0;
 	struct usage u0, u1;
 	long rss0, rss1, hg0, hg1, huge0, huge1;
-	char thp[64];
+	char thp[64], why[sizeof x.msg];
 	int rc = 0, n = 0;
 
 	assert_int_equal(up("[memory]\nlimit = 48M\n"), 0);
@@ -283,17 +283,18 @@ static void test_huge_pages_charged(void **state)
 			break;
 		n++;
 	}
+	snprintf(why, sizeof why, "%s", x.msg);
 	u1 = usage_of(&x);
 	rss1 = proc_status_kib(D.pid, "VmRSS");
 	hg1 = hg_rss_kib(D.pid, &huge1);
 	print_message("  THP %s; %d segments of %u bytes, then %d (%s)\n", thp_mode(thp, sizeof thp),
-		      n, HP_SEG, rc, x.msg);
+		      n, HP_SEG, rc, why);
 	print_message("  used_bytes %llu -> %llu of %llu; VmRSS %ld -> %ld KiB; MADV_HUGEPAGE "
 		      "mappings %ld -> %ld KiB (%ld -> %ld KiB huge)\n",
 		      (unsigned long long)u0.used, (unsigned long long)u1.used,
 		      (unsigned long long)u1.limit, rss0, rss1, hg0, hg1, huge0, huge1);
 	if (rc != -ENOMEM && rc != -EDQUOT)
-		fail_msg("the budget did not refuse: %d '%s' after %d segments", rc, x.msg, n);
+		fail_msg("the budget did not refuse: %d '%s' after %d segments", rc, why, n);
 	assert_true(u1.used <= u1.limit);
 	/* The segments filled the budget (each is 2 MiB + 4 KiB of it). */
 	assert_true(n >= 16);
@@ -320,7 +321,7 @@ static void test_huge_pages_charged(void **state)
 	raw_close(&x);
 }
 
-/* ---- 8. a write-back's copies ------------------------------------------------ */
+/* ---- a write-back's copies ----------------------------------------------- */
 
 /* Four kv heads, d = 128, L = 8: a token's row is 2112 bytes.  A tail of
  * WB_BIG rows (its buffers of WB_SEAL rows are charged 8.25 MiB) needs a
@@ -408,7 +409,7 @@ static void test_writeback_charged(void **state)
 	raw_close(&x);
 }
 
-/* ---- 9. the tier's record of a sequence ---------------------------------------- */
+/* ---- the tier's record of a sequence ------------------------------------- */
 
 static void test_tier_record_charged(void **state)
 {
