@@ -194,46 +194,37 @@ static int big_append(struct kvt *t)
 {
 	const struct kvd_rows_layout one = kvd_rows_layout(2, 128, 150, 1, 1);
 	const struct kvd_rows_layout lay = kvd_rows_layout(2, 128, 150, BIG_ROWS, 0);
+	const struct kvd_rows_layout with_mean = kvd_rows_layout(2, 128, 150, BIG_ROWS, 1);
 	uint64_t id;
 	int32_t res = 0;
-	const char *msg;
-	int slot;
+	const char *msg = "";
+	int a = kvt_slot_get(t, 0), b = kvt_slot_get(t, 0), rc = -1;
 
-	if (kvt_seq_create(t, &id))
-		return -1;
-	/* slot 0 holds the rows; slot 1 the one-row prefill */
-	while ((slot = kvt_slot_get(t, 0)) == 0)
-		kvt_slot_put(t, 0);
-	if (slot < 0)
-		return -1;
-	memset(kvt_slot(t, (uint32_t)slot), 0, one.bytes);
-	struct kvd_sqe p = { .op = KVD_OP_PREFILL, .flags = KVD_RF_MEAN | KVD_RF_LAST,
-			     .slot = (uint32_t)slot, .user_data = (uint64_t)slot, .seq = id,
-			     .len = (uint32_t)one.bytes, .ntok = 1 };
+	/* Both slots held: slot 0 keeps the rows written at connect (after
+	 * their mean), the other takes the one-row prefill. */
+	if (a < 0 || b < 0 || kvt_seq_create(t, &id))
+		goto out;
+	uint32_t pf = a == 0 ? (uint32_t)b : (uint32_t)a;
 
-	if (kvt_submit(t, &p) || kvt_wait_slot(t, (uint32_t)slot, &res, &msg) || res) {
-		kvt_slot_put(t, (uint32_t)slot);
-		return -1;
-	}
-	kvt_slot_put(t, (uint32_t)slot);
-	/* the rows were laid out with the mean first: skip it */
-	const struct kvd_rows_layout with_mean = kvd_rows_layout(2, 128, 150, BIG_ROWS, 1);
-
-	while ((slot = kvt_slot_get(t, 0)) == 1)
-		kvt_slot_put(t, 1);
-	if (slot != 0)
-		return -1;
-	struct kvd_sqe a = { .op = KVD_OP_APPEND, .slot = 0, .user_data = 0, .seq = id,
+	memset(kvt_slot(t, pf), 0, one.bytes);
+	struct kvd_sqe p = { .op = KVD_OP_PREFILL, .flags = KVD_RF_MEAN | KVD_RF_LAST, .slot = pf,
+			     .user_data = pf, .seq = id, .len = (uint32_t)one.bytes, .ntok = 1 };
+	struct kvd_sqe e = { .op = KVD_OP_APPEND, .slot = 0, .user_data = 0, .seq = id,
 			     .off = (uint32_t)with_mean.k, .len = (uint32_t)lay.bytes,
 			     .ntok = BIG_ROWS };
 
-	if (kvt_submit(t, &a) || kvt_wait_slot(t, 0, &res, &msg) || res) {
+	if (kvt_submit(t, &p) || kvt_wait_slot(t, pf, &res, &msg) || res ||
+	    kvt_submit(t, &e) || kvt_wait_slot(t, 0, &res, &msg) || res) {
 		fprintf(stderr, "stall: big APPEND: %d %s\n", res, res ? msg : kvt_error(t));
-		kvt_slot_put(t, 0);
-		return -1;
+		goto out;
 	}
-	kvt_slot_put(t, 0);
-	return kvt_seq_free(t, id) ? -1 : 0;
+	rc = kvt_seq_free(t, id) ? -1 : 0;
+out:
+	if (a >= 0)
+		kvt_slot_put(t, (uint32_t)a);
+	if (b >= 0)
+		kvt_slot_put(t, (uint32_t)b);
+	return rc;
 }
 
 /* One phase of the attacker, for secs seconds: 0, or -1. */
