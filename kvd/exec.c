@@ -234,23 +234,6 @@ static int rows_unit(struct kvd_server *s, struct client *c, const struct kvd_sq
 	return rc;
 }
 
-/* A unit that changes a sequence pins it from start to end: others' records
- * run between its slices (slice_yield) and may need room, and the sequence
- * in the middle of this change must not be what they write out. */
-static int do_rows(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
-		   size_t msglen)
-{
-	struct kvd_seqn *q;
-	const struct kvd_profile *p;
-	int rc;
-
-	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
-		return rc;
-	kvd_store_seq_pin(q);
-	rc = rows_unit(s, c, e, q, p, msg, msglen);
-	kvd_store_seq_unpin(q);
-	return rc;
-}
 
 /* LOCAL: the client's own rows of a layer, put for a publish or got after an
  * attach.  A put copies the rows out of the slot once (a client rewriting
@@ -298,8 +281,16 @@ static int local_unit(struct kvd_server *s, struct client *c, const struct kvd_s
 	return 0;
 }
 
-static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe *e, char *msg,
-		    size_t msglen)
+typedef int (*seq_unit_fn)(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
+			   struct kvd_seqn *q, const struct kvd_profile *p, char *msg,
+			   size_t msglen);
+
+/* A unit that changes the client's sequence e->seq pins it from start to
+ * end: others' records run between its slices (slice_yield) and may need
+ * room, and the sequence in the middle of this change must not be what
+ * they write out. */
+static int pinned(struct kvd_server *s, struct client *c, const struct kvd_sqe *e,
+		  seq_unit_fn fn, char *msg, size_t msglen)
 {
 	struct kvd_seqn *q;
 	const struct kvd_profile *p;
@@ -308,7 +299,7 @@ static int do_local(struct kvd_server *s, struct client *c, const struct kvd_sqe
 	if ((rc = own_seq(s, c, e, &q, &p, msg, msglen)))
 		return rc;
 	kvd_store_seq_pin(q);
-	rc = local_unit(s, c, e, q, p, msg, msglen);
+	rc = fn(s, c, e, q, p, msg, msglen);
 	kvd_store_seq_unpin(q);
 	return rc;
 }
@@ -407,10 +398,10 @@ static void run_whole(struct kvd_server *s, struct client *c)
 	}
 	case KVD_OP_PREFILL:
 	case KVD_OP_APPEND:
-		rc = do_rows(s, c, e, msg, sizeof msg);
+		rc = pinned(s, c, e, rows_unit, msg, sizeof msg);
 		break;
 	case KVD_OP_LOCAL:
-		rc = do_local(s, c, e, msg, sizeof msg);
+		rc = pinned(s, c, e, local_unit, msg, sizeof msg);
 		break;
 	case KVD_OP_ATTEND:
 		rc = attend_check(s, c, msg, sizeof msg);
