@@ -1,8 +1,8 @@
 /* kvd_share: prefixes published by content key, and attaching them.
  *
  * A published prefix is a snapshot: a hidden copy-on-write fork of the
- * publishing sequence as it was when it published (its sealed segments
- * shared, reference counted; its open tails and means copied) together with
+ * publishing sequence as it was when it published (its sealed segments and
+ * open tails shared, reference counted; its means copied) together with
  * the client's own rows it sent with LOCAL (kvd_store_local_*), filed under
  * (namespace, profile, key of its last chunk).  An attach forks the
  * snapshot for the attaching client, so the child is bit for bit the

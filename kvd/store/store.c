@@ -178,17 +178,30 @@ static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
 	s->node_bytes[q->node] += (uint64_t)delta;
 }
 
+/* n bytes for q: from the reservation of the rows call changing q, if
+ * any, else charged. */
+static int charge_q(struct kvd_store *s, struct kvd_seqn *q, size_t n, int force)
+{
+	if (q == s->resv_q && n <= s->resv) {
+		s->resv -= n;
+		return 0;
+	}
+	return charge(s, q->uid, n, force);
+}
+
+/* n bytes of q given back: to the reservation while q's rows call runs. */
+static void uncharge_q(struct kvd_store *s, struct kvd_seqn *q, size_t n)
+{
+	if (q == s->resv_q && s->lim)
+		s->resv += n;
+	else
+		uncharge(s, q->uid, n);
+}
+
 /* Charge and account n bytes of q (before allocating them). */
 static int take(struct kvd_store *s, struct kvd_seqn *q, size_t n, int force)
 {
-	int rc;
-
-	if (q == s->resv_q && n <= s->resv) {
-		s->resv -= n;
-		account(s, q, (ptrdiff_t)n);
-		return 0;
-	}
-	rc = charge(s, q->uid, n, force);
+	int rc = charge_q(s, q, n, force);
 
 	if (!rc)
 		account(s, q, (ptrdiff_t)n);
@@ -199,11 +212,7 @@ static int take(struct kvd_store *s, struct kvd_seqn *q, size_t n, int force)
 static void give(struct kvd_store *s, struct kvd_seqn *q, size_t n)
 {
 	account(s, q, -(ptrdiff_t)n);
-	if (q == s->resv_q && s->lim) {
-		s->resv += n;
-		return;
-	}
-	uncharge(s, q->uid, n);
+	uncharge_q(s, q, n);
 }
 
 /* Segments are charged once, to the uid of the sequence that made them
@@ -283,8 +292,10 @@ static int rows_alloc(const struct kvd_profile *p, uint16_t **k, uint16_t **v, u
 	return -ENOMEM;
 }
 
-/* Frees a layer's resident data; its segments through seg_put, the rest
- * left in q->bytes for the caller to give back. */
+static void tail_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l);
+
+/* Frees a layer's resident data; its segments and tail through seg_put and
+ * tail_put, the rest left in q->bytes for the caller to give back. */
 static void layer_free(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
 {
 	const struct kvd_profile *p = q->p;
@@ -295,8 +306,7 @@ static void layer_free(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer
 	free(l->mean);
 	free(l->heavy);
 	rows_free(p, l->stage_k, l->stage_v, l->stage_codes, l->stage_cap);
-	if (l->tail_k)
-		rows_free(p, l->tail_k, l->tail_v, l->tail_codes, p->seal_tokens);
+	tail_put(s, q, l);
 	memset(l, 0, sizeof *l);
 }
 
@@ -885,6 +895,103 @@ static void put_rows(const struct kvd_profile *p, uint16_t *dk, uint16_t *dv, ui
 	put_rows_on(NULL, p, dk, dv, dc, cap, at, k, v, c, n, from, cnt);
 }
 
+/* ---- tails (struct kvd_tail: shared copy-on-write by forks) ------------ */
+
+/* What a tail costs: its three buffers of seal_tokens rows and the
+ * struct. */
+static size_t tail_bytes(const struct kvd_profile *p)
+{
+	return rows_bytes(p, p->seal_tokens) + sizeof(struct kvd_tail);
+}
+
+static void tail_set(struct kvd_layer_state *l, struct kvd_tail *t)
+{
+	l->tail = t;
+	l->tail_k = t ? t->k : NULL;
+	l->tail_v = t ? t->v : NULL;
+	l->tail_codes = t ? t->codes : NULL;
+}
+
+/* A new, empty tail for q, charged to q's uid before it is allocated
+ * (force: the room was reserved, a restore).  Not yet in a layer. */
+static int tail_new(struct kvd_store *s, struct kvd_seqn *q, int force, struct kvd_tail **out)
+{
+	const struct kvd_profile *p = q->p;
+	size_t tb = tail_bytes(p);
+	struct kvd_tail *t;
+	int rc;
+
+	if ((rc = charge_q(s, q, tb, force)))
+		return rc;
+	if (!(t = calloc(1, sizeof *t)) ||
+	    rows_alloc(p, &t->k, &t->v, &t->codes, p->seal_tokens, s->mem[q->node])) {
+		free(t);
+		uncharge_q(s, q, tb);
+		snprintf(s->why, sizeof s->why, "out of memory");
+		return -ENOMEM;
+	}
+	t->refs = 1;
+	t->chg_uid = q->uid;
+	t->chg_node = q->node;
+	q->bytes += tb;
+	s->bytes += tb;
+	s->node_bytes[q->node] += tb;
+	*out = t;
+	return 0;
+}
+
+/* q's layer b takes a reference on t (a fork): counted in q's bytes, not
+ * charged again. */
+static void tail_hold(struct kvd_seqn *q, struct kvd_layer_state *b, struct kvd_tail *t)
+{
+	q->bytes += tail_bytes(q->p);
+	t->refs++;
+	tail_set(b, t);
+}
+
+/* l lets go of its tail (if any); the last holder frees and uncharges it. */
+static void tail_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
+{
+	const struct kvd_profile *p = q->p;
+	struct kvd_tail *t = l->tail;
+	size_t tb = tail_bytes(p);
+
+	if (!t)
+		return;
+	tail_set(l, NULL);
+	q->bytes -= tb;
+	if (--t->refs)
+		return;
+	s->bytes -= tb;
+	s->node_bytes[t->chg_node] -= tb;
+	uncharge(s, t->chg_uid, tb);
+	rows_free(p, t->k, t->v, t->codes, p->seal_tokens);
+	free(t);
+}
+
+/* Before q writes into l's tail (an APPEND): a tail of its own, made when
+ * it has none and copied when it shares one.  Only the rows [0, tail_n)
+ * are copied, one layer per call, inside the APPEND's unit (sliced over
+ * the pool when big) -- not every layer at the fork, under the state
+ * lock.  Charged before anything changes: a refusal leaves l as it was. */
+static int tail_own(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
+{
+	const struct kvd_profile *p = q->p;
+	struct kvd_tail *t, *old = l->tail;
+	int rc;
+
+	if (old && old->refs == 1)
+		return 0;
+	if ((rc = tail_new(s, q, 0, &t)))
+		return rc;
+	if (old)
+		put_rows_on(s->pool[q->node], p, t->k, t->v, t->codes, p->seal_tokens, 0, old->k,
+			    old->v, old->codes, p->seal_tokens, 0, l->tail_n);
+	tail_put(s, q, l);
+	tail_set(l, t);
+	return 0;
+}
+
 /* The table of a layer with room for n segments (the growth of seg_room). */
 static uint32_t seg_cap(uint32_t n)
 {
@@ -1054,14 +1161,9 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	uint32_t cap = p->seal_tokens, done = 0;
 	int rc;
 
-	if (!l->tail_k) {
-		if ((rc = take(s, q, rows_bytes(p, cap), 0)))
-			return rc;
-		if (rows_alloc(p, &l->tail_k, &l->tail_v, &l->tail_codes, cap, s->mem[q->node])) {
-			give(s, q, rows_bytes(p, cap));
-			return -ENOMEM;
-		}
-	}
+	/* kvd_store_rows made the tail q's own (tail_own) */
+	if (NEVER(!l->tail || l->tail->refs != 1))
+		return -EINVAL;
 	while (done < n) {
 		uint32_t cnt = n - done < cap - l->tail_n ? n - done : cap - l->tail_n;
 
@@ -1108,8 +1210,8 @@ static uint64_t rows_peak(const struct kvd_store *s, const struct kvd_seqn *q,
 	if (is_append) {
 		uint32_t tn = l->tail_n, cap = p->seal_tokens;
 
-		if (!l->tail_k)
-			peak = cur += rows_bytes(p, cap);
+		if (!l->tail || l->tail->refs > 1)     /* made, or copied (tail_own) */
+			peak = cur += tail_bytes(p);
 		while (done < n) {
 			uint32_t cnt = n - done < cap - tn ? n - done : cap - tn;
 
@@ -1223,6 +1325,18 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 		return rc;
 	}
 	s->resv_q = q;
+	/* The tail APPEND writes into: q's own, before the rows change
+	 * anything.  Pinned: a big copy yields between its slices. */
+	if (is_append) {
+		kvd_store_seq_pin(q);
+		rc = tail_own(s, q, l);
+		kvd_store_seq_unpin(q);
+		if (rc) {
+			snprintf(msg, msglen, "layer %u: %s", layer, s->why);
+			rows_done(s);
+			return rc;
+		}
+	}
 	if (mean) {
 		if ((rc = take(s, q, mean_bytes(p), 0))) {
 			snprintf(msg, msglen, "layer %u: %s", layer, s->why);
@@ -1280,7 +1394,7 @@ size_t kvd_store_install_bytes(const struct kvd_seqn *q, int mean, uint32_t tn, 
 {
 	const struct kvd_profile *p = q->p;
 
-	return (mean ? mean_bytes(p) : 0) + (tn ? rows_bytes(p, p->seal_tokens) : 0) +
+	return (mean ? mean_bytes(p) : 0) + (tn ? tail_bytes(p) : 0) +
 	       (size_t)seg_cap(nseg) * sizeof(struct kvd_seg *);
 }
 
@@ -1304,12 +1418,11 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 		memcpy(l->mean, mean, mean_bytes(p));
 	}
 	if (tn) {
-		if (take(s, q, rows_bytes(p, p->seal_tokens), 1))
+		struct kvd_tail *t;
+
+		if (tail_new(s, q, 1, &t))
 			return -ENOMEM;
-		if (rows_alloc(p, &l->tail_k, &l->tail_v, &l->tail_codes, p->seal_tokens, s->mem[q->node])) {
-			give(s, q, rows_bytes(p, p->seal_tokens));
-			return -ENOMEM;
-		}
+		tail_set(l, t);
 		put_rows(p, l->tail_k, l->tail_v, l->tail_codes, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
 	}
 	l->tail_n = tn;
@@ -1339,9 +1452,10 @@ int kvd_store_spillable(const struct kvd_seqn *q)
 	return 1;
 }
 
-/* What a fork of parent is charged: every layer's mean, tail buffer,
- * estimator state and segment table.  Not the segments: they stay charged
- * once, to whoever made them. */
+/* What a fork of parent is charged: every layer's mean, estimator state
+ * and segment table.  Not the segments nor the tails: they stay charged
+ * once, to whoever made them (a tail the child writes into is copied, and
+ * charged, then: tail_own). */
 static size_t fork_bytes(const struct kvd_seqn *parent)
 {
 	const struct kvd_profile *p = parent->p;
@@ -1350,8 +1464,8 @@ static size_t fork_bytes(const struct kvd_seqn *parent)
 	for (uint32_t i = 0; i < p->layers; i++) {
 		const struct kvd_layer_state *l = &parent->ly[i];
 
-		n += (l->mean ? mean_bytes(p) : 0) + (l->tail_k ? rows_bytes(p, p->seal_tokens) : 0) +
-		     (l->heavy ? heavy_bytes(p) : 0) + (size_t)l->segcap * sizeof(struct kvd_seg *);
+		n += (l->mean ? mean_bytes(p) : 0) + (l->heavy ? heavy_bytes(p) : 0) +
+		     (size_t)l->segcap * sizeof(struct kvd_seg *);
 	}
 	return n;
 }
@@ -1411,13 +1525,11 @@ int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t ui
 		b->segcap = a->segcap;
 		for (uint32_t j = 0; j < a->nseg; j++)
 			b->seg[b->nseg++] = seg_hold(q, a->seg[j]);
-		if (a->tail_k) {
-			if (rows_alloc(p, &b->tail_k, &b->tail_v, &b->tail_codes, p->seal_tokens,
-				       s->mem[q->node]))
-				goto oom;
-			put_rows(p, b->tail_k, b->tail_v, b->tail_codes, p->seal_tokens, 0, a->tail_k,
-				 a->tail_v, a->tail_codes, p->seal_tokens, 0, a->tail_n);
-		}
+		/* Shared, not copied: under the state lock a fork costs no
+		 * copy of every layer's open rows (tail_own copies one layer
+		 * when either side next appends to it). */
+		if (a->tail)
+			tail_hold(q, b, a->tail);
 	}
 	*out = q;
 	return 0;
@@ -1480,10 +1592,13 @@ size_t kvd_store_seq_freeable(const struct kvd_seqn *q)
 {
 	size_t n = q->bytes + (q->loc && q->loc->refs == 1 ? q->loc->bytes : 0);
 
-	for (uint32_t i = 0; i < q->p->layers; i++)
+	for (uint32_t i = 0; i < q->p->layers; i++) {
 		for (uint32_t j = 0; j < q->ly[i].nseg; j++)
 			if (q->ly[i].seg[j]->refs > 1)
 				n -= q->ly[i].seg[j]->bytes;
+		if (q->ly[i].tail && q->ly[i].tail->refs > 1)
+			n -= tail_bytes(q->p);
+	}
 	return n;
 }
 
@@ -1520,6 +1635,19 @@ static void pc_add(struct ptr_count *t, size_t mask, const void *p)
 	t[i].n++;
 }
 
+/* How many of p's holders were added, counted once: 0 after the first ask. */
+static uint32_t pc_take(struct ptr_count *t, size_t mask, const void *p)
+{
+	size_t i = (size_t)kvd_mix64((uint64_t)(uintptr_t)p) & mask;
+	uint32_t n;
+
+	while (t[i].p != p)
+		i = (i + 1) & mask;
+	n = t[i].n;
+	t[i].n = 0;
+	return n;
+}
+
 uint64_t kvd_store_freeable_set(struct kvd_seqn *const *qs, size_t n)
 {
 	uint64_t got = 0, upper = 0;
@@ -1532,7 +1660,7 @@ uint64_t kvd_store_freeable_set(struct kvd_seqn *const *qs, size_t n)
 		upper += q->bytes + q->fixed + (q->loc ? q->loc->bytes : 0);
 		held += 1;
 		for (uint32_t i = 0; i < q->p->layers; i++)
-			held += q->ly[i].nseg;
+			held += q->ly[i].nseg + 1;
 	}
 	while (cap < 2 * held)
 		cap *= 2;
@@ -1549,37 +1677,32 @@ uint64_t kvd_store_freeable_set(struct kvd_seqn *const *qs, size_t n)
 				own -= q->ly[i].seg[j]->bytes;
 				pc_add(t, cap - 1, q->ly[i].seg[j]);
 			}
+			if (q->ly[i].tail) {
+				own -= tail_bytes(q->p);
+				pc_add(t, cap - 1, q->ly[i].tail);
+			}
 		}
 		got += own;
 		if (q->loc)
 			pc_add(t, cap - 1, q->loc);
 	}
-	/* A segment or a blob of client rows goes when every holder is in
-	 * the set.  A segment's refs and a blob's are both its holders. */
+	/* A segment, an open tail or a blob of client rows goes when every
+	 * holder is in the set: their refs are their holders. */
 	for (size_t k = 0; k < n; k++) {
 		const struct kvd_seqn *q = qs[k];
 
 		for (uint32_t i = 0; i < q->p->layers; i++) {
 			for (uint32_t j = 0; j < q->ly[i].nseg; j++) {
 				const struct kvd_seg *sg = q->ly[i].seg[j];
-				size_t x = (size_t)kvd_mix64((uint64_t)(uintptr_t)sg) & (cap - 1);
 
-				while (t[x].p != sg)
-					x = (x + 1) & (cap - 1);
-				if (t[x].n == sg->refs)
+				if (pc_take(t, cap - 1, sg) == sg->refs)
 					got += sg->bytes;
-				t[x].n = 0;     /* counted once */
 			}
+			if (q->ly[i].tail && pc_take(t, cap - 1, q->ly[i].tail) == q->ly[i].tail->refs)
+				got += tail_bytes(q->p);
 		}
-		if (q->loc) {
-			size_t x = (size_t)kvd_mix64((uint64_t)(uintptr_t)q->loc) & (cap - 1);
-
-			while (t[x].p != q->loc)
-				x = (x + 1) & (cap - 1);
-			if (t[x].n == q->loc->refs)
-				got += q->loc->bytes;
-			t[x].n = 0;
-		}
+		if (q->loc && pc_take(t, cap - 1, q->loc) == q->loc->refs)
+			got += q->loc->bytes;
 	}
 	free(t);
 	return got;

@@ -26,6 +26,8 @@
  * (or read) it, and stays charged until its last holder lets go: a fork,
  * an attach or a snapshot holding it is not charged for it again, and the
  * store's total counts it once (each holder's own bytes count it in full).
+ * A layer's open tail, shared copy-on-write by forks, is charged the same
+ * way, to the uid whose sequence made it.
  * Everything is uncharged when freed or dropped.  Without limits nothing
  * is refused for the budget (the tier's pre-checks still apply), as before.
  *
@@ -173,11 +175,14 @@ int kvd_store_seq_create_uid(struct kvd_store *s, const struct kvd_profile *p, u
 			     size_t msglen);
 /* A copy-on-write child of parent (SeqFork: parallel samples, beams): the
  * same profile, charged to uid and owned by `owner` under `tenant`; every
- * layer's mean, token count, tail rows and estimator state are copied, its sealed segments
- * shared (reference counted, immutable, freed with their last holder).
- * What the child holds is charged to it like a private copy, shared
- * segments included, before anything is allocated, so a fork never holds
- * memory its uid was not charged for.  -EAGAIN unless parent is resident,
+ * layer's mean, token count and estimator state are copied, its sealed
+ * segments and open tails shared (reference counted, freed with their last
+ * holder; a shared tail is copied by whichever holder next APPENDs to that
+ * layer, charged then, in kvd_store_rows).  What the child copies is
+ * charged to it before anything is allocated; what it shares stays charged
+ * once, to whoever made it, so no memory is held that nobody was charged
+ * for.  No tail rows are copied here: the cost is the layers' means and
+ * tables, not their open rows.  -EAGAIN unless parent is resident,
  * -EBUSY while a layer of parent is mid-prefill, else as
  * kvd_store_seq_create_uid; msg says why. */
 int kvd_store_seq_fork(struct kvd_store *s, struct kvd_seqn *parent, uint32_t uid,
@@ -242,7 +247,8 @@ void kvd_store_seq_unpin(struct kvd_seqn *q);
 int kvd_store_seq_pinned(const struct kvd_seqn *q);
 
 /* Rows entering a layer: PREFILL (append to staging, seal full segments,
- * and everything with `last`) or APPEND (the tail, sealed at seal_tokens).
+ * and everything with `last`) or APPEND (the tail, sealed at seal_tokens;
+ * a tail shared with a fork is first copied into one of q's own).
  * mean is [kv][d] or NULL; k, v [kv][n][d] bf16; codes [kv][L][n].
  * 0, or a negative code with msg filled.  With limits, the most the call
  * will hold at once is checked before anything changes: -EINPROGRESS from

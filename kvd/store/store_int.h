@@ -23,7 +23,9 @@ struct kvd_layer_state {
 	uint32_t stage_n, stage_cap;
 	/* The tail (APPEND after prefill), K and V [kv][seal_tokens][d], codes
 	 * [kv][L][seal_tokens]; tail_n rows used, sealed into a segment when
-	 * it reaches seal_tokens. */
+	 * it reaches seal_tokens.  tail_k, tail_v, tail_codes are tail's
+	 * buffers (NULL without one), which forks share (struct kvd_tail). */
+	struct kvd_tail *tail;
 	uint16_t *tail_k, *tail_v, *tail_codes;
 	uint32_t tail_n;
 	uint64_t tokens;                /* tokens kvd holds for this layer */
@@ -31,6 +33,21 @@ struct kvd_layer_state {
 	 * words, counted in q->bytes; NULL until first used (and always for
 	 * magicpig).  Never written to spill files. */
 	uint32_t *heavy;
+};
+
+/* A layer's tail buffers, shared copy-on-write: a fork (SeqFork, a
+ * publish's snapshot, an attach) takes a reference instead of copying, so
+ * that a fork costs the state lock no copy of every layer's open rows.
+ * Nobody writes a tail with refs > 1: a holder about to write (an APPEND)
+ * first makes its own copy (tail_own in store.c), and the rows [0, tail_n)
+ * each holder sees stay as they were.  Charged once, like a segment, to
+ * chg_uid (whoever made it), counted once in the store's total and in
+ * full in every holder's bytes; the last holder's put frees and uncharges
+ * it. */
+struct kvd_tail {
+	uint32_t refs;
+	uint32_t chg_uid, chg_node;
+	uint16_t *k, *v, *codes;
 };
 
 /* The client's own rows of a sequence (kvd_store_local_put), kept for the

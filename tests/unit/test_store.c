@@ -29,6 +29,8 @@
 #define KB 8
 #define LT 16
 #define LAYERS 2
+/* A tail's K, V and codes (seal_tokens 64): what a fork shares, not copies. */
+#define TAIL_ROWS_BYTES ((size_t)2 * KV * 64 * D * 2 + (size_t)KV * LT * 64 * 2)
 
 static struct kvd_pool *pool;
 static uint8_t dense[LAYERS];
@@ -932,13 +934,13 @@ static int teardown(void **state)
 	return 0;
 }
 
-/* A fork shares its parent's sealed segments (the same objects, one more
- * reference each) and copies the tail and the mean; each side then seals
- * its own segments; freeing either first leaves the other whole; it is
- * charged for what it copies, not for the segments it shares (those stay
- * charged once, to their maker, until their last holder lets go, so the
- * uid's charge never falls short of what is held) and everything returns
- * to zero.  Mid-prefill, over the uid's
+/* A fork shares its parent's sealed segments and open tails (the same
+ * objects, one more reference each) and copies the mean; each side then
+ * seals its own segments; freeing either first leaves the other whole; it
+ * is charged for what it copies, not for the segments and tails it shares
+ * (those stay charged once, to their maker, until their last holder lets
+ * go, so the uid's charge never falls short of what is held) and
+ * everything returns to zero.  Mid-prefill, over the uid's
  * memory, or on disk, the fork is refused and nothing is left behind. */
 static void test_fork(void **state)
 {
@@ -970,17 +972,19 @@ static void test_fork(void **state)
 	assert_ptr_equal(kvd_store_seq_profile(f), p);
 	assert_int_equal(tokens_of(f), tokens_of(q));
 	assert_int_equal(kvd_store_seq_bytes(f), qb);
-	/* charged its own struct, tail, means and tables: not the segments */
+	/* charged its own struct, means and tables: not the segments, nor
+	 * layer 0's tail (64 rows: K, V and codes, and its struct) */
 	{
-		size_t segs = 0;
+		size_t segs = 0, tailb;
 
 		for (uint32_t j = 0; j < 2; j++)
 			for (uint32_t k = 0; k < kvd_store_view(q, j).nseg; k++)
 				segs += kvd_store_view(q, j).seg[k]->bytes;
 		assert_true(segs > 0);
-		assert_true(mem_total(l) - before > qb - segs &&
-			    mem_total(l) - before < qb - segs + 4096);
-		assert_int_equal(kvd_store_seq_freeable(f), qb - segs);
+		tailb = qb - segs - kvd_store_seq_freeable(f);
+		assert_true(tailb >= TAIL_ROWS_BYTES && tailb < TAIL_ROWS_BYTES + 256);
+		assert_true(mem_total(l) - before > qb - segs - tailb &&
+			    mem_total(l) - before < qb - segs - tailb + 4096);
 	}
 	assert_int_equal(store_total(s), mem_total(l));
 	a = kvd_store_view(q, 0);
@@ -991,7 +995,8 @@ static void test_fork(void **state)
 		assert_ptr_equal(a.seg[j], b.seg[j]);
 		assert_int_equal(a.seg[j]->refs, 2);
 	}
-	assert_true(a.tail_k != b.tail_k);
+	assert_ptr_equal(a.tail_k, b.tail_k);
+	assert_ptr_equal(kvd_store_layer_tail_codes(q, 0), kvd_store_layer_tail_codes(f, 0));
 	tail_holds(&b, 600, 40);
 	assert_memory_equal(kvd_store_layer_mean(q, 0), kvd_store_layer_mean(f, 0),
 			    KV * D * sizeof(float));
@@ -1007,6 +1012,7 @@ static void test_fork(void **state)
 	assert_int_equal(b.nseg, 3);
 	seg_holds(&a, 3, 600, 64);
 	assert_int_equal(b.tail_n, 50);
+	assert_true(a.tail_k != b.tail_k);
 	assert_int_equal(store_total(s), mem_total(l));
 
 	/* a fork of the fork; then the original goes first */
@@ -1038,6 +1044,203 @@ static void test_fork(void **state)
 	kvd_store_profile_unref(s, p);
 	assert_int_equal(mem_total(l), 0);
 	assert_int_equal(store_total(s), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+/* Rows [row0, row0 + n) of a layer's tail are tokens [t0, t0 + n): K, V
+ * and codes. */
+static void tail_rows(const struct kvd_seqn *q, uint32_t ly, uint32_t row0, uint32_t t0,
+		      uint32_t n)
+{
+	struct kvd_layer_view lv = kvd_store_view(q, ly);
+	const uint16_t *c = kvd_store_layer_tail_codes(q, ly);
+
+	assert_true(row0 + n <= lv.tail_n);
+	assert_non_null(c);
+	for (uint32_t h = 0; h < KV; h++) {
+		for (uint32_t i = row0; i < row0 + n; i++) {
+			for (uint32_t e = 0; e < D; e++)
+				if (lv.tail_k[((size_t)h * lv.tail_cap + i) * D + e] !=
+				    row_elem(h, t0 + i - row0, e, 1) ||
+				    lv.tail_v[((size_t)h * lv.tail_cap + i) * D + e] !=
+				    row_elem(h, t0 + i - row0, e, 2))
+					fail_msg("layer %u tail head %u row %u is not token %u", ly, h,
+						 i, t0 + i - row0);
+			for (uint32_t t = 0; t < LT; t++)
+				if (c[((size_t)h * LT + t) * lv.tail_cap + i] !=
+				    code_of(h, t, t0 + i - row0))
+					fail_msg("layer %u tail head %u table %u row %u: code", ly, h, t,
+						 i);
+		}
+	}
+}
+
+/* A prefilled sequence of uid 9 with open tails: 40 rows in layer 0
+ * (tokens 600..639), 20 in layer 1 (700..719). */
+static struct kvd_seqn *tailed(struct kvd_store *s, const struct kvd_profile *p)
+{
+	struct kvd_seqn *q;
+	char msg[256];
+
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	for (uint32_t ly = 0; ly < LAYERS; ly++)
+		assert_int_equal(rows(s, q, ly, 0, 1, 1, 0, 300, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 600, 40, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 1, 1, 0, 0, 700, 20, msg, sizeof msg), 0);
+	return q;
+}
+
+/* A fork copies no tail: it takes a reference on each layer's (the same
+ * buffers, not charged again, so the fork costs less than one tail).  The
+ * first APPEND of any holder copies that one layer's rows into a tail of
+ * its own, charged then; the others' rows stay bit for bit; the last
+ * holder writes in place, without a copy.  Seals work on each side, a drop
+ * while shared leaves the others whole, and freeing in any order returns
+ * every byte. */
+static void test_fork_shares_tails(void **state)
+{
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 5);
+	const struct kvd_profile *p;
+	struct kvd_layer_view a, b, c;
+	struct kvd_seqn *q, *f, *g;
+	const uint16_t *k0;
+	uint64_t m0;
+	size_t qb;
+	char msg[256];
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	q = tailed(s, p);
+	m0 = mem_total(l);
+	qb = kvd_store_seq_bytes(q);
+	assert_int_equal(kvd_store_seq_fork(s, q, 9, "9:t", 2, &f, msg, sizeof msg), 0);
+	assert_true(mem_total(l) - m0 < TAIL_ROWS_BYTES);
+	assert_int_equal(store_total(s), mem_total(l));
+	assert_int_equal(kvd_store_seq_bytes(f), qb);
+	assert_int_equal(kvd_store_seq_fork(s, f, 9, "9:t", 3, &g, msg, sizeof msg), 0);
+	for (uint32_t ly = 0; ly < LAYERS; ly++) {
+		assert_ptr_equal(kvd_store_view(q, ly).tail_k, kvd_store_view(f, ly).tail_k);
+		assert_ptr_equal(kvd_store_view(q, ly).tail_v, kvd_store_view(g, ly).tail_v);
+		assert_ptr_equal(kvd_store_layer_tail_codes(q, ly), kvd_store_layer_tail_codes(g, ly));
+	}
+	/* nothing of a shared tail is freeable: dropping one holder gives
+	 * none of it back */
+	assert_true(kvd_store_seq_freeable(q) < qb - 2 * TAIL_ROWS_BYTES);
+
+	/* the middle one appends: a tail of its own for layer 0, charged now */
+	m0 = mem_total(l);
+	assert_int_equal(rows(s, f, 0, 1, 0, 0, 5000, 3, msg, sizeof msg), 0);
+	assert_true(mem_total(l) - m0 >= TAIL_ROWS_BYTES &&
+		    mem_total(l) - m0 < TAIL_ROWS_BYTES + 256);
+	assert_int_equal(store_total(s), mem_total(l));
+	a = kvd_store_view(q, 0);
+	b = kvd_store_view(f, 0);
+	c = kvd_store_view(g, 0);
+	assert_ptr_equal(a.tail_k, c.tail_k);
+	assert_true(b.tail_k != a.tail_k);
+	assert_int_equal(b.tail_n, 43);
+	tail_rows(f, 0, 0, 600, 40);
+	tail_rows(f, 0, 40, 5000, 3);
+	assert_int_equal(a.tail_n, 40);
+	assert_int_equal(c.tail_n, 40);
+	tail_rows(q, 0, 0, 600, 40);
+	tail_rows(g, 0, 0, 600, 40);
+	/* layer 1 is still one tail for all three */
+	assert_ptr_equal(kvd_store_view(f, 1).tail_k, kvd_store_view(q, 1).tail_k);
+
+	/* the parent's 24 fill its (copied) tail and seal it; g's stays */
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 640, 24, msg, sizeof msg), 0);
+	a = kvd_store_view(q, 0);
+	c = kvd_store_view(g, 0);
+	assert_int_equal(a.nseg, 3);
+	seg_holds(&a, 2, 600, 64);
+	assert_int_equal(a.tail_n, 0);
+	assert_int_equal(c.nseg, 2);
+	tail_rows(g, 0, 0, 600, 40);
+	assert_int_equal(store_total(s), mem_total(l));
+
+	/* g is the old tail's last holder: it writes in place, no copy */
+	k0 = c.tail_k;
+	m0 = mem_total(l);
+	assert_int_equal(rows(s, g, 0, 1, 0, 0, 900, 1, msg, sizeof msg), 0);
+	assert_ptr_equal(kvd_store_view(g, 0).tail_k, k0);
+	assert_int_equal(mem_total(l), m0);
+	tail_rows(g, 0, 0, 600, 40);
+	tail_rows(g, 0, 40, 900, 1);
+
+	/* q dropped (written out) while it shares layer 1's tail: the tail
+	 * stays with f and g, charged as before */
+	m0 = mem_total(l);
+	kvd_store_seq_drop(s, q);
+	assert_int_equal(store_total(s), mem_total(l));
+	assert_true(m0 - mem_total(l) < 2 * qb);
+	tail_rows(f, 1, 0, 700, 20);
+	kvd_store_seq_free(s, f);
+	tail_rows(g, 1, 0, 700, 20);
+	assert_int_equal(store_total(s), mem_total(l));
+	/* ... and g, the last holder, seals it */
+	assert_int_equal(rows(s, g, 1, 1, 0, 0, 720, 44, msg, sizeof msg), 0);
+	b = kvd_store_view(g, 1);
+	assert_int_equal(b.tail_n, 0);
+	seg_holds(&b, b.nseg - 1, 700, 64);
+	kvd_store_seq_free(s, g);
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	assert_int_equal(store_total(s), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
+/* The copy of a shared tail is charged before the APPEND changes
+ * anything: refused at the uid's limit, the child keeps sharing, with the
+ * same rows, bytes and generation; once there is room, it goes through. */
+static void test_fork_tail_copy_refused(void **state)
+{
+	struct kvd_limits *l = limits(0, 4u << 20, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 6);
+	const struct kvd_profile *p;
+	static struct kvd_seqn *fill[65536];
+	struct kvd_seqn *q, *f;
+	uint32_t nf = 0;
+	uint64_t m0, gen;
+	size_t fb;
+	char msg[256];
+
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	q = tailed(s, p);
+	/* the child is uid 10's: what it holds of q's stays charged to 9 */
+	assert_int_equal(kvd_store_seq_fork(s, q, 10, "10:t", 2, &f, msg, sizeof msg), 0);
+	while (nf < 65536 &&
+	       !kvd_store_seq_create_uid(s, p, 10, "10:t", 1, &fill[nf], msg, sizeof msg))
+		nf++;
+	assert_true(nf < 65536);
+	m0 = mem_total(l);
+	gen = kvd_store_seq_gen(f);
+	fb = kvd_store_seq_bytes(f);
+	assert_int_equal(rows(s, f, 0, 1, 0, 0, 5000, 1, msg, sizeof msg), -EDQUOT);
+	assert_non_null(strstr(msg, "memory_per_uid"));
+	assert_int_equal(mem_total(l), m0);
+	assert_int_equal(kvd_store_seq_gen(f), gen);
+	assert_int_equal(kvd_store_seq_bytes(f), fb);
+	assert_ptr_equal(kvd_store_view(f, 0).tail_k, kvd_store_view(q, 0).tail_k);
+	tail_rows(f, 0, 0, 600, 40);
+	assert_int_equal(kvd_store_view(f, 0).tail_n, 40);
+	while (nf)
+		kvd_store_seq_free(s, fill[--nf]);
+	assert_int_equal(rows(s, f, 0, 1, 0, 0, 5000, 1, msg, sizeof msg), 0);
+	tail_rows(f, 0, 0, 600, 40);
+	tail_rows(f, 0, 40, 5000, 1);
+	tail_rows(q, 0, 0, 600, 40);
+	assert_int_equal(kvd_store_view(q, 0).tail_n, 40);
+	assert_int_equal(store_total(s), mem_total(l));
+	kvd_store_seq_free(s, q);
+	kvd_store_seq_free(s, f);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
 	kvd_store_destroy(s);
 	kvd_limits_destroy(l);
 }
@@ -1111,6 +1314,8 @@ int main(void)
 		cmocka_unit_test(test_heavy_state),
 		cmocka_unit_test(test_fork),
 		cmocka_unit_test(test_fork_over_budget),
+		cmocka_unit_test(test_fork_shares_tails),
+		cmocka_unit_test(test_fork_tail_copy_refused),
 	};
 
 	return cmocka_run_group_tests(tests, setup, teardown);
