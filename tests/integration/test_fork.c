@@ -29,6 +29,14 @@
  *                                estimator state: after the parent's decode
  *                                steps both answer the next query bit for bit,
  *                                unlike a never-attended copy
+ *   test_fork_storm              another process forks a parent with open
+ *                                tails over and over (16 children alive at
+ *                                once, some decoding, then freed) while a
+ *                                quiet client attends: the forks copy no tail
+ *                                (16 cost less than one layer's tail), a
+ *                                child's decode copies only its own, the
+ *                                quiet client's answers never change, and
+ *                                every byte comes back
  *   test_fork_race               three connections of one tenant fork one
  *                                parent (kvc, and raw SeqCreate racing the
  *                                parent's free), attend and free the
@@ -81,6 +89,7 @@
 #define NTOT    (P_TOK + H_TOK + X_TOK)
 #define UID_B   65534
 #define CQE_S   300             /* ring completions: generous for sanitizer builds */
+#define TAIL_KV ((uint64_t)2 * HKV * 256 * D * 2)      /* one layer's tail, K and V */
 
 static const uint32_t dense_layers[] = { 0 };
 static const struct kvc_model model = {
@@ -450,12 +459,12 @@ static void test_fork_matches_parent(void **state)
 		      (unsigned long long)ps.bytes, (unsigned long long)kvc_seq_id(ch),
 		      (unsigned long long)cs.tokens, cs.segments, (unsigned long long)cs.bytes);
 	expect_same_stats("child vs parent", c, ch, c, par);
-	/* the shared segments count once: the child adds what it copied (its
-	 * tails, means, tables), far less than a second parent */
+	/* the shared segments and tails count once: the child adds what it
+	 * copied (its means, tables), less than one layer's tail */
 	st = stats(c);
 	assert_int_equal(st.sequences, st0.sequences + 2);
 	assert_true(st.bytes - st0.bytes > ps.bytes);
-	assert_true(st.bytes - st0.bytes < ps.bytes + ps.bytes / 2);
+	assert_true(st.bytes - st0.bytes < ps.bytes + TAIL_KV);
 	uint64_t own = st.bytes - st0.bytes - ps.bytes;        /* what one fork copies */
 
 	answer_ok(c, par, &src, &ap);
@@ -1288,6 +1297,133 @@ static void test_fork_race(void **state)
 	src_free(&src);
 }
 
+/* ==== 8. a storm of forks beside a quiet client ============================ */
+
+#define STORM_ALIVE 16
+#define STORM_ROUNDS 4
+#define STORM_DECODE 32         /* a child's decode: rows reach kvd's tail */
+
+struct storm {
+	volatile int ready, go, done, failed;
+	uint64_t b0, b16, bdecoded, bend;
+	char msg[512];
+};
+
+static int storm_fail(struct storm *sh, struct kvc *c, const char *what)
+{
+	snprintf(sh->msg, sizeof sh->msg, "attacker: %s: %s", what, c ? kvc_last_error(c) : "");
+	sh->failed = 1;
+	return 1;
+}
+
+/* The attacker: forks its parent STORM_ALIVE times, then frees the
+ * children, STORM_ROUNDS times; in the second round each child decodes
+ * STORM_DECODE tokens first (so it copies its tails).  ServerStats bytes before, with
+ * the first round's children alive, with the decoded ones alive, after. */
+static int storm_main(struct storm *sh)
+{
+	struct kvc_opts o = { .socket_path = D_.sock, .tenant = "t", .name = "storm",
+			      .slots = 8, .slot_size = 1 << 20 };
+	struct kvc_seq *par, *ch[STORM_ALIVE];
+	struct kvc_stats st;
+	struct kvc *c;
+	struct src src;
+
+	if (kvc_connect(&o, &c) || kvc_profile(c, &model))
+		return storm_fail(sh, c, "connect");
+	src_make(&src, 9);
+	if (kvc_seq_create(c, &par) || prefill_layers(c, par, &src, P_TOK, 0, LAYERS) ||
+	    feed(c, par, &src, P_TOK, H_TOK))
+		return storm_fail(sh, c, "parent");
+	sh->ready = 1;
+	while (!sh->go && !sh->failed)
+		daemon_sleep_ms(1);
+	/* the quiet client's sequence is made by now: nothing else changes */
+	if (kvc_server_stats(c, &st))
+		return storm_fail(sh, c, "stats");
+	sh->b0 = st.bytes;
+	for (int r = 0; r < STORM_ROUNDS; r++) {
+		for (int i = 0; i < STORM_ALIVE; i++) {
+			if (kvc_seq_fork(c, par, &ch[i]))
+				return storm_fail(sh, c, "fork");
+			if (r == 1 && feed(c, ch[i], &src, P_TOK + H_TOK, STORM_DECODE))
+				return storm_fail(sh, c, "child's decode");
+		}
+		if (kvc_server_stats(c, &st))
+			return storm_fail(sh, c, "stats");
+		if (r == 0)
+			sh->b16 = st.bytes;
+		if (r == 1)
+			sh->bdecoded = st.bytes;
+		for (int i = 0; i < STORM_ALIVE; i++)
+			if (kvc_seq_free(c, ch[i]))
+				return storm_fail(sh, c, "free");
+	}
+	if (kvc_server_stats(c, &st))
+		return storm_fail(sh, c, "stats");
+	sh->bend = st.bytes;
+	if (kvc_seq_free(c, par))
+		return storm_fail(sh, c, "free of the parent");
+	kvc_close(c);
+	src_free(&src);
+	return 0;
+}
+
+static void test_fork_storm(void **state)
+{
+	struct storm *sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE,
+				MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	struct ans ref, a;
+	struct src src;
+	struct kvc *v;
+	struct kvc_seq *s;
+	long attends = 0;
+	pid_t kid;
+	int st;
+
+	assert_true(sh != MAP_FAILED);
+	memset(sh, 0, sizeof *sh);
+	kid = fork();
+	assert_true(kid >= 0);
+	if (kid == 0)
+		_exit(storm_main(sh));
+	v = kconnect("quiet", "storm-victim", &model);
+	src_make(&src, 10);
+	s = make_parent(v, &src);
+	answer_ok(v, s, &src, &ref);
+	while (!sh->ready && !sh->failed)
+		daemon_sleep_ms(1);
+	sh->go = 1;
+	for (;;) {
+		int done = waitpid(kid, &st, WNOHANG) == kid;
+
+		answer_ok(v, s, &src, &a);
+		attends++;
+		expect_same("the quiet client during the forks", &a, &ref);
+		if (done)
+			break;
+	}
+	if (!WIFEXITED(st) || WEXITSTATUS(st) || sh->failed)
+		fail_msg("%s", sh->failed ? sh->msg : "attacker died");
+	print_message("  bytes: before %llu, +16 forks %llu, +16 decoded %llu; %ld quiet attends\n",
+		      (unsigned long long)sh->b0, (unsigned long long)(sh->b16 - sh->b0),
+		      (unsigned long long)(sh->bdecoded - sh->b0), attends);
+	/* sixteen forks share the parent's tails (2 sparse layers of 96 rows
+	 * in a 256-row buffer): together they cost less than one layer's
+	 * tail; copied, they were 32 tails */
+	assert_true(sh->b16 > sh->b0);
+	assert_true(sh->b16 - sh->b0 < TAIL_KV);
+	/* a child that decodes copies its own tails, nobody else's */
+	assert_true(sh->bdecoded - sh->b0 >= STORM_ALIVE * (LAYERS - 1) * TAIL_KV);
+	assert_true(sh->bdecoded - sh->b0 < STORM_ALIVE * (LAYERS - 1) * 2 * TAIL_KV);
+	assert_int_equal(sh->bend, sh->b0);
+	assert_int_equal(kvc_seq_free(v, s), 0);
+	assert_int_equal(stats(v).bytes, 0);
+	kvc_close(v);
+	src_free(&src);
+	munmap(sh, sizeof *sh);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -1298,6 +1434,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_fork_errors, start, stop),
 		cmocka_unit_test_setup_teardown(test_fork_tier, start_spill, stop),
 		cmocka_unit_test_setup_teardown(test_fork_hybrid, start, stop),
+		cmocka_unit_test_setup_teardown(test_fork_storm, start, stop),
 		cmocka_unit_test_setup_teardown(test_fork_race, start, stop),
 	};
 

@@ -9,7 +9,8 @@
  *                                ShareUsage counts the hit and the miss
  *   test_share_after_decode      a prefix published mid-decode (window part
  *                                full): attacher and publisher given the same
- *                                next tokens answer alike at every step
+ *                                next tokens answer alike at every step; the
+ *                                publish and the attach copy no open tail
  *   test_share_errors            a length that is not whole chunks, a layer
  *                                mid-prefill, a freed or foreign sequence,
  *                                bad keys and LOCAL ranges (raw): clear errors;
@@ -73,6 +74,7 @@
 #define NTOT    (P_TOK + X_TOK + 400)
 #define UID_B   65534
 #define UID_C   65533
+#define TAIL_KV ((uint64_t)2 * HKV * CHUNK * D * 2)    /* one layer's tail, K and V */
 
 static const uint32_t dense_layers[] = { 0 };
 static const struct kvc_model model = {
@@ -431,14 +433,22 @@ static void test_share_after_decode(void **state)
 	struct src src;
 	struct ans u, v;
 	struct kvc_seq *s, *x;
+	struct kvc_stats st0, st1, st2;
 
 	src_make(&src, 2);
 	/* 3000 prefilled, 72 decoded: the window holds rows waiting for their
 	 * batch to go to kvd, and the tail some that went. */
 	s = private_seq(a, &src, 3000);
 	extend_ok(a, s, &src, 3000, P_TOK - 3000);
+	st0 = stats(a);
 	publish_ok(a, s, &src, P_TOK);
+	st1 = stats(a);
 	x = attach_ok(b, &src, P_TOK, P_TOK);
+	st2 = stats(a);
+	/* the snapshot and the attached child share the open tails (two
+	 * sparse layers) like the segments: each costs less than one */
+	assert_true(st1.bytes - st0.bytes < TAIL_KV);
+	assert_true(st2.bytes - st1.bytes < TAIL_KV);
 	for (uint32_t t = P_TOK; t < P_TOK + 200; t += 40) {
 		answer_ok(a, s, &src, &u);
 		answer_ok(b, x, &src, &v);
