@@ -6,7 +6,9 @@
  *   append         decodes into every layer of a big sequence (APPENDs of
  *                  32 rows, a seal of seal_tokens rows every so often)
  *   fork           forks the big sequence and frees the child, over and over
- *                  (the child copies every layer's open tail)
+ *                  (the child shares every layer's open tail: it copied
+ *                  them all under the state lock before they were
+ *                  copy-on-write)
  *   evict_restore  writes the big sequence out and reads it back, over and
  *                  over (the write-back's copies, the restore's installs)
  *   big_append     one APPEND of 59904 rows (2 kv heads, L 150: 97 MB in one
