@@ -5,8 +5,11 @@
  * the old API without limits.  Then the rows themselves: PREFILL staging
  * sealed every seg_tokens and at LAST, the APPEND tail sealed at
  * seal_tokens and starting over, every row in its place, and rows out of
- * order refused without a change.  Last, the estimator state of hybrid
- * profiles: charged, zero-filled, given back on drop and free. */
+ * order refused without a change.  Then the estimator state of hybrid
+ * profiles: charged, zero-filled, given back on drop and free.  Last,
+ * forks: segments and open tails shared (a tail copied by the holder that
+ * next appends to it, charged then, refused without a change), every byte
+ * charged once and given back in any order. */
 #include <errno.h>
 #include <setjmp.h>
 #include <stdarg.h>
