@@ -3,6 +3,10 @@
  * back to back; meanwhile an attacker, in turn:
  *
  *   quiet          nothing
+ *   busy           spins on the CPU in its own process, never calling kvd: on a
+ *                  machine with few cores, what any CPU-bound neighbour costs
+ *                  the victim through the scheduler alone (the control for
+ *                  the phases below, whose attacker also hashes on the CPU)
  *   append         decodes into every layer of a big sequence (APPENDs of
  *                  32 rows, a seal of seal_tokens rows every so often)
  *   fork           forks the big sequence and frees the child, over and over
@@ -39,8 +43,8 @@
 #include "rng.h"
 
 #define MAXLAT 400000
-enum { PH_QUIET, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, NPH, PH_END = NPH };
-static const char *const ph_name[NPH] = { "quiet", "append", "fork", "evict_restore",
+enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, NPH, PH_END = NPH };
+static const char *const ph_name[NPH] = { "quiet", "busy", "append", "fork", "evict_restore",
 					  "big_append" };
 #define BIG_ROWS 59904
 
@@ -240,6 +244,10 @@ static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_mod
 		switch (ph) {
 		case PH_QUIET:
 			usleep(10000);
+			break;
+		case PH_BUSY:
+			for (volatile uint64_t x = 0; x < 1000000; x++) {
+			}
 			break;
 		case PH_APPEND:
 			for (uint32_t l = 0; l < m->layers; l++) {
