@@ -108,6 +108,7 @@ struct kvd_tier {
 	int stopping;
 	int pin_wait;                   /* a request waits for a pinned sequence's unit
 					 * to end (kvd_tier_take_pin_waits) */
+	int making_room;                /* evict() called by the budget's own loops */
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
 
@@ -395,12 +396,18 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 			}
 	/* The copies are the uid's memory while the write runs: charged before
 	 * they exist, checked like any other bytes.  Refused, the sequence
-	 * stays in RAM and is not tried again before the back-off. */
+	 * stays in RAM and is not tried again before the back-off.  Except
+	 * when the budget itself evicts to make room (t->making_room): at the
+	 * limit nothing could ever start going, and every request would fail
+	 * until something is freed; those copies are charged all the same (a
+	 * bounded overshoot, for as long as the write runs). */
 	if (lim(t)) {
 		uint64_t cb = write_copies(&f, q, n);
 		char why[128];
 		int rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_MEMORY, cb, why, sizeof why);
 
+		if (rc && t->making_room)
+			rc = kvd_limits_force(lim(t), r->uid, KVD_RES_MEMORY, cb);
 		if (rc) {
 			snprintf(t->why, sizeof t->why, "the write-back's copies: %s", why);
 			r->backoff_until = now_ns() + BACKOFF_NS;
@@ -553,6 +560,17 @@ static int spill_charge(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *
 static int evict(struct kvd_tier *t, struct rec *r)
 {
 	return write_out(t, r, 1);
+}
+
+/* evict() for the budget: room for a request, or the watermarks. */
+static int evict_for_room(struct kvd_tier *t, struct rec *r)
+{
+	int rc;
+
+	t->making_room = 1;
+	rc = evict(t, r);
+	t->making_room = 0;
+	return rc;
 }
 
 /* Starts writing r's file: then drops it from RAM (evict), or keeps it
@@ -1339,7 +1357,7 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 			nx = r->next;
 			if (!victim(t, r, now, &pinned))
 				continue;
-			rc = evict(t, r);
+			rc = evict_for_room(t, r);
 			if (rc == 0)
 				u = used(t);
 			later |= rc == -EAGAIN;
@@ -1395,7 +1413,7 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 			break;
 		if (!victim(t, r, now, &pinned))
 			continue;
-		rc = evict(t, r);
+		rc = evict_for_room(t, r);
 		later |= rc == -EAGAIN;
 		if (rc == 0 && r->evict_after)
 			pend += r->pend;
@@ -1613,7 +1631,7 @@ void kvd_tier_balance(struct kvd_tier *t)
 			break;
 		if (!victim(t, r, now, &pinned))
 			continue;
-		evict(t, r);
+		evict_for_room(t, r);
 	}
 }
 
