@@ -108,7 +108,6 @@ struct kvd_tier {
 	int stopping;
 	int pin_wait;                   /* a request waits for a pinned sequence's unit
 					 * to end (kvd_tier_take_pin_waits) */
-	int making_room;                /* evict() called by the budget's own loops */
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
 
@@ -372,7 +371,7 @@ static uint64_t write_copies(const struct kvd_sfmt_file *f, const struct kvd_seq
  * the write.  A layer's estimator state (l->heavy, hybrid and adaptive
  * profiles) is not written: it is scratch, dropped with the sequence's
  * RAM, and a restored sequence starts again from empty lists. */
-static int build_write(struct kvd_tier *t, struct rec *r)
+static int build_write(struct kvd_tier *t, struct rec *r, int evict)
 {
 	struct kvd_seqn *q = r->q;
 	const struct kvd_profile *p = q->p;
@@ -397,16 +396,17 @@ static int build_write(struct kvd_tier *t, struct rec *r)
 	/* The copies are the uid's memory while the write runs: charged before
 	 * they exist, checked like any other bytes.  Refused, the sequence
 	 * stays in RAM and is not tried again before the back-off.  Except
-	 * when the budget itself evicts to make room (t->making_room): at the
-	 * limit nothing could ever start going, and every request would fail
-	 * until something is freed; those copies are charged all the same (a
-	 * bounded overshoot, for as long as the write runs). */
+	 * for a write that drops the sequence after (an eviction, the
+	 * budget's or a SeqEvict): it frees far more than its copies, and at
+	 * the limit refusing it left nothing able to go and every request
+	 * failing until something was freed.  Its copies are charged all the
+	 * same: an overshoot of one write's copies while it runs. */
 	if (lim(t)) {
 		uint64_t cb = write_copies(&f, q, n);
 		char why[128];
 		int rc = kvd_limits_charge(lim(t), r->uid, KVD_RES_MEMORY, cb, why, sizeof why);
 
-		if (rc && t->making_room)
+		if (rc && evict)
 			rc = kvd_limits_force(lim(t), r->uid, KVD_RES_MEMORY, cb);
 		if (rc) {
 			snprintf(t->why, sizeof t->why, "the write-back's copies: %s", why);
@@ -562,16 +562,6 @@ static int evict(struct kvd_tier *t, struct rec *r)
 	return write_out(t, r, 1);
 }
 
-/* evict() for the budget: room for a request, or the watermarks. */
-static int evict_for_room(struct kvd_tier *t, struct rec *r)
-{
-	int rc;
-
-	t->making_room = 1;
-	rc = evict(t, r);
-	t->making_room = 0;
-	return rc;
-}
 
 /* Starts writing r's file: then drops it from RAM (evict), or keeps it
  * resident with a current file (a published prefix, under persist). */
@@ -611,7 +601,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 		forget_file(t, r);
 		return r->unl ? -EAGAIN : -EBUSY;
 	}
-	if ((rc = build_write(t, r)))
+	if ((rc = build_write(t, r, evict)))
 		return rc;
 	/* The file's bytes are charged to the uid's spill before the write
 	 * starts; refused, the sequence stays in RAM (and is not tried again
@@ -1357,7 +1347,7 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 			nx = r->next;
 			if (!victim(t, r, now, &pinned))
 				continue;
-			rc = evict_for_room(t, r);
+			rc = evict(t, r);
 			if (rc == 0)
 				u = used(t);
 			later |= rc == -EAGAIN;
@@ -1413,7 +1403,7 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 			break;
 		if (!victim(t, r, now, &pinned))
 			continue;
-		rc = evict_for_room(t, r);
+		rc = evict(t, r);
 		later |= rc == -EAGAIN;
 		if (rc == 0 && r->evict_after)
 			pend += r->pend;
@@ -1631,7 +1621,7 @@ void kvd_tier_balance(struct kvd_tier *t)
 			break;
 		if (!victim(t, r, now, &pinned))
 			continue;
-		evict_for_room(t, r);
+		evict(t, r);
 	}
 }
 
