@@ -5,6 +5,7 @@
 #                   then the CUDA backend on the host emulation (make check-emu)
 #                   and the AVX-512 kernels on SIMDe (make check-avx512-emu)
 #   make test SAN=address,undefined   (or SAN=thread): only that variant
+#   make test-long  the same at full size everywhere (see test-long below)
 #   make bench      the engine benchmark, JSON lines (bench/README in docs)
 #   make demo       the main job (see README.md); SPILL=1: sessions 3x the memory budget
 #   make fuzz       longer libFuzzer runs
@@ -143,6 +144,20 @@ $(B)/obj/kvd/metrics.o: EXTRA := -DKVD_GIT_REV='"$(or $(GIT_REV),unknown)"'
 $(B)/obj/kvd/engine/kern_avx512.o: EXTRA := $(ISA_avx512)
 $(B)/obj/kvd/engine/kern_avx512vnni.o: EXTRA := $(ISA_avx512) -mavx512vnni
 $(B)/obj/kvd/engine/kern_amx.o: EXTRA := $(ISA_avx512) -mamx-tile -mamx-int8
+ifeq ($(SAN),thread)
+# TSan leaves the kernel files (SimHash, scoring, gathers) uninstrumented:
+# they read rows that the store published before the task was queued and
+# write task-private outputs, and their instrumented loads were most of the
+# TSan suite's time.  Every handoff around them (the pool's queue, segment
+# references, the store's writes) stays instrumented.
+KERN_OBJ := $(patsubst %,$(B)/obj/kvd/engine/kern_%.o,scalar avx2 avx512 avx512vnni amx)
+$(KERN_OBJ): CFLAGS := $(filter-out -fsanitize=thread,$(CFLAGS))
+endif
+ifneq ($(SAN),)
+# -O1: at -O2 the sanitizers' instrumentation of the unrolled AVX-512 kernels
+# took three minutes a file, most of a sanitizer build.
+$(B)/obj/kvd/engine/kern_avx512.o $(B)/obj/kvd/engine/kern_avx512vnni.o $(B)/obj/kvd/engine/kern_amx.o: EXTRA += -O1
+endif
 
 $(B)/obj/%.o: %.c
 	$(call msg,CC,$<)
@@ -229,6 +244,14 @@ build/fuzz/obj/kvd/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
 build/fuzz/obj/kvd/engine/kern_avx512vnni.o: FUZZ_ISA := $(ISA_avx512) -mavx512vnni
 build/fuzz/obj/kvd/engine/kern_amx.o: FUZZ_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
 
+# No input a fuzz target decodes reaches a kernel: the per-ISA files go in
+# uninstrumented, which takes seconds where ASan+UBSan took minutes.
+FUZZ_KERN := $(patsubst %,build/fuzz/obj/kvd/engine/kern_%.o,avx2 avx512 avx512vnni amx)
+$(FUZZ_KERN): build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
+	$(call msg,FUZZCC,$<)
+	$(Q)mkdir -p $(dir $@)
+	$(Q)$(FUZZ_CC) $(filter-out -fsanitize=%,$(FUZZ_FLAGS)) $(FUZZ_ISA) -MMD -MP -c $< -o $@
+
 build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
 	$(call msg,FUZZCC,$<)
 	$(Q)mkdir -p $(dir $@)
@@ -262,25 +285,35 @@ check: all
 	$(Q)sh tests/run.sh $(B)/tests $(TEST_BIN)
 endif
 
+# The stages build with one job per CPU; their tests still run one binary at
+# a time.
+TEST_J ?= -j$(shell nproc 2>/dev/null || echo 2)
 ifeq ($(SAN),)
 test: deps
 	$(Q)sh tests/run.sh --reset
-	$(Q)sh tests/run.sh --stage plain $(MAKE) --no-print-directory check
-	$(Q)sh tests/run.sh --stage asan+ubsan $(MAKE) --no-print-directory check SAN=address,undefined
-	$(Q)sh tests/run.sh --stage tsan $(MAKE) --no-print-directory check SAN=thread
-	$(Q)sh tests/run.sh --stage fuzz-smoke $(MAKE) --no-print-directory fuzz-smoke
-	$(Q)sh tests/run.sh --stage check-emu $(MAKE) --no-print-directory check-emu
-	$(Q)sh tests/run.sh --stage check-avx512-emu $(MAKE) --no-print-directory check-avx512-emu
-	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) --no-print-directory check-unit check-exports
-	$(Q)sh tests/run.sh --stage check-install $(MAKE) --no-print-directory check-install
-	$(Q)sh tests/run.sh --stage check-python $(MAKE) --no-print-directory check-python
+	$(Q)sh tests/run.sh --stage plain $(MAKE) $(TEST_J) --no-print-directory check
+	$(Q)sh tests/run.sh --stage asan+ubsan $(MAKE) $(TEST_J) --no-print-directory check SAN=address,undefined
+	$(Q)sh tests/run.sh --stage tsan $(MAKE) $(TEST_J) --no-print-directory check SAN=thread
+	$(Q)sh tests/run.sh --stage fuzz-smoke $(MAKE) $(TEST_J) --no-print-directory fuzz-smoke
+	$(Q)sh tests/run.sh --stage check-emu $(MAKE) $(TEST_J) --no-print-directory check-emu
+	$(Q)sh tests/run.sh --stage check-avx512-emu $(MAKE) $(TEST_J) --no-print-directory check-avx512-emu
+	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) $(TEST_J) --no-print-directory check-unit check-exports
+	$(Q)sh tests/run.sh --stage check-install $(MAKE) $(TEST_J) --no-print-directory check-install
+	$(Q)sh tests/run.sh --stage check-python $(MAKE) $(TEST_J) --no-print-directory check-python
 	$(Q)sh tests/run.sh --total
 else
 test: deps
 	$(Q)sh tests/run.sh --reset
-	$(Q)$(MAKE) --no-print-directory check
+	$(Q)$(MAKE) $(TEST_J) --no-print-directory check
 	$(Q)sh tests/run.sh --total
 endif
+
+# The long runs, one command away: every test at full size in the sanitizer
+# builds too (KVD_TEST_FULL, tests/unit/testutil.h), test_cuda_kvc in all
+# three emulated schedules, and five minutes of fuzzing per decoder.
+.PHONY: test-long
+test-long:
+	$(Q)KVD_TEST_FULL=1 $(MAKE) --no-print-directory test EMU_KVC_ORDERS="fwd rev rand" FUZZ_SECONDS=300
 
 # systemd/kvd.service through systemd-analyze verify (tools/verify-unit.sh).
 check-unit:

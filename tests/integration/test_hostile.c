@@ -588,7 +588,7 @@ static pid_t spawn_honest(int *go_w, int *ready_r)
 }
 
 #define H1_TOK   300
-#define H1_NSEQ  1024
+#define H1_NSEQ  test_size(1024, 256)
 #define H1_BATCH 6
 
 static void test_attend_ids_rewritten(void **state)

@@ -81,7 +81,10 @@ static char spill_a[64], spill_b[64], cfg_a[96], cfg_b[96], seeds[512];
 
 /* ---- the cluster and the daemons ------------------------------------------ */
 
-static int write_cfg(char *path, size_t n, const char *spill, const char *tag, const char *extra)
+/* retry_ms: how long kvd retries unreachable nodes; the failover needs
+ * seconds, a daemon that only meets a stopped cluster does not. */
+static int write_cfg(char *path, size_t n, const char *spill, const char *tag, unsigned retry_ms,
+		     const char *extra)
 {
 	FILE *f;
 
@@ -89,7 +92,7 @@ static int write_cfg(char *path, size_t n, const char *spill, const char *tag, c
 	if (!(f = fopen(path, "w")))
 		return -1;
 	fprintf(f, "[spill]\ndir = %s\n[remote]\nseeds = %s\nreplicas = 1\nwait_timeout_ms = 3000\n"
-		"timeout_ms = 1000\nretry_ms = 12000\nchunk = 1M\n%s", spill, seeds, extra);
+		"timeout_ms = 1000\nretry_ms = %u\nchunk = 1M\n%s", spill, seeds, retry_ms, extra);
 	fclose(f);
 	return 0;
 }
@@ -107,8 +110,8 @@ static int setup(void **state)
 		return -1;
 	snprintf(spill_a, sizeof spill_a, "%s", ta);
 	snprintf(spill_b, sizeof spill_b, "%s", tb);
-	if (write_cfg(cfg_a, sizeof cfg_a, spill_a, "a", "") ||
-	    write_cfg(cfg_b, sizeof cfg_b, spill_b, "b", ""))
+	if (write_cfg(cfg_a, sizeof cfg_a, spill_a, "a", 12000, "") ||
+	    write_cfg(cfg_b, sizeof cfg_b, spill_b, "b", 12000, ""))
 		return -1;
 	if (daemon_start4(&A, "--config", cfg_a, NULL, NULL) ||
 	    daemon_start4(&B, "--config", cfg_b, NULL, NULL))
@@ -358,7 +361,7 @@ static void test_remote_too_big(void **state)
 
 	/* The prompt of test_remote_attach is about 60 MB as a file. */
 	assert_non_null(mkdtemp(dir));
-	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "c", "[limits]\nmemory_per_uid = 16M\n"), 0);
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "c", 12000, "[limits]\nmemory_per_uid = 16M\n"), 0);
 	assert_int_equal(daemon_start4(&C, "--config", cfg, NULL, NULL), 0);
 	struct kvc *c = kconnect_ok(&C, "c");
 
@@ -694,7 +697,7 @@ static void test_remote_evicted(void **state)
 
 	assert_non_null(want);
 	assert_non_null(mkdtemp(dir));
-	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "e",
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "e", 12000,
 				   "evicted = yes\n[limits]\nspill_per_uid = 12M\n"), 0);
 	assert_int_equal(daemon_start4(&E, "--config", cfg, NULL, NULL), 0);
 	struct kvc *c = kconnect_ok(&E, "e");
@@ -798,7 +801,7 @@ static void test_remote_quota(void **state)
 	struct ans a;
 
 	assert_non_null(mkdtemp(dir));
-	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "q",
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "q", 12000,
 				   "evicted = yes\n[limits]\nspill_per_uid = 12M\n"
 				   "remote_per_uid = 8M\n"), 0);
 	assert_int_equal(daemon_start4(&F, "--config", cfg, NULL, NULL), 0);
@@ -871,7 +874,7 @@ static void test_remote_down(void **state)
 	struct daemon E;
 
 	assert_non_null(mkdtemp(dir));
-	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "d",
+	assert_int_equal(write_cfg(cfg, sizeof cfg, dir, "d", 1500,
 				   "evicted = yes\n[limits]\nspill_per_uid = 12M\n"), 0);
 	assert_int_equal(daemon_start4(&E, "--config", cfg, NULL, NULL), 0);
 	struct kvc *e = kconnect_ok(&E, "e");

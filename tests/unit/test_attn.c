@@ -327,7 +327,7 @@ static void unbiased_over_seeds(uint32_t dt)
 {
 	const struct kvd_geom g = { .q_heads = 1, .kv_heads = 1, .d = 64, .K = 5, .L = 12, .c = 2,
 				    .kv_dtype = dt };
-	const uint32_t n = 2048, draws = 600;
+	const uint32_t n = 2048, draws = test_size(600, 200);
 	const int d = 64;
 	struct kvd_rng r = kvd_rng_make(77);
 	uint16_t *k = xmalloc((size_t)n * d * 2), *v = xmalloc((size_t)n * d * 2);
@@ -839,7 +839,7 @@ static void test_int8_segments(void **state)
 
 static int setup(void **state)
 {
-	nkv = kern_variants(kv);
+	nkv = kern_variants_of_callers(kv);
 	for (int i = 0; i < nkv; i++)
 		print_message("  kernels: %s\n", kv[i]->name);
 	return 0;
@@ -1225,7 +1225,7 @@ static void test_heavy_state_bounds_and_adaptive(void **state)
 static void test_hybrid_unbiased_given_heavy(void **state)
 {
 	const struct kvd_geom g = { .q_heads = 1, .kv_heads = 1, .d = 64, .K = 5, .L = 12, .c = 2 };
-	const uint32_t n = 2048, draws = 600, nh = 16;
+	const uint32_t n = 2048, draws = test_size(600, 200), nh = 16;
 	const int d = 64;
 	struct kvd_rng r = kvd_rng_make(77);
 	uint16_t *k = xmalloc((size_t)n * d * 2), *v = xmalloc((size_t)n * d * 2);

@@ -5,10 +5,36 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 #include "kern.h"
 #include "rng.h"
+
+/* Sanitizer builds run the heaviest tests on smaller problems (fewer draws,
+ * fewer sessions, one kernel variant where the kernels are not what is under
+ * test): they look for memory errors, undefined behaviour and races, which
+ * the smaller run reaches through the same code, while the plain build keeps
+ * the sizes that the statistics and the stress need.  KVD_TEST_FULL=1
+ * (`make test-long`) keeps the full sizes in every build. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define TEST_SANITIZED 1
+#else
+#define TEST_SANITIZED 0
+#endif
+
+static inline int test_quick(void)
+{
+	const char *e = getenv("KVD_TEST_FULL");
+
+	return TEST_SANITIZED && !(e && *e && strcmp(e, "0"));
+}
+
+/* test_quick() ? quick : full */
+static inline unsigned test_size(unsigned full, unsigned quick)
+{
+	return test_quick() ? quick : full;
+}
 
 static inline void *xmalloc(size_t n)
 {
@@ -71,6 +97,18 @@ static inline int kern_variants(const struct kvd_kern **out)
 			printf("SKIP: kernel variant %s not supported on this CPU\n", names[i]);
 	}
 	return n;
+}
+
+/* The variants a test of what the kernels feed (the estimators, the layer
+ * driver) walks: every one in the plain build, the dispatched one in a quick
+ * run; test_kern walks every variant in every build. */
+static inline int kern_variants_of_callers(const struct kvd_kern **out)
+{
+	if (!test_quick())
+		return kern_variants(out);
+	out[0] = kvd_kern_get();
+	printf("quick run: the dispatched kernels (%s) only\n", out[0]->name);
+	return 1;
 }
 
 #endif
