@@ -561,8 +561,11 @@ static void ext_open(struct kvd_spill *sp, struct sp_run *r, unsigned i)
 {
 	const struct kvd_spill_buf *b = &r->j->ext[i];
 
-	if (r->j->op == KVD_SPILL_WRITE)
+	if (r->j->op == KVD_SPILL_WRITE) {
+		if (b->fill)
+			b->fill(b->fill_arg, (char *)b->p + PAGE);
 		kvd_sfmt_seal(b->p, (char *)b->p + PAGE);
+	}
 	r->buf[i] = kvd_iob_buf_add(sp->io, b->p, b->bytes);
 	if (r->buf[i] < 0 && !sp->warned_buf) {
 		struct kvd_iob_stats is;

@@ -71,6 +71,12 @@ enum kvd_spill_op { KVD_SPILL_WRITE = 1, KVD_SPILL_READ, KVD_SPILL_UNLINK };
 struct kvd_spill_buf {
 	void *p;                        /* 4096-aligned: header page, then payload */
 	uint64_t bytes;                 /* extent_bytes: a multiple of 4096 */
+	/* WRITE, optional: called on the engine's thread, before the extent is
+	 * sealed, to write its payload: the copy a caller would otherwise make
+	 * under its own lock.  fill_arg stays valid until the result is
+	 * reaped. */
+	void (*fill)(void *fill_arg, void *payload);
+	void *fill_arg;
 };
 
 struct kvd_spill_job {

@@ -949,24 +949,57 @@ static void tail_hold(struct kvd_seqn *q, struct kvd_layer_state *b, struct kvd_
 	tail_set(b, t);
 }
 
-/* l lets go of its tail (if any); the last holder frees and uncharges it. */
-static void tail_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
+/* One holder lets go of t; the last frees and uncharges it. */
+static void tail_unref(struct kvd_store *s, const struct kvd_profile *p, struct kvd_tail *t)
 {
-	const struct kvd_profile *p = q->p;
-	struct kvd_tail *t = l->tail;
 	size_t tb = tail_bytes(p);
 
-	if (!t)
-		return;
-	tail_set(l, NULL);
-	q->bytes -= tb;
-	if (--t->refs)
+	if (NEVER(t->refs == 0) || --t->refs)
 		return;
 	s->bytes -= tb;
 	s->node_bytes[t->chg_node] -= tb;
 	uncharge(s, t->chg_uid, tb);
 	rows_free(p, t->k, t->v, t->codes, p->seal_tokens);
 	free(t);
+}
+
+/* l lets go of its tail (if any); the last holder frees and uncharges it. */
+static void tail_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
+{
+	struct kvd_tail *t = l->tail;
+
+	if (!t)
+		return;
+	tail_set(l, NULL);
+	q->bytes -= tail_bytes(q->p);
+	tail_unref(s, q->p, t);
+}
+
+struct kvd_tail *kvd_store_tail_hold(struct kvd_seqn *q, uint32_t layer)
+{
+	struct kvd_tail *t = layer < q->p->layers ? q->ly[layer].tail : NULL;
+
+	if (t) {
+		t->refs++;
+		t->io++;
+	}
+	return t;
+}
+
+void kvd_store_tail_bufs(const struct kvd_tail *t, const uint16_t **k, const uint16_t **v,
+			 const uint16_t **codes)
+{
+	*k = t->k;
+	*v = t->v;
+	*codes = t->codes;
+}
+
+void kvd_store_tail_drop(struct kvd_store *s, const struct kvd_profile *p, struct kvd_tail *t)
+{
+	if (!t || NEVER(t->io == 0))
+		return;
+	t->io--;
+	tail_unref(s, p, t);
 }
 
 /* Before q writes into l's tail (an APPEND): a tail of its own, made when
@@ -1596,7 +1629,8 @@ size_t kvd_store_seq_freeable(const struct kvd_seqn *q)
 		for (uint32_t j = 0; j < q->ly[i].nseg; j++)
 			if (q->ly[i].seg[j]->refs > 1)
 				n -= q->ly[i].seg[j]->bytes;
-		if (q->ly[i].tail && q->ly[i].tail->refs > 1)
+		/* a write-back's hold ends with its write */
+		if (q->ly[i].tail && q->ly[i].tail->refs - q->ly[i].tail->io > 1)
 			n -= tail_bytes(q->p);
 	}
 	return n;

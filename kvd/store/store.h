@@ -234,6 +234,17 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 /* What installing a layer adds besides its segments' io buffers: the mean,
  * the tail buffer (when tn > 0) and a table for nseg segments. */
 size_t kvd_store_install_bytes(const struct kvd_seqn *q, int mean, uint32_t tn, uint32_t nseg);
+/* A write-back's hold on layer `layer`'s tail: a reference that keeps the
+ * rows [0, tail_n) as they are while the file is written off the state lock
+ * (an APPEND copies a shared tail first), counted in no sequence's bytes;
+ * NULL when the layer has no tail.  kvd_store_tail_bufs gives the buffers,
+ * [kv][seal_tokens][d] and [kv][L][seal_tokens]; kvd_store_tail_drop lets
+ * go, and the last holder frees and uncharges.  Hold and drop under the
+ * state lock; the buffers may be read anywhere in between. */
+struct kvd_tail *kvd_store_tail_hold(struct kvd_seqn *q, uint32_t layer);
+void kvd_store_tail_bufs(const struct kvd_tail *t, const uint16_t **k, const uint16_t **v,
+			 const uint16_t **codes);
+void kvd_store_tail_drop(struct kvd_store *s, const struct kvd_profile *p, struct kvd_tail *t);
 /* Whether every sparse layer's prefill staging is empty: only then can the
  * sequence be written out whole (sealed segments, tails, means). */
 int kvd_store_spillable(const struct kvd_seqn *q);

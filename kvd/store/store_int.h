@@ -43,9 +43,10 @@ struct kvd_layer_state {
  * each holder sees stay as they were.  Charged once, like a segment, to
  * chg_uid (whoever made it), counted once in the store's total and in
  * full in every holder's bytes; the last holder's put frees and uncharges
- * it. */
+ * it.  A write-back reading the rows off the lock holds one too (io). */
 struct kvd_tail {
 	uint32_t refs;
+	uint32_t io;                    /* of refs, write-backs' (kvd_store_tail_hold) */
 	uint32_t chg_uid, chg_node;
 	uint16_t *k, *v, *codes;
 };

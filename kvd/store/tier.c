@@ -52,6 +52,8 @@ struct rec {
 	struct ext *wext;               /* WRITE: the extents being written */
 	struct kvd_seg **wseg;          /* WRITE: the segments whose header pages it uses */
 	unsigned nwseg;
+	struct wfill *wfill;            /* WRITE: [next], the LAYER extents' tail copies,
+					 * made on the spill thread (fill_layer) */
 	uint64_t reserved;              /* READ: budget held for what is not installed
 					 * (charged to uid's memory in kvd_limits) */
 	uint64_t spill_chg;             /* bytes of the file (being) written, charged to
@@ -266,8 +268,45 @@ static int clean(const struct rec *r)
 
 /* ---- buffers of a job --------------------------------------------------- */
 
+/* A LAYER extent's tail rows, copied into the file on the spill thread from
+ * a tail the write holds (kvd_store_tail_hold): the rows stay as they are
+ * while it is held, so the state lock pays for no tail copy. */
+struct wfill {
+	struct kvd_tail *tail;          /* NULL: nothing to fill */
+	const struct kvd_geom *g;
+	uint32_t n, cap;                /* rows to copy, rows the tail holds */
+	int mean;
+	uint64_t bytes;                 /* the payload's, padding included */
+};
+
+static void fill_layer(void *arg, void *payload)
+{
+	const struct wfill *w = arg;
+	const struct kvd_geom *g = w->g;
+	const uint16_t *tk, *tv, *tc;
+	size_t rowb = (size_t)w->n * g->d * 2;
+	float *m;
+	uint16_t *k, *v, *c;
+
+	kvd_store_tail_bufs(w->tail, &tk, &tv, &tc);
+	kvd_sfmt_layer_parts(g, w->n, w->mean, payload, &m, &k, &v, &c);
+	/* from the rows on: the mean before them was written under the lock */
+	memset(k, 0, w->bytes - (size_t)((char *)k - (char *)payload));
+	for (size_t hh = 0; hh < g->kv_heads; hh++) {
+		memcpy((char *)k + hh * rowb, tk + hh * w->cap * g->d, rowb);
+		memcpy((char *)v + hh * rowb, tv + hh * w->cap * g->d, rowb);
+		for (size_t tb = 0; tb < g->L; tb++)
+			memcpy(c + (hh * g->L + tb) * w->n, tc + (hh * g->L + tb) * w->cap,
+			       (size_t)w->n * 2);
+	}
+}
+
 static void job_release(struct kvd_tier *t, struct rec *r)
 {
+	for (unsigned i = 0; r->wfill && i < r->job.next; i++)
+		kvd_store_tail_drop(t->st, r->q->p, r->wfill[i].tail);
+	free(r->wfill);
+	r->wfill = NULL;
 	for (unsigned i = 0; r->buf && r->mine && i < r->job.next; i++) {
 		if (!r->mine[i] || !r->buf[i].p)
 			continue;
@@ -343,7 +382,7 @@ static uint64_t write_copies(const struct kvd_sfmt_file *f, const struct kvd_seq
 	const struct kvd_profile *p = q->p;
 	struct kvd_sfmt_ext e = { .kind = KVD_SFMT_PROFILE };
 	uint64_t b = (uint64_t)n * (sizeof(struct kvd_spill_buf) + 1 + sizeof(struct ext) +
-				    sizeof(struct kvd_seg *));
+				    sizeof(struct kvd_seg *) + sizeof(struct wfill));
 
 	b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
 	for (uint32_t ly = 0; ly < p->layers; ly++) {
@@ -416,7 +455,7 @@ static int build_write(struct kvd_tier *t, struct rec *r, int evict)
 		r->wcopy = cb;
 	}
 	if (job_alloc(r, n) || !(r->wext = calloc(n, sizeof *r->wext)) ||
-	    !(r->wseg = calloc(n, sizeof *r->wseg)))
+	    !(r->wseg = calloc(n, sizeof *r->wseg)) || !(r->wfill = calloc(n, sizeof *r->wfill)))
 		goto nomem;
 
 	e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_PROFILE, .index = i };
@@ -448,20 +487,25 @@ static int build_write(struct kvd_tier *t, struct rec *r, int evict)
 		if (!(r->buf[i].p = page_alloc(r->buf[i].bytes)))
 			goto nomem;
 		r->mine[i] = 1;
-		memset(r->buf[i].p, 0, r->buf[i].bytes);
 		h = r->buf[i].p;
-		kvd_sfmt_hdr_fill(h, &f, &e);
 		kvd_sfmt_layer_parts(g, l->tail_n, l->mean != NULL, (char *)h + PAGE, &m, &k, &v, &c);
+		/* The header page and the mean here; the tail's rows, as many
+		 * bytes as a segment's, on the spill thread (fill_layer). */
+		memset(h, 0, (size_t)((char *)k - (char *)h));
+		kvd_sfmt_hdr_fill(h, &f, &e);
 		if (m)
 			memcpy(m, l->mean, (size_t)g->kv_heads * g->d * sizeof(float));
-		for (size_t hh = 0; hh < g->kv_heads && l->tail_n; hh++) {
-			size_t rowb = (size_t)l->tail_n * g->d * 2, cap = p->seal_tokens;
-
-			memcpy((char *)k + hh * rowb, l->tail_k + hh * cap * g->d, rowb);
-			memcpy((char *)v + hh * rowb, l->tail_v + hh * cap * g->d, rowb);
-			for (size_t tb = 0; tb < g->L; tb++)
-				memcpy(c + (hh * g->L + tb) * l->tail_n, l->tail_codes + (hh * g->L + tb) * cap,
-				       (size_t)l->tail_n * 2);
+		if (l->tail_n) {
+			if (NEVER(!l->tail))
+				goto nomem;
+			r->wfill[i] = (struct wfill){ .tail = kvd_store_tail_hold(q, ly), .g = g,
+						      .n = l->tail_n, .cap = p->seal_tokens,
+						      .mean = m != NULL,
+						      .bytes = r->buf[i].bytes - PAGE };
+			r->buf[i].fill = fill_layer;
+			r->buf[i].fill_arg = &r->wfill[i];
+		} else {
+			memset(k, 0, r->buf[i].bytes - (size_t)((char *)k - (char *)h));
 		}
 		r->wext[i] = (struct ext){ KVD_SFMT_LAYER, ly, l->tail_n, h->flags, r->buf[i].bytes,
 					   h->tok_begin, h->tok_end };

@@ -74,6 +74,7 @@ static uint64_t now_ms(void)
 
 static uint64_t env_mem_per_uid;        /* [limits] memory_per_uid of the next env_open */
 static uint64_t env_poll_ns;            /* the tier's poll budget of the next env_open */
+static int env_persist;                 /* the tier's persist of the next env_open */
 
 static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low, int spill,
 		     const char *fault)
@@ -103,6 +104,7 @@ static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low,
 	tc.io.ndirs = 1;
 	tc.io.fault = fault;                    /* the fake backend: no io_uring needed */
 	tc.poll_ns = env_poll_ns;
+	tc.persist = env_persist;
 	assert_int_equal(kvd_tier_create(&tc, e->s, &e->t), 0);
 
 	memset(&want, 0, sizeof want);
@@ -845,6 +847,70 @@ static void test_shared_segments_write_in_turn(void **state)
 	env_close(&e);
 }
 
+/* A write-back reads the tails it writes off the state lock, from a
+ * reference it holds: a sharer APPENDing while the write runs copies its
+ * tail first, so the file holds exactly the rows of its generation and the
+ * sharer's new rows are its own; so does the sequence itself when it stays
+ * resident.  Once the write ends every tail it held is given back. */
+static void test_write_back_holds_tails(void **state)
+{
+	struct kvd_seqn *a, *b;
+	struct snap sa, sb;
+	char msg[200];
+	struct env e;
+	uint64_t base;
+
+	env_persist = 1;                /* kvd_tier_write writes only for persist */
+	env_open(&e, 0, 0, 0, 1, "");
+	env_persist = 0;
+	base = used(&e);
+	a = seq_full(&e, 80, NULL);
+	snap_take(a, &sa);
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, a, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_state(a), KVD_SEQ_SPILLING);
+	/* the write holds a's tails: dropping a would still free them */
+	assert_int_equal(kvd_store_seq_freeable(a), kvd_store_seq_bytes(a));
+	assert_int_equal(kvd_store_seq_fork(e.s, a, UID, "1000:t", 2, &b, msg, sizeof msg), 0);
+	for (uint32_t ly = 1; ly < LAYERS; ly++) {
+		const uint16_t *shared = kvd_store_view(a, ly).tail_k;
+
+		assert_int_equal(rows(&e, b, ly, 1, 0, 3, 900 + ly, NULL, msg, sizeof msg), 0);
+		assert_ptr_not_equal(kvd_store_view(b, ly).tail_k, shared);
+		assert_ptr_equal(kvd_store_view(a, ly).tail_k, shared);
+	}
+	WAIT_UNTIL(&e, kvd_store_seq_state(a) == KVD_SEQ_DISK);
+	/* b's own tails, written while b stays: an APPEND meanwhile copies the
+	 * tail the write reads rather than writing into it */
+	assert_int_equal(kvd_tier_write(e.t, b), 0);
+	assert_int_equal(kvd_store_seq_state(b), KVD_SEQ_SPILLING);
+	for (uint32_t ly = 1; ly < LAYERS; ly++) {
+		const uint16_t *held = kvd_store_view(b, ly).tail_k;
+
+		assert_int_equal(rows(&e, b, ly, 1, 0, 2, 950 + ly, NULL, msg, sizeof msg), 0);
+		assert_ptr_not_equal(kvd_store_view(b, ly).tail_k, held);
+	}
+	snap_take(b, &sb);
+	WAIT_UNTIL(&e, kvd_store_seq_state(b) == KVD_SEQ_RAM);
+	restore(&e, a);
+	snap_equal(a, &sa);
+	for (uint32_t ly = 1; ly < LAYERS; ly++)
+		assert_int_equal(kvd_store_layer_tokens(b, ly), sa.tokens[ly] + 5);
+	assert_int_equal(kvd_tier_evict(e.t, b, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(b) == KVD_SEQ_DISK);
+	restore(&e, b);
+	snap_equal(b, &sb);
+	assert_int_equal(used(&e), stats(&e).used);
+	kvd_tier_free(e.t, a);
+	kvd_tier_free(e.t, b);
+	WAIT_UNTIL(&e, sequences(&e) == 0);
+	assert_int_equal(used(&e), base);
+	assert_int_equal(stats(&e).lost, 0);
+	snap_free(&sa);
+	snap_free(&sb);
+	env_close(&e);
+}
+
 /* The client rows a published prefix keeps (kvd_store_local_*) go to disk
  * with their sequence and come back bit for bit, charged again; rows
  * entering the sequence drop them. */
@@ -1096,6 +1162,7 @@ int main(void)
 		cmocka_unit_test(test_lost),
 		cmocka_unit_test(test_uid_share_evicts_own),
 		cmocka_unit_test(test_shared_segments_write_in_turn),
+		cmocka_unit_test(test_write_back_holds_tails),
 		cmocka_unit_test(test_local_rows_spill),
 		cmocka_unit_test(test_no_write_back_inside_seal),
 		cmocka_unit_test(test_poll_is_bounded),
