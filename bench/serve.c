@@ -36,6 +36,11 @@
 /* extra: more INI text for the configuration (a [memory]/[spill] part), or NULL. */
 int srv_start_conf(struct daemon *s, const char *memory, const char *extra)
 {
+	return srv_start_threads(s, 0, memory, extra);
+}
+
+int srv_start_threads(struct daemon *s, unsigned threads, const char *memory, const char *extra)
+{
 	char conf[sizeof s->dir + 16];
 	const char *args[] = { "--config", conf, NULL };
 	FILE *f;
@@ -47,9 +52,9 @@ int srv_start_conf(struct daemon *s, const char *memory, const char *extra)
 	if (!f)
 		return -1;
 	/* The default configuration, written out so the demo shows one. */
-	fprintf(f, "[server]\nsocket = %s\nthreads = 0\n\n[memory]\n%s\n\n"
+	fprintf(f, "[server]\nsocket = %s\nthreads = %u\n\n[memory]\n%s\n\n"
 		   "[transport]\nslots = 16\nslot_size = 4M\nring_entries = 256\nspin_us = 50\n\n"
-		   "[log]\nlevel = warning\n%s", s->sock, memory ? memory : "limit = 75%",
+		   "[log]\nlevel = warning\n%s", s->sock, threads, memory ? memory : "limit = 75%",
 		extra ? extra : "");
 	fclose(f);
 	return daemon_spawn(s, "kvd", args);
