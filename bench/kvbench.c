@@ -14,6 +14,8 @@
  *   kvbench lsh [--json] ...                      (the candidate walk's share of the sampled path: bench/lsh.c)
  *   kvbench stall [--json] ...                    (a neighbour's big operations against a
  *                                                  quiet client's latency: bench/stall.c)
+ *   kvbench decode [--json] ...                   (a GPU worker's decode loop against kvd,
+ *                                                  candidate vs MagicPIG: bench/decode.c)
  *
  * `attn` runs one layer of a Llama-3.1-8B-shaped model (32 q heads, 8 kv
  * heads, d = 128): 4 sink tokens and a 64-token window stay "on the GPU" and
@@ -692,6 +694,9 @@ static void usage(void)
 		"       kvbench kern [--json] [--reps N] [--gather ROWS] [--dense ROWS] [--table-mib MIB]\n"
 		"       kvbench lsh [--json] [--ctx 2048..65536] [--reps N]\n"
 		"       kvbench demo\n"
+		"       kvbench decode [--json] [--seqs B] [--ctx N] [--layers S] [--steps T]\n"
+		"                      [--measure M] [--estimator NAME] [--kv-dtype bf16|int8]\n"
+		"                      [--kl KxL] [--threads N]\n"
 		"       kvbench load [--json] [--ctx N] [--steps N] [--clients LIST] [--layers N] [--batch N]\n"
 		"       kvbench share [--json] [--scene fork|prompt|chat|all] [--ctx N] [--layers N] ...\n"
 		"       kvbench remote [--json] [--ctx N] [--layers N] [--value SIZE] [--pipeline N]\n"
@@ -1064,6 +1069,8 @@ int main(int argc, char **argv)
 		return bench_spill_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "stall"))
 		return bench_stall_main(argc - 2, argv + 2);
+	if (!strcmp(argv[1], "decode"))
+		return bench_decode_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "share"))
 		return bench_share_main(argc - 2, argv + 2);
 	if (!strcmp(argv[1], "remote"))
