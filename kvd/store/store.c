@@ -1007,13 +1007,27 @@ void kvd_store_tail_drop(struct kvd_store *s, const struct kvd_profile *p, struc
  * are copied, one layer per call, inside the APPEND's unit (sliced over
  * the pool when big) -- not every layer at the fork, under the state
  * lock.  Charged before anything changes: a refusal leaves l as it was. */
-static int tail_own(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l)
+/* Whether an APPEND of n rows to l needs a tail made or copied first.  A
+ * tail that only write-backs share with l stays: they read the rows
+ * [0, tail_n) they found, and an APPEND that does not reach seal_tokens
+ * writes only after them (one that seals starts the rows over at 0). */
+static int tail_copy_needed(const struct kvd_profile *p, const struct kvd_layer_state *l,
+			    uint32_t n)
+{
+	const struct kvd_tail *t = l->tail;
+
+	if (!t)
+		return 1;
+	return t->refs - t->io > 1 || (t->io && (uint64_t)l->tail_n + n >= p->seal_tokens);
+}
+
+static int tail_own(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l, uint32_t n)
 {
 	const struct kvd_profile *p = q->p;
 	struct kvd_tail *t, *old = l->tail;
 	int rc;
 
-	if (old && old->refs == 1)
+	if (!tail_copy_needed(p, l, n))
 		return 0;
 	if ((rc = tail_new(s, q, 0, &t)))
 		return rc;
@@ -1194,8 +1208,10 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	uint32_t cap = p->seal_tokens, done = 0;
 	int rc;
 
-	/* kvd_store_rows made the tail q's own (tail_own) */
-	if (NEVER(!l->tail || l->tail->refs != 1))
+	/* kvd_store_rows made the tail q's own, or one that only write-backs
+	 * share and that this APPEND does not seal (tail_own) */
+	if (NEVER(!l->tail || l->tail->refs - l->tail->io != 1 ||
+		  (l->tail->io && (uint64_t)l->tail_n + n >= cap)))
 		return -EINVAL;
 	while (done < n) {
 		uint32_t cnt = n - done < cap - l->tail_n ? n - done : cap - l->tail_n;
@@ -1243,7 +1259,7 @@ static uint64_t rows_peak(const struct kvd_store *s, const struct kvd_seqn *q,
 	if (is_append) {
 		uint32_t tn = l->tail_n, cap = p->seal_tokens;
 
-		if (!l->tail || l->tail->refs > 1)     /* made, or copied (tail_own) */
+		if (tail_copy_needed(p, l, n))        /* made, or copied (tail_own) */
 			peak = cur += tail_bytes(p);
 		while (done < n) {
 			uint32_t cnt = n - done < cap - tn ? n - done : cap - tn;
@@ -1362,7 +1378,7 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 	 * anything.  Pinned: a big copy yields between its slices. */
 	if (is_append) {
 		kvd_store_seq_pin(q);
-		rc = tail_own(s, q, l);
+		rc = tail_own(s, q, l, n);
 		kvd_store_seq_unpin(q);
 		if (rc) {
 			snprintf(msg, msglen, "layer %u: %s", layer, s->why);

@@ -43,7 +43,10 @@ struct kvd_layer_state {
  * each holder sees stay as they were.  Charged once, like a segment, to
  * chg_uid (whoever made it), counted once in the store's total and in
  * full in every holder's bytes; the last holder's put frees and uncharges
- * it.  A write-back reading the rows off the lock holds one too (io). */
+ * it.  A write-back reading the rows off the lock holds one too (io): it
+ * reads the rows [0, tail_n) it found, so the layer may still APPEND after
+ * them in place, as long as it does not seal (that starts the rows over at
+ * 0, tail_copy_needed in store.c). */
 struct kvd_tail {
 	uint32_t refs;
 	uint32_t io;                    /* of refs, write-backs' (kvd_store_tail_hold) */

@@ -755,10 +755,10 @@ static void test_persist_version1_file(void **state)
  * bit for bit; the others are gone or complete, never half there. */
 static void test_crash_during_spill_burst(void **state)
 {
-	enum { N = 8 };
+	const int N = (int)test_size(8, 4);
 	struct kvc *c, *c2;
-	struct session *x = xmalloc(N * sizeof *x);
-	int durable[N] = { 0 }, nd = 0, found = 0;
+	struct session *x = xmalloc((size_t)N * sizeof *x);
+	int durable[8] = { 0 }, nd = 0, found = 0;
 	int st;
 
 	assert_int_equal(up("--persist", NULL), 0);

@@ -263,8 +263,9 @@ static void test_estimator_matches_double(void **state)
 	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
 	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
 		for (uint32_t c = 1; c <= 2; c++) {
-			fix_make_dt(&f, (enum kvd_wl)wl, 6000, 4096, 10, c == 2 ? 150 : 40, c, 100 + wl,
-				    dt);
+			/* two segments either way; a quick run halves them */
+			fix_make_dt(&f, (enum kvd_wl)wl, test_size(6000, 3000), test_size(4096, 2048),
+				    10, c == 2 ? 150 : 40, c, 100 + wl, dt);
 			sampled_ref(&f, ro, rlse, &ncand);
 			print_message("  %s %-6s c=%u: %.2f%% of keys sampled per q head\n",
 				      kvd_kv_dtype_name(dt), kvd_wl_name((enum kvd_wl)wl), c,
@@ -1027,7 +1028,8 @@ static void test_hybrid_matches_double(void **state)
 	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
 	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
 	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
-		fix_make_dt(&f, (enum kvd_wl)wl, 6000, 2048, 10, 150, 2, 300 + wl, dt);
+		fix_make_dt(&f, (enum kvd_wl)wl, test_size(6000, 3000), test_size(2048, 1024), 10, 150,
+			    2, 300 + wl, dt);
 		kvd_logp_tab_init(tab, 10, 150, 2);
 
 		struct kvd_layer_view lv = kvd_prep_view(&f.p);

@@ -850,8 +850,10 @@ static void test_shared_segments_write_in_turn(void **state)
 /* A write-back reads the tails it writes off the state lock, from a
  * reference it holds: a sharer APPENDing while the write runs copies its
  * tail first, so the file holds exactly the rows of its generation and the
- * sharer's new rows are its own; so does the sequence itself when it stays
- * resident.  Once the write ends every tail it held is given back. */
+ * sharer's new rows are its own.  The sequence itself, when it stays
+ * resident, APPENDs after the rows the write reads, and copies the tail
+ * first when it seals.  Once the write ends every tail it held is given
+ * back. */
 static void test_write_back_holds_tails(void **state)
 {
 	struct kvd_seqn *a, *b;
@@ -880,14 +882,17 @@ static void test_write_back_holds_tails(void **state)
 		assert_ptr_equal(kvd_store_view(a, ly).tail_k, shared);
 	}
 	WAIT_UNTIL(&e, kvd_store_seq_state(a) == KVD_SEQ_DISK);
-	/* b's own tails, written while b stays: an APPEND meanwhile copies the
-	 * tail the write reads rather than writing into it */
+	/* b's own tails, written while b stays: an APPEND meanwhile writes
+	 * after the rows the write reads, and one that seals copies the tail
+	 * first (it starts the rows over) */
 	assert_int_equal(kvd_tier_write(e.t, b), 0);
 	assert_int_equal(kvd_store_seq_state(b), KVD_SEQ_SPILLING);
 	for (uint32_t ly = 1; ly < LAYERS; ly++) {
 		const uint16_t *held = kvd_store_view(b, ly).tail_k;
 
 		assert_int_equal(rows(&e, b, ly, 1, 0, 2, 950 + ly, NULL, msg, sizeof msg), 0);
+		assert_ptr_equal(kvd_store_view(b, ly).tail_k, held);
+		assert_int_equal(rows(&e, b, ly, 1, 0, SEAL, 970 + ly, NULL, msg, sizeof msg), 0);
 		assert_ptr_not_equal(kvd_store_view(b, ly).tail_k, held);
 	}
 	snap_take(b, &sb);
@@ -895,7 +900,7 @@ static void test_write_back_holds_tails(void **state)
 	restore(&e, a);
 	snap_equal(a, &sa);
 	for (uint32_t ly = 1; ly < LAYERS; ly++)
-		assert_int_equal(kvd_store_layer_tokens(b, ly), sa.tokens[ly] + 5);
+		assert_int_equal(kvd_store_layer_tokens(b, ly), sa.tokens[ly] + 5 + SEAL);
 	assert_int_equal(kvd_tier_evict(e.t, b, msg, sizeof msg), 0);
 	WAIT_UNTIL(&e, kvd_store_seq_state(b) == KVD_SEQ_DISK);
 	restore(&e, b);
