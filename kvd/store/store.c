@@ -1002,11 +1002,6 @@ void kvd_store_tail_drop(struct kvd_store *s, const struct kvd_profile *p, struc
 	tail_unref(s, p, t);
 }
 
-/* Before q writes into l's tail (an APPEND): a tail of its own, made when
- * it has none and copied when it shares one.  Only the rows [0, tail_n)
- * are copied, one layer per call, inside the APPEND's unit (sliced over
- * the pool when big) -- not every layer at the fork, under the state
- * lock.  Charged before anything changes: a refusal leaves l as it was. */
 /* Whether an APPEND of n rows to l needs a tail made or copied first.  A
  * tail that only write-backs share with l stays: they read the rows
  * [0, tail_n) they found, and an APPEND that does not reach seal_tokens
@@ -1021,6 +1016,11 @@ static int tail_copy_needed(const struct kvd_profile *p, const struct kvd_layer_
 	return t->refs - t->io > 1 || (t->io && (uint64_t)l->tail_n + n >= p->seal_tokens);
 }
 
+/* Before q writes into l's tail (an APPEND): a tail of its own, made when
+ * it has none and copied when it shares one.  Only the rows [0, tail_n)
+ * are copied, one layer per call, inside the APPEND's unit (sliced over
+ * the pool when big) -- not every layer at the fork, under the state
+ * lock.  Charged before anything changes: a refusal leaves l as it was. */
 static int tail_own(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state *l, uint32_t n)
 {
 	const struct kvd_profile *p = q->p;
