@@ -73,25 +73,11 @@ static int usage(void)
 /* kvd's CPU time so far, user + system, every thread: ms.  -errno. */
 static int kvd_cpu_ms(pid_t pid, double *ms)
 {
-	char path[64], buf[1024], *p;
-	unsigned long long ut, st;
-	FILE *f;
-	size_t n;
+	long long t = daemon_cpu_ticks(pid);
 
-	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-	f = fopen(path, "r");
-	if (!f)
-		return -errno;
-	n = fread(buf, 1, sizeof buf - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	/* the command name may hold blanks and parentheses: fields start
-	 * after the last ')' */
-	p = strrchr(buf, ')');
-	if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
-			 &ut, &st) != 2)
+	if (t < 0)
 		return -EINVAL;
-	*ms = (double)(ut + st) * 1e3 / (double)sysconf(_SC_CLK_TCK);
+	*ms = (double)t * 1e3 / (double)sysconf(_SC_CLK_TCK);
 	return 0;
 }
 

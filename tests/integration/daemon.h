@@ -37,6 +37,32 @@ static inline void daemon_sleep_ms(int ms)
 	nanosleep(&ts, NULL);
 }
 
+/* utime + stime of process pid, every thread: clock ticks
+ * (sysconf(_SC_CLK_TCK) a second), or -1. */
+static inline long long daemon_cpu_ticks(pid_t pid)
+{
+	char path[64], buf[2048], *p;
+	unsigned long long ut, st;
+	FILE *f;
+	size_t n;
+
+	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+	f = fopen(path, "r");
+	if (!f)
+		return -1;
+	n = fread(buf, 1, sizeof buf - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	p = strrchr(buf, ')');  /* comm may hold blanks and parentheses */
+	if (!p)
+		return -1;
+	/* after ") ": state(3) ppid pgrp session tty tpgid flags minflt
+	 * cminflt majflt cmajflt utime(14) stime(15) */
+	if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+		return -1;
+	return (long long)(ut + st);
+}
+
 /* Makes d's run directory from tmpl (a mkdtemp() template) and names the
  * socket in it; nothing runs yet. */
 static inline int daemon_mkdir(struct daemon *d, const char *tmpl)

@@ -361,31 +361,6 @@ static long proc_vmrss_kib(pid_t pid)
 	return kib;
 }
 
-/* utime + stime in clock ticks. */
-static long long proc_cpu_ticks(pid_t pid)
-{
-	char path[64], buf[2048], *p;
-	unsigned long long ut, st;
-	FILE *f;
-	size_t n;
-
-	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-	f = fopen(path, "r");
-	if (!f)
-		return -1;
-	n = fread(buf, 1, sizeof buf - 1, f);
-	fclose(f);
-	buf[n] = 0;
-	p = strrchr(buf, ')');  /* comm may hold spaces */
-	if (!p)
-		return -1;
-	/* after ") ": state(3) ppid pgrp session tty tpgid flags minflt
-	 * cminflt majflt cmajflt utime(14) stime(15) */
-	if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
-		return -1;
-	return (long long)(ut + st);
-}
-
 static int proc_nfds(pid_t pid)
 {
 	char path[64];
@@ -1164,10 +1139,10 @@ static void test_emfile_no_spin(void **state)
 	daemon_sleep_ms(500);
 	fail_if_dead("once out of fds");
 	long log0 = file_size(log);
-	long long cpu0 = proc_cpu_ticks(D.pid);
+	long long cpu0 = daemon_cpu_ticks(D.pid);
 
 	daemon_sleep_ms(2000);
-	long long cpu1 = proc_cpu_ticks(D.pid);
+	long long cpu1 = daemon_cpu_ticks(D.pid);
 	long log1 = file_size(log);
 
 	print_message("  %d connections open; kvd holds %d fds; over 2 s: %.2f s of CPU, "
