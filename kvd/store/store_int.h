@@ -38,9 +38,9 @@ struct kvd_layer_state {
 /* A layer's tail buffers, shared copy-on-write: a fork (SeqFork, a
  * publish's snapshot, an attach) takes a reference instead of copying, so
  * that a fork costs the state lock no copy of every layer's open rows.
- * Nobody writes a tail with refs > 1: a holder about to write (an APPEND)
- * first makes its own copy (tail_own in store.c), and the rows [0, tail_n)
- * each holder sees stay as they were.  Charged once, like a segment, to
+ * Nobody writes a tail that another sequence holds (refs - io > 1): a
+ * holder about to write (an APPEND) first makes its own copy (tail_own in
+ * store.c), and the rows [0, tail_n) each holder sees stay as they were.  Charged once, like a segment, to
  * chg_uid (whoever made it), counted once in the store's total and in
  * full in every holder's bytes; the last holder's put frees and uncharges
  * it.  A write-back reading the rows off the lock holds one too (io): it
