@@ -29,11 +29,11 @@ endif
 WARN    := -Wall -Wextra -Wstrict-prototypes -Wshadow -Wno-unused-parameter -Werror
 CFLAGS  ?= -O2 -g
 # -fPIC: the same objects go into libkvclient.so.
-CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -I$(B)/proto
+CFLAGS  += -std=c11 -D_GNU_SOURCE $(WARN) -MMD -MP -pthread -fPIC -I. -I$(B)/proto
 LDLIBS  += -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
 ifneq ($(SAN),)
-# KVD_INVARIANTS: a broken ALWAYS()/NEVER() aborts (kvd/invariant.h).
+# KVD_INVARIANTS: a broken ALWAYS()/NEVER() aborts (engine/invariant.h).
 CFLAGS  += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all -DKVD_INVARIANTS
 LDFLAGS += -fsanitize=$(SAN)
 endif
@@ -64,7 +64,7 @@ CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudar
 NVCCFLAGS ?= -O2 -lineinfo
 NVCCFLAGS += -std=c++17 $(CUDA_ARCH) -MMD -MP -Werror all-warnings \
 	     -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter,-Werror \
-	     -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client
+	     -I.
 endif
 
 # Per-ISA kernel files get their own flags; everything else stays baseline
@@ -73,8 +73,20 @@ ISA_avx2   := -mavx2 -mfma -mf16c
 ISA_avx512 := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
 
 PROTO_C  := $(B)/proto/kvd.pb-c.c
-CORE_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c kvd/engine/*.c kvd/store/*.c)) $(wildcard shm/*.c)
-CORE_OBJ := $(CORE_SRC:%.c=$(B)/obj/%.o) $(B)/proto/kvd.pb-c.o
+# Three libraries, one per layer (docs/ARCHITECTURE.md, "Layers"): the engine
+# (the math both sides run, and the leaf utilities), the ABI (rings and the
+# control-plane codec, which the client links too) and the daemon's core.
+ENGINE_SRC := $(wildcard engine/*.c)
+ABI_SRC    := $(wildcard shm/*.c proto/*.c)
+DAEMON_SRC := $(filter-out kvd/main.c,$(wildcard kvd/*.c kvd/store/*.c))
+ENGINE_OBJ := $(ENGINE_SRC:%.c=$(B)/obj/%.o)
+ABI_OBJ    := $(ABI_SRC:%.c=$(B)/obj/%.o) $(B)/proto/kvd.pb-c.o
+DAEMON_OBJ := $(DAEMON_SRC:%.c=$(B)/obj/%.o)
+CORE_SRC := $(DAEMON_SRC) $(ABI_SRC) $(ENGINE_SRC)
+CORE_OBJ := $(DAEMON_OBJ) $(ABI_OBJ) $(ENGINE_OBJ)
+# Link order: a library before the ones it calls.
+KVD_LIBS    := $(B)/libkvdcore.a $(B)/libkvabi.a $(B)/libkvengine.a
+CLIENT_LIBS := $(B)/libkvabi.a $(B)/libkvengine.a
 # kvg_cuda.c + kvg_hash.c + kvg_kern.cu are the CUDA backend; kvg_nocuda.c
 # stands in for them without CUDA.
 ifeq ($(CUDA_EN),1)
@@ -117,7 +129,7 @@ endif
 .DEFAULT_GOAL := all
 .SECONDARY:
 
-all: $(B)/libkvdcore.a $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(B)/kvd-decode $(B)/kvctl $(TEST_BIN)
+all: $(KVD_LIBS) $(B)/kvd $(B)/libkvclient.so $(B)/kvbench $(B)/kvd-decode $(B)/kvctl $(TEST_BIN)
 
 $(B)/proto/kvd.pb-c.c $(B)/proto/kvd.pb-c.h: proto/kvd.proto
 	$(call msg,PROTOC,$<)
@@ -134,29 +146,29 @@ $(B)/proto/kvd.pb-c.o: $(B)/proto/kvd.pb-c.c
 deps:
 	$(Q)sh tools/deps.sh
 
-$(B)/obj/kvd/engine/kern_avx2.o: EXTRA := $(ISA_avx2)
+$(B)/obj/engine/kern_avx2.o: EXTRA := $(ISA_avx2)
 # The revision kvd_build_info{git=...} reports, read from .git without running
 # git ("unknown" outside a checkout); `make GIT_REV=...` overrides.
 GIT_REV ?= $(shell r=$$(sed -n 's/^ref: //p' .git/HEAD 2>/dev/null); \
 	{ if [ -n "$$r" ]; then cat .git/$$r 2>/dev/null || awk -v r="$$r" '$$2 == r {print $$1}' .git/packed-refs; \
 	  else cat .git/HEAD; fi; } 2>/dev/null | cut -c1-12)
 $(B)/obj/kvd/metrics.o: EXTRA := -DKVD_GIT_REV='"$(or $(GIT_REV),unknown)"'
-$(B)/obj/kvd/engine/kern_avx512.o: EXTRA := $(ISA_avx512)
-$(B)/obj/kvd/engine/kern_avx512vnni.o: EXTRA := $(ISA_avx512) -mavx512vnni
-$(B)/obj/kvd/engine/kern_amx.o: EXTRA := $(ISA_avx512) -mamx-tile -mamx-int8
+$(B)/obj/engine/kern_avx512.o: EXTRA := $(ISA_avx512)
+$(B)/obj/engine/kern_avx512vnni.o: EXTRA := $(ISA_avx512) -mavx512vnni
+$(B)/obj/engine/kern_amx.o: EXTRA := $(ISA_avx512) -mamx-tile -mamx-int8
 ifeq ($(SAN),thread)
 # TSan leaves the kernel files (SimHash, scoring, gathers) uninstrumented:
 # they read rows that the store published before the task was queued and
 # write task-private outputs, and their instrumented loads were most of the
 # TSan suite's time.  Every handoff around them (the pool's queue, segment
 # references, the store's writes) stays instrumented.
-KERN_OBJ := $(patsubst %,$(B)/obj/kvd/engine/kern_%.o,scalar avx2 avx512 avx512vnni amx)
+KERN_OBJ := $(patsubst %,$(B)/obj/engine/kern_%.o,scalar avx2 avx512 avx512vnni amx)
 $(KERN_OBJ): CFLAGS := $(filter-out -fsanitize=thread,$(CFLAGS))
 endif
 ifneq ($(SAN),)
 # -O1: at -O2 the sanitizers' instrumentation of the unrolled AVX-512 kernels
 # took three minutes a file, most of a sanitizer build.
-$(B)/obj/kvd/engine/kern_avx512.o $(B)/obj/kvd/engine/kern_avx512vnni.o $(B)/obj/kvd/engine/kern_amx.o: EXTRA += -O1
+$(B)/obj/engine/kern_avx512.o $(B)/obj/engine/kern_avx512vnni.o $(B)/obj/engine/kern_amx.o: EXTRA += -O1
 endif
 
 $(B)/obj/%.o: %.c
@@ -169,11 +181,19 @@ $(B)/obj/%.o: %.cu
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
-$(B)/libkvdcore.a: $(CORE_OBJ)
+$(B)/libkvdcore.a: $(DAEMON_OBJ)
 	$(call msg,AR,$@)
 	$(Q)rm -f $@ && ar rcs $@ $^
 
-$(B)/kvd: $(B)/obj/kvd/main.o $(B)/libkvdcore.a
+$(B)/libkvabi.a: $(ABI_OBJ)
+	$(call msg,AR,$@)
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+$(B)/libkvengine.a: $(ENGINE_OBJ)
+	$(call msg,AR,$@)
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+$(B)/kvd: $(B)/obj/kvd/main.o $(KVD_LIBS)
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
 
@@ -181,30 +201,30 @@ $(B)/kvd: $(B)/obj/kvd/main.o $(B)/libkvdcore.a
 # is libkvclient.so.$(KVC_SOVERSION): bump it on an incompatible change to kvc.h.
 KVC_SOVERSION := 3
 KVC_VERSION   := 3.1.0
-$(B)/libkvclient.so: $(CLIENT_OBJ) $(B)/libkvdcore.a gpu-client/libkvclient.map
+$(B)/libkvclient.so: $(CLIENT_OBJ) $(CLIENT_LIBS) gpu-client/libkvclient.map
 	$(call msg,LD,$@)
 	$(Q)$(CC) -shared $(LDFLAGS) -Wl,--version-script=gpu-client/libkvclient.map \
 		-Wl,-soname,libkvclient.so.$(KVC_SOVERSION) \
-		$(CLIENT_OBJ) $(B)/libkvdcore.a $(LDLIBS) $(CUDA_LIBS) -o $@
+		$(CLIENT_OBJ) $(CLIENT_LIBS) $(LDLIBS) $(CUDA_LIBS) -o $@
 
-$(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/obj/tests/unit/rcluster.o $(B)/libkvdcore.a
+$(B)/kvbench: $(BENCH_OBJ) $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/obj/tests/unit/rcluster.o $(KVD_LIBS)
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) $(CUDA_LIBS) -o $@
 
 # The end-to-end decode driver (docs/GPU.md); without CUDA a stub that says so.
-$(B)/kvd-decode: $(B)/obj/gpu-client/decode/main.o $(DECODE_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
+$(B)/kvd-decode: $(B)/obj/gpu-client/decode/main.o $(DECODE_OBJ) $(CLIENT_OBJ) $(CLIENT_LIBS)
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) $(CUDA_LIBS) -o $@
 
 # kvctl, the admin CLI (docs/kvctl.1): the control-plane codec, nothing else.
 KVCTL_OBJ := $(B)/obj/tools/kvctl/kvctl.o
 $(KVCTL_OBJ): | $(B)/proto/kvd.pb-c.h
-$(B)/kvctl: $(KVCTL_OBJ) $(B)/libkvdcore.a
+$(B)/kvctl: $(KVCTL_OBJ) $(CLIENT_LIBS)
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $^ $(LDLIBS) -o $@
 
 # Test binaries link the client objects statically (they test internals too).
-$(B)/tests/%: $(B)/tests/obj/%.o $(TEST_COMMON_OBJ) $(CLIENT_OBJ) $(B)/libkvdcore.a
+$(B)/tests/%: $(B)/tests/obj/%.o $(TEST_COMMON_OBJ) $(CLIENT_OBJ) $(KVD_LIBS)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(LDFLAGS) $^ -lcmocka $(LDLIBS) $(CUDA_LIBS) -o $@
@@ -234,19 +254,19 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 # instrumentation (not its main); only the per-ISA kernel files get their ISA
 # flags, as in every other build, so a fuzz target runs on any x86-64 and
 # dispatch picks the kernels the CPU has.
-FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -Ibuild/proto \
+FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ibuild/proto \
 	-fsanitize=fuzzer-no-link,address,undefined -DKVD_INVARIANTS
 FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
 FUZZ_LIBS := -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
-build/fuzz/obj/kvd/engine/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
-build/fuzz/obj/kvd/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
-build/fuzz/obj/kvd/engine/kern_avx512vnni.o: FUZZ_ISA := $(ISA_avx512) -mavx512vnni
-build/fuzz/obj/kvd/engine/kern_amx.o: FUZZ_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
+build/fuzz/obj/engine/kern_avx2.o: FUZZ_ISA := $(ISA_avx2)
+build/fuzz/obj/engine/kern_avx512.o: FUZZ_ISA := $(ISA_avx512)
+build/fuzz/obj/engine/kern_avx512vnni.o: FUZZ_ISA := $(ISA_avx512) -mavx512vnni
+build/fuzz/obj/engine/kern_amx.o: FUZZ_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
 
 # No input a fuzz target decodes reaches a kernel: the per-ISA files go in
 # uninstrumented, which takes seconds where ASan+UBSan took minutes.
-FUZZ_KERN := $(patsubst %,build/fuzz/obj/kvd/engine/kern_%.o,avx2 avx512 avx512vnni amx)
+FUZZ_KERN := $(patsubst %,build/fuzz/obj/engine/kern_%.o,avx2 avx512 avx512vnni amx)
 $(FUZZ_KERN): build/fuzz/obj/%.o: %.c build/proto/kvd.pb-c.h
 	$(call msg,FUZZCC,$<)
 	$(Q)mkdir -p $(dir $@)

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "kvc.h"
+#include "gpu-client/kvc.h"
 #include "tests/integration/daemon.h"
 
 struct kvd_pool;

@@ -28,11 +28,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "bench.h"
-#include "ref.h"
-#include "seg.h"
-#include "synth.h"
+#include "engine/ref.h"
+#include "engine/seg.h"
+#include "engine/synth.h"
 
 #define QH 32
 #define KVH 8

@@ -37,14 +37,14 @@ int bench_gpu_main(int argc, char **argv)
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include "bf16.h"
-#include "decode/args.h"
-#include "decode/run.h"
-#include "kvd_ring.h"
-#include "kvg_kern.h"
-#include "kvg_plan.h"
-#include "lsh.h"
-#include "rng.h"
+#include "engine/bf16.h"
+#include "gpu-client/decode/args.h"
+#include "gpu-client/decode/run.h"
+#include "proto/kvd_ring.h"
+#include "gpu-client/kvg_kern.h"
+#include "gpu-client/kvg_plan.h"
+#include "engine/lsh.h"
+#include "engine/rng.h"
 
 #define CK(x)                                                                           \
 	do {                                                                            \

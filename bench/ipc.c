@@ -26,8 +26,8 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "kvd_ring.h"
-#include "shm.h"
+#include "proto/kvd_ring.h"
+#include "shm/shm.h"
 
 #define IPC_TIMEOUT_NS 10000000000ull   /* a dead peer ends the run */
 #define IPC_RING       64

@@ -20,10 +20,10 @@
 #include <string.h>
 
 #include "bench.h"
-#include "kern.h"
-#include "mem.h"
-#include "pool.h"
-#include "rng.h"
+#include "engine/kern.h"
+#include "engine/mem.h"
+#include "engine/pool.h"
+#include "engine/rng.h"
 
 #define D 128
 #define G_DENSE 4

@@ -37,15 +37,15 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "bench.h"
-#include "err.h"
-#include "lsh.h"
-#include "npy.h"
-#include "pool.h"
-#include "prep.h"
-#include "ref.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "engine/lsh.h"
+#include "engine/npy.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "engine/ref.h"
+#include "engine/synth.h"
 
 #define SINKS  4
 #define WINDOW 64

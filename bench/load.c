@@ -6,7 +6,7 @@
  *                [--batch N]
  *
  * Setup (not measured): the parent makes one synthetic sequence per decode
- * client (kvd/engine/synth.h, workloads rotating needle/dense/mixed as in the demo),
+ * client (engine/synth.h, workloads rotating needle/dense/mixed as in the demo),
  * centers, rounds and hashes its rows once on a pool (kvd_prep_mean /
  * kvd_prep_rows, exactly the pieces kvd_prep_layer builds segments from),
  * and makes every query of the run and its codes.  It then starts kvd as a
@@ -42,17 +42,17 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "bench.h"
-#include "err.h"
-#include "kvc.h"
-#include "kvd_ring.h"
-#include "kvt.h"
-#include "lsh.h"
-#include "pool.h"
-#include "prep.h"
-#include "rng.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "proto/kvd_ring.h"
+#include "gpu-client/kvt.h"
+#include "engine/lsh.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "engine/rng.h"
+#include "engine/synth.h"
 
 #define MAXC    16              /* decode clients */
 #define MAXN    8               /* entries of --clients */

@@ -19,13 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "bench.h"
-#include "kern.h"
-#include "lsh.h"
-#include "pool.h"
-#include "prep.h"
-#include "synth.h"
+#include "engine/kern.h"
+#include "engine/lsh.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "engine/synth.h"
 
 #define QH 32
 #define KVH 8

@@ -6,9 +6,9 @@
 #include <time.h>
 
 #include "bench.h"
-#include "mem.h"
-#include "pool.h"
-#include "rng.h"
+#include "engine/mem.h"
+#include "engine/pool.h"
+#include "engine/rng.h"
 
 double bench_now_ms(void)
 {

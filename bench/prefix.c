@@ -38,11 +38,11 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "err.h"
-#include "kvc.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
 #include "prefix.h"
-#include "seg.h"
-#include "synth.h"
+#include "engine/seg.h"
+#include "engine/synth.h"
 
 #define PX_MAXCLIENT 64
 

@@ -88,11 +88,11 @@
 #include <hiredis/hiredis.h>
 
 #include "bench.h"
-#include "err.h"
-#include "kvc.h"
-#include "rcl.h"
-#include "remote.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "kvd/store/rcl.h"
+#include "kvd/store/remote.h"
+#include "engine/synth.h"
 #include "tests/unit/rcluster.h"
 
 #define RM_REPS   3

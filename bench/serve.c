@@ -23,15 +23,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "bench.h"
 #include "prefix.h"
-#include "err.h"
-#include "kvc.h"
-#include "pool.h"
-#include "prep.h"
-#include "ref.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "engine/ref.h"
+#include "engine/synth.h"
 
 /* extra: more INI text for the configuration (a [memory]/[spill] part), or NULL. */
 int srv_start_conf(struct daemon *s, const char *memory, const char *extra)

@@ -32,10 +32,10 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "err.h"
-#include "kvc.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
 #include "prefix.h"
-#include "synth.h"
+#include "engine/synth.h"
 
 #define SH_APPEND   300         /* tokens decoded into child 1 and the parent */
 #define SH_MAXCHILD 64

@@ -34,15 +34,15 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "bench.h"
-#include "err.h"
-#include "lsh.h"
-#include "mem.h"
-#include "rng.h"
-#include "sfmt.h"
-#include "spill.h"
-#include "store.h"
+#include "engine/err.h"
+#include "engine/lsh.h"
+#include "engine/mem.h"
+#include "engine/rng.h"
+#include "kvd/store/sfmt.h"
+#include "kvd/store/spill.h"
+#include "kvd/store/store.h"
 
 #define SP_MAXEXT 4096
 

@@ -38,9 +38,9 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "kvd_ring.h"
-#include "kvt.h"
-#include "rng.h"
+#include "proto/kvd_ring.h"
+#include "gpu-client/kvt.h"
+#include "engine/rng.h"
 
 #define MAXLAT 400000
 enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, NPH, PH_END = NPH };

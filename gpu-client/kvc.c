@@ -10,16 +10,16 @@
 
 #include <xxhash.h>
 
-#include "attn.h"
-#include "bf16.h"
-#include "err.h"
+#include "engine/attn.h"
+#include "engine/bf16.h"
+#include "engine/err.h"
 #include "kvc.h"
-#include "kvd_ring.h"
+#include "proto/kvd_ring.h"
 #include "kvg.h"
 #include "kvg_plan.h"
 #include "kvt.h"
-#include "lsh.h"
-#include "prep.h"
+#include "engine/lsh.h"
+#include "engine/prep.h"
 
 
 struct kvc_layer {

@@ -1,4 +1,4 @@
-/* bf16 on the device, bit for bit as kvd/engine/bf16.h on the host (round to
+/* bf16 on the device, bit for bit as engine/bf16.h on the host (round to
  * nearest even, NaN kept quiet): the kernels and kvd-decode share it so
  * rows rounded on either side of the PCIe bus are the same bits. */
 #ifndef KVG_BF16_CUH

@@ -27,10 +27,10 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include "attn.h"
-#include "err.h"
+#include "engine/attn.h"
+#include "engine/err.h"
 #include "kvc.h"
-#include "kvd_ring.h"
+#include "proto/kvd_ring.h"
 #include "kvg.h"
 #include "kvg_kern.h"
 #include "kvg_plan.h"

@@ -4,11 +4,11 @@
  * Every launcher only enqueues work on `st` and returns the launch status
  * (cudaSuccess, or the error cudaGetLastError reports); none synchronises.
  * Pointers are device pointers.  Rows are bf16 (uint16_t bit patterns,
- * rounded to nearest even exactly as kvd/engine/bf16.h), d is a multiple of 16 and
+ * rounded to nearest even exactly as engine/bf16.h), d is a multiple of 16 and
  * at most 256, a GQA group G = q_heads / kv_heads is at most 16, K <= 16
  * bits: the limits of kvd_geom_check().
  *
- * Conventions are kvd's (kvd/engine/attn.h): scores q.k / sqrt(d) over centered
+ * Conventions are kvd's (engine/attn.h): scores q.k / sqrt(d) over centered
  * keys; a partial result is (o, lse), o normalised, empty = (0, -inf).
  */
 #ifndef KVG_KERN_H

@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "engine/bf16.h"
 #include "kvc.h"
 #include "kvg_plan.h"
 

@@ -12,13 +12,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "attn.h"
-#include "ctl.h"
-#include "err.h"
-#include "kvd_ring.h"
+#include "engine/attn.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
+#include "proto/kvd_ring.h"
 #include "kvt.h"
-#include "seg.h"
-#include "shm.h"
+#include "engine/seg.h"
+#include "shm/shm.h"
 
 #define RX_MAX (KVD_CTL_W_INLINE_MAX + 65536)
 #define NOP_TAG UINT64_MAX

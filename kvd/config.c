@@ -12,7 +12,7 @@
 #include <ini.h>
 
 #include "config.h"
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "metrics.h"
 
 __attribute__((format(printf, 3, 4)))

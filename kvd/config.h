@@ -83,7 +83,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "uidlimits.h"
+#include "kvd/store/uidlimits.h"
 
 #define KVD_CONFIG_SPILL_DIRS   16      /* == KVD_SPILL_DIRS_MAX */
 

@@ -1,5 +1,5 @@
 /* Control-plane requests: the protobuf messages of a client's Unix socket
- * (docs/PROTOCOL.md), decoded by kvd/ctl.c and answered here, on the loop
+ * (docs/PROTOCOL.md), decoded by proto/ctl.c and answered here, on the loop
  * thread under the state lock.  Each is cheap (a lookup, a create, a
  * counter read), so it waits for at most one executor unit and delays the
  * executor by as little.
@@ -15,14 +15,14 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "ctl.h"
-#include "err.h"
-#include "log.h"
-#include "lsh.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
+#include "engine/log.h"
+#include "engine/lsh.h"
 #include "server.h"
 #include "server_int.h"
-#include "share.h"
-#include "tier.h"
+#include "kvd/store/share.h"
+#include "kvd/store/tier.h"
 
 static int reply(struct client *c, Kvd__Response *r, const int *fds, int nfds)
 {

@@ -32,14 +32,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "err.h"
-#include "invariant.h"
-#include "kern.h"
-#include "log.h"
-#include "pool.h"
+#include "engine/err.h"
+#include "engine/invariant.h"
+#include "engine/kern.h"
+#include "engine/log.h"
+#include "engine/pool.h"
 #include "server_int.h"
 #include "config.h"
-#include "tier.h"
+#include "kvd/store/tier.h"
 
 #define PASS_UNITS 16           /* ATTEND records in one pool job */
 #define YIELD_ROUNDS 4          /* batches of others' records between two slices, at most */

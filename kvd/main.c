@@ -5,8 +5,8 @@
 #include <stdlib.h>
 
 #include "config.h"
-#include "err.h"
-#include "log.h"
+#include "engine/err.h"
+#include "engine/log.h"
 #include "server.h"
 
 int main(int argc, char **argv)

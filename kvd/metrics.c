@@ -18,17 +18,17 @@
 
 #include <microhttpd.h>
 
-#include "ctl.h"
-#include "err.h"
-#include "invariant.h"
-#include "kvd_ring.h"
-#include "log.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
+#include "engine/invariant.h"
+#include "proto/kvd_ring.h"
+#include "engine/log.h"
 #include "metrics.h"
-#include "remote.h"
+#include "kvd/store/remote.h"
 #include "server_int.h"
-#include "store.h"
-#include "tier.h"
-#include "uidlimits.h"
+#include "kvd/store/store.h"
+#include "kvd/store/tier.h"
+#include "kvd/store/uidlimits.h"
 
 #ifndef KVD_GIT_REV
 #define KVD_GIT_REV "unknown"

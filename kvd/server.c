@@ -20,17 +20,17 @@
 #include <systemd/sd-daemon.h>
 
 #include "config.h"
-#include "ctl.h"
-#include "err.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
 #include "kvd.pb-c.h"
-#include "log.h"
-#include "pool.h"
+#include "engine/log.h"
+#include "engine/pool.h"
 #include "server.h"
 #include "server_int.h"
-#include "store.h"
-#include "remote.h"
-#include "share.h"
-#include "tier.h"
+#include "kvd/store/store.h"
+#include "kvd/store/remote.h"
+#include "kvd/store/share.h"
+#include "kvd/store/tier.h"
 
 /* ---- signals ----------------------------------------------------------- */
 

@@ -13,9 +13,9 @@
  * the loop, the watchdog or the other clients waiting.
  *
  * Untrusted input — control messages and everything in shared memory — is
- * copied once and checked before use (kvd/ctl.c, kvd/wire.c).  What a client
+ * copied once and checked before use (proto/ctl.c, kvd/wire.c).  What a client
  * may make kvd hold is counted per uid before it is allocated
- * (kvd/uidlimits.h): connections, sequences, profiles, bytes.  A bad request
+ * (kvd/store/uidlimits.h): connections, sequences, profiles, bytes.  A bad request
  * gets an error reply or an error completion and the client stays; a client
  * that corrupts its ring indices or breaks the control protocol's framing is
  * disconnected, and its sequences, profiles, shared memory and fds are

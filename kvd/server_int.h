@@ -30,14 +30,14 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "kvd.pb-c.h"
 #include "metrics.h"
-#include "kvd_ring.h"
-#include "numa_nodes.h"
-#include "uidlimits.h"
-#include "shm.h"
-#include "store.h"
+#include "proto/kvd_ring.h"
+#include "engine/numa_nodes.h"
+#include "kvd/store/uidlimits.h"
+#include "shm/shm.h"
+#include "kvd/store/store.h"
 #include "wire.h"
 
 /* What an epoll event's data points at. */

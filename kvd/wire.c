@@ -2,7 +2,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "store.h"
+#include "kvd/store/store.h"
 #include "wire.h"
 
 #define FAIL(code, ...) do { snprintf(msg, msglen, __VA_ARGS__); return (code); } while (0)

@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvd_ring.h"
+#include "proto/kvd_ring.h"
 
 struct kvd_profile;
 

@@ -66,7 +66,7 @@ static_assert(offsetof(struct kvd_sqe, slot) == 4 && offsetof(struct kvd_sqe, us
 
 struct kvd_cqe {
 	uint64_t user_data;
-	int32_t res;            /* 0, or -errno / -KVD_E* (kvd/err.h) */
+	int32_t res;            /* 0, or -errno / -KVD_E* (engine/err.h) */
 	uint32_t _reserved;
 	char msg[48];           /* NUL-terminated reason when res < 0 */
 };

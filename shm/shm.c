@@ -26,7 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "invariant.h"
+#include "engine/invariant.h"
 #include "shm.h"
 
 #define PAGE            4096u

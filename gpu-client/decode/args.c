@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "args.h"
-#include "attn.h"
+#include "engine/attn.h"
 
 void dec_args_default(struct dec_args *a)
 {

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "kvg_bf16.cuh"
+#include "gpu-client/kvg_bf16.cuh"
 #include "model.h"
 
 #define NT 256

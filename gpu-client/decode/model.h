@@ -1,7 +1,7 @@
 /* The non-attention kernels of kvd-decode's model (model.cu): random
  * weights and data, embedding, RMSNorm, RoPE, SwiGLU, casts, greedy argmax.
  * Launchers enqueue on `st` and return the launch status.  bf16 is uint16_t
- * bits (kvd/engine/bf16.h's rounding). */
+ * bits (engine/bf16.h's rounding). */
 #ifndef KVD_DECODE_MODEL_H
 #define KVD_DECODE_MODEL_H
 

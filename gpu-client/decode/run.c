@@ -22,10 +22,10 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include "attn.h"
-#include "kvc.h"
-#include "kvg_kern.h"
-#include "kvg_plan.h"
+#include "engine/attn.h"
+#include "gpu-client/kvc.h"
+#include "gpu-client/kvg_kern.h"
+#include "gpu-client/kvg_plan.h"
 #include "model.h"
 #include "run.h"
 

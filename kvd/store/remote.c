@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "err.h"
+#include "engine/err.h"
 #include "sfmt.h"
 
 #define JOBS_MAX 256                    /* queued; more are refused (-EBUSY) */

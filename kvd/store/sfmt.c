@@ -10,8 +10,8 @@
 #define XXH_STATIC_LINKING_ONLY         /* XXH3_state_t on the stack: no malloc, no failure */
 #include <xxhash.h>
 
-#include "ctl.h"
-#include "err.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
 #include "sfmt.h"
 
 /* The header is the disk format: every offset pinned, no padding anywhere. */

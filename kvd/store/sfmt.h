@@ -73,7 +73,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "seg.h"
+#include "engine/seg.h"
 #include "store.h"
 
 #define KVD_SFMT_PAGE 4096u
@@ -158,7 +158,7 @@ uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p);
  * payload needs no alignment. */
 void kvd_sfmt_profile_put(const struct kvd_profile *p, void *payload);
 /* Fills *out from a PROFILE payload, validating every field (kvd_geom_check
- * and the limits of kvd/ctl.h: name, layers, sink/window, seg/seal tokens,
+ * and the limits of proto/ctl.h: name, layers, sink/window, seg/seal tokens,
  * as kvd_ctl_check_profile), the record's canonical form, dense[] of 0/1
  * with zero padding, bytes exactly kvd_sfmt_profile_bytes(), and W finite;
  * out->dense and out->W are malloc'd, out->tab is NULL and out->id is 0.

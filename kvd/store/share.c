@@ -5,10 +5,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "err.h"
-#include "log.h"
+#include "engine/err.h"
+#include "engine/log.h"
 #include "remote.h"
-#include "rng.h"
+#include "engine/rng.h"
 #include "share.h"
 #include "uidlimits.h"
 

@@ -40,9 +40,9 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
-#include "err.h"
+#include "engine/err.h"
 #include "iob.h"
-#include "log.h"
+#include "engine/log.h"
 #include "spill.h"
 
 #define PAGE            KVD_SFMT_PAGE

@@ -6,11 +6,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "err.h"
-#include "invariant.h"
-#include "mem.h"
-#include "pool.h"
-#include "rng.h"
+#include "engine/err.h"
+#include "engine/invariant.h"
+#include "engine/mem.h"
+#include "engine/pool.h"
+#include "engine/rng.h"
 #include "store_int.h"
 
 #define SEQ_BUCKET_BITS 12

@@ -13,7 +13,7 @@
  * reaches here; these functions still check what depends on the sequence's
  * state (token order, mean present, layer kind) and fail with a message.
  *
- * Limits (kvd/uidlimits.h), once kvd_store_set_limits() gave the store a
+ * Limits (kvd/store/uidlimits.h), once kvd_store_set_limits() gave the store a
  * kvd_limits: every allocation a client can cause -- a sequence's struct
  * and layer array, prefill staging, tails, means, estimator state,
  * segments and their tables, a profile with its dense array, W and logp
@@ -45,8 +45,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "attn.h"
-#include "lsh.h"
+#include "engine/attn.h"
+#include "engine/lsh.h"
 #include "uidlimits.h"
 
 struct kvd_pool;

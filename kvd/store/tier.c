@@ -7,12 +7,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "err.h"
-#include "invariant.h"
-#include "log.h"
-#include "metrics.h"
+#include "engine/err.h"
+#include "engine/invariant.h"
+#include "engine/log.h"
+#include "kvd/metrics.h"
 #include "remote.h"
-#include "rng.h"
+#include "engine/rng.h"
 #include "store_int.h"
 #include "tier.h"
 

@@ -1,7 +1,7 @@
 """kvd's errors as Python exceptions."""
 import errno as _errno
 
-# kvd/err.h: kvd's own codes, above every errno.
+# engine/err.h: kvd's own codes, above every errno.
 KVD_CODES = {4097: "KVD_EGEOM", 4098: "KVD_EFORMAT", 4099: "KVD_ESHAPE", 4100: "KVD_ELOST",
              4101: "KVD_EPROTO"}
 

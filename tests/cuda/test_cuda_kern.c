@@ -24,14 +24,14 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include "attn.h"
-#include "bf16.h"
-#include "kvd_ring.h"
-#include "kvg_kern.h"
-#include "kvg_plan.h"
-#include "lsh.h"
-#include "prep.h"
-#include "ref.h"
+#include "engine/attn.h"
+#include "engine/bf16.h"
+#include "proto/kvd_ring.h"
+#include "gpu-client/kvg_kern.h"
+#include "gpu-client/kvg_plan.h"
+#include "engine/lsh.h"
+#include "engine/prep.h"
+#include "engine/ref.h"
 #include "gpuutil.h"
 #include "testutil.h"
 

@@ -22,10 +22,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "bf16.h"
+#include "engine/bf16.h"
 #include "daemon.h"
-#include "kvc.h"
-#include "synth.h"
+#include "gpu-client/kvc.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define LAYERS  3

@@ -16,7 +16,7 @@
 EMU_B     := build/emu
 EMU_SEED  ?= 1
 EMU_SAN   := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-EMU_INC   := -Itests/emu -I. -Ikvd -Ikvd/engine -Ikvd/store -Ishm -Iproto -Igpu-client -I$(EMU_B)/proto
+EMU_INC   := -Itests/emu -I. -I. -I$(EMU_B)/proto
 EMU_DEFS  := -D_GNU_SOURCE -DKVC_CUDA=1 -DKVG_EMU
 EMU_CFLAGS   := -O1 -g -std=c11 $(EMU_DEFS) $(WARN) -MMD -MP -pthread $(EMU_SAN) $(EMU_INC)
 EMU_CXXFLAGS := -O1 -g -std=c++17 $(EMU_DEFS) -Wall -Wextra -Wno-unused-parameter \
@@ -44,11 +44,11 @@ $(EMU_B)/proto/kvd.pb-c.o: $(EMU_B)/proto/kvd.pb-c.c
 	$(call msg,EMUCC,$<)
 	$(Q)$(CC) $(filter-out -Wshadow -Wstrict-prototypes,$(EMU_CFLAGS)) -c $< -o $@
 
-$(EMU_B)/obj/kvd/engine/kern_avx2.o: EMU_ISA := $(ISA_avx2)
+$(EMU_B)/obj/engine/kern_avx2.o: EMU_ISA := $(ISA_avx2)
 $(EMU_B)/obj/gpu-client/kvg_cuda.o: EMU_ISA := -O0
-$(EMU_B)/obj/kvd/engine/kern_avx512.o: EMU_ISA := $(ISA_avx512)
-$(EMU_B)/obj/kvd/engine/kern_avx512vnni.o: EMU_ISA := $(ISA_avx512) -mavx512vnni
-$(EMU_B)/obj/kvd/engine/kern_amx.o: EMU_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
+$(EMU_B)/obj/engine/kern_avx512.o: EMU_ISA := $(ISA_avx512)
+$(EMU_B)/obj/engine/kern_avx512vnni.o: EMU_ISA := $(ISA_avx512) -mavx512vnni
+$(EMU_B)/obj/engine/kern_amx.o: EMU_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
 
 $(EMU_B)/obj/%.o: %.c
 	$(call msg,EMUCC,$<)

@@ -15,9 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "attn.h"
-#include "ctl.h"
-#include "err.h"
+#include "engine/attn.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *buf, size_t len);
 

@@ -9,8 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "err.h"
-#include "npy.h"
+#include "engine/err.h"
+#include "engine/npy.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *buf, size_t len);
 

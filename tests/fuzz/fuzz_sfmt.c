@@ -27,11 +27,11 @@
 
 #include <sanitizer/asan_interface.h>
 
-#include "attn.h"
-#include "err.h"
-#include "kern.h"
-#include "lsh.h"
-#include "sfmt.h"
+#include "engine/attn.h"
+#include "engine/err.h"
+#include "engine/kern.h"
+#include "engine/lsh.h"
+#include "kvd/store/sfmt.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *buf, size_t len);
 

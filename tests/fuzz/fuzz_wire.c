@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvd_ring.h"
-#include "store.h"
-#include "wire.h"
+#include "proto/kvd_ring.h"
+#include "kvd/store/store.h"
+#include "kvd/wire.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -31,9 +31,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "ctl.h"
-#include "kvd_ring.h"
-#include "shm.h"
+#include "proto/ctl.h"
+#include "proto/kvd_ring.h"
+#include "shm/shm.h"
 
 #define RX_CAP  (KVD_CTL_W_INLINE_MAX + 65536)
 #define CALL_MS 60000           /* control replies: generous for sanitizer builds */

@@ -25,11 +25,11 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "kvc.h"
+#include "gpu-client/kvc.h"
 #include "raw.h"
-#include "synth.h"
+#include "engine/synth.h"
 
 #define UID_H 65534             /* the hostile uid */
 #define LOAD_MS 1000            /* how long each load runs */

@@ -67,15 +67,15 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
-#include "kvd_ring.h"
-#include "prep.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "proto/kvd_ring.h"
+#include "engine/prep.h"
 #include "raw.h"
-#include "shm.h"
-#include "synth.h"
+#include "shm/shm.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define LAYERS  3

@@ -36,10 +36,10 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
 #include "testutil.h"
 
 #define UID_B     65534

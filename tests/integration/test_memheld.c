@@ -28,11 +28,11 @@
 
 #include <sys/stat.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "kvd_ring.h"
+#include "proto/kvd_ring.h"
 #include "raw.h"
-#include "shm.h"
+#include "shm/shm.h"
 
 #define MiB (1ull << 20)
 

@@ -28,14 +28,14 @@
 #include <sys/stat.h>
 #include <cmocka.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
-#include "kvd_ring.h"
-#include "metrics.h"
-#include "shm.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "proto/kvd_ring.h"
+#include "kvd/metrics.h"
+#include "shm/shm.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define N_TOK   3000

@@ -20,7 +20,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "rcl.h"
+#include "kvd/store/rcl.h"
 #include "rcluster.h"
 
 #define NKEYS 200

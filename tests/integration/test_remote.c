@@ -52,11 +52,11 @@
 #include <sys/stat.h>
 
 #include "daemon.h"
-#include "kvc.h"
-#include "rcl.h"
+#include "gpu-client/kvc.h"
+#include "kvd/store/rcl.h"
 #include "rcluster.h"
-#include "remote.h"
-#include "synth.h"
+#include "kvd/store/remote.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define LAYERS  3

@@ -13,17 +13,17 @@
 #include <sys/mman.h>
 #include <cmocka.h>
 
-#include "attn.h"
-#include "ctl.h"
+#include "engine/attn.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
-#include "kvd_ring.h"
-#include "pool.h"
-#include "prep.h"
-#include "ref.h"
-#include "shm.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "proto/kvd_ring.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "engine/ref.h"
+#include "shm/shm.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define N_TOK   6000

@@ -53,14 +53,14 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
-#include "kvd_ring.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "proto/kvd_ring.h"
 #include "raw.h"
-#include "shm.h"
-#include "synth.h"
+#include "shm/shm.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define LAYERS  3

@@ -32,8 +32,8 @@
 #include <sys/wait.h>
 
 #include "daemon.h"
-#include "kvc.h"
-#include "rng.h"
+#include "gpu-client/kvc.h"
+#include "engine/rng.h"
 #include "testutil.h"
 
 #define LAYERS  2

@@ -17,10 +17,10 @@
 #include <cmocka.h>
 
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
-#include "sfmt.h"
-#include "synth.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "kvd/store/sfmt.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define N_TOK   6000

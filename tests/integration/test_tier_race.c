@@ -26,14 +26,14 @@
 
 #include <sys/mman.h>
 
-#include "ctl.h"
+#include "proto/ctl.h"
 #include "daemon.h"
-#include "err.h"
-#include "kvc.h"
-#include "kvd_ring.h"
+#include "engine/err.h"
+#include "gpu-client/kvc.h"
+#include "proto/kvd_ring.h"
 #include "raw.h"
-#include "rng.h"
-#include "shm.h"
+#include "engine/rng.h"
+#include "shm/shm.h"
 #include "testutil.h"
 
 #define QH 4

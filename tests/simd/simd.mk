@@ -13,8 +13,8 @@
 # the ordinary test_kern on the real instructions.
 
 E512_B    := build/emu512
-E512_SRC  := kvd/engine/kern.c kvd/engine/kern_avx512.c kvd/engine/kern_avx512vnni.c
-E512_OBJ  := $(E512_SRC:kvd/engine/%.c=$(E512_B)/obj/%.o)
+E512_SRC  := engine/kern.c engine/kern_avx512.c engine/kern_avx512vnni.c
+E512_OBJ  := $(E512_SRC:engine/%.c=$(E512_B)/obj/%.o)
 E512_SAN    := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 # -O0: SIMDe under ASan+UBSan took 222 s a file to compile at -O1 (57 s at
 # -O0), far more than the test then runs.
@@ -22,18 +22,18 @@ E512_CFLAGS := $(filter-out -Wshadow -O2,$(CFLAGS)) -O0 $(ISA_avx2) $(E512_SAN) 
 
 .PHONY: check-avx512-emu
 
-$(E512_B)/obj/kern.o: kvd/engine/kern.c
+$(E512_B)/obj/kern.o: engine/kern.c
 	$(call msg,CC,$@)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(E512_CFLAGS) -c $< -o $@
 
-$(E512_B)/obj/%.o: kvd/engine/%.c tests/simd/avx512_simde.h
+$(E512_B)/obj/%.o: engine/%.c tests/simd/avx512_simde.h
 	$(call msg,CC,$@)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CC) $(E512_CFLAGS) -include tests/simd/avx512_simde.h -c $< -o $@
 
 # The objects above come first, so the archive's own kern*.o stay out.
-$(E512_B)/test_kern: $(B)/tests/obj/test_kern.o $(E512_OBJ) $(TEST_COMMON_OBJ) $(B)/libkvdcore.a
+$(E512_B)/test_kern: $(B)/tests/obj/test_kern.o $(E512_OBJ) $(TEST_COMMON_OBJ) $(KVD_LIBS)
 	$(call msg,LD,$@)
 	$(Q)$(CC) $(LDFLAGS) $(E512_SAN) $^ -lcmocka $(LDLIBS) -o $@
 

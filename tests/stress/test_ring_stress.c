@@ -32,7 +32,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "shm.h"
+#include "shm/shm.h"
 
 /* The same millions under the sanitizers: TSan still moves >2 M entries/s
  * through a ring, and the race checks are the point of running it there. */

@@ -8,8 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
-#include "rng.h"
+#include "engine/bf16.h"
+#include "engine/rng.h"
 
 /* y[t] = x . W[:, t] in double, t < KL. */
 static inline void proj_double(const float *W, uint32_t d, uint32_t KL, const float *x, double *y)

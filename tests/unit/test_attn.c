@@ -8,13 +8,13 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "attn.h"
-#include "err.h"
-#include "lsh.h"
-#include "pool.h"
-#include "prep.h"
-#include "ref.h"
-#include "synth.h"
+#include "engine/attn.h"
+#include "engine/err.h"
+#include "engine/lsh.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "engine/ref.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 static const struct kvd_kern *kv[8];

@@ -14,7 +14,7 @@
 
 #include <cmocka.h>
 
-#include "config.h"
+#include "kvd/config.h"
 
 static char dir[64];
 static char path[128];

@@ -21,10 +21,10 @@
 
 #include <cmocka.h>
 
-#include "attn.h"
-#include "ctl.h"
-#include "err.h"
-#include "lsh.h"
+#include "engine/attn.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
+#include "engine/lsh.h"
 
 static int sp[2];
 

@@ -22,10 +22,10 @@
 
 #include <cmocka.h>
 
-#include "bf16.h"
-#include "kern.h"
-#include "lsh.h"
-#include "rng.h"
+#include "engine/bf16.h"
+#include "engine/kern.h"
+#include "engine/lsh.h"
+#include "engine/rng.h"
 
 static const struct kvd_kern *const ref = &kvd_kern_scalar;
 

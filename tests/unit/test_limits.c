@@ -10,7 +10,7 @@
 
 #include <cmocka.h>
 
-#include "uidlimits.h"
+#include "kvd/store/uidlimits.h"
 
 static struct kvd_limits *make(void)
 {

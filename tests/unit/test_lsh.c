@@ -14,10 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "err.h"
-#include "kern.h"
-#include "lsh.h"
-#include "rng.h"
+#include "engine/err.h"
+#include "engine/kern.h"
+#include "engine/lsh.h"
+#include "engine/rng.h"
 #include "testutil.h"
 
 /* ---- helpers ------------------------------------------------------------ */

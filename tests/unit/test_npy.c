@@ -16,8 +16,8 @@
 
 #include <cmocka.h>
 
-#include "err.h"
-#include "npy.h"
+#include "engine/err.h"
+#include "engine/npy.h"
 
 static char dir[64];
 

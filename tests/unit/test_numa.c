@@ -23,9 +23,9 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "mem.h"
-#include "numa_nodes.h"
-#include "pool.h"
+#include "engine/mem.h"
+#include "engine/numa_nodes.h"
+#include "engine/pool.h"
 
 #define LONG_BITS (8 * sizeof(unsigned long))
 

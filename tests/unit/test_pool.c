@@ -12,7 +12,7 @@
 #include <time.h>
 #include <cmocka.h>
 
-#include "pool.h"
+#include "engine/pool.h"
 
 struct count_job {
 	unsigned nworkers;

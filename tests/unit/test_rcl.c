@@ -21,7 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "rcl.h"
+#include "kvd/store/rcl.h"
 
 static uint16_t slot_s(const char *k)
 {

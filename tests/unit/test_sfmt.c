@@ -22,14 +22,14 @@
 #include <string.h>
 #include <time.h>
 
-#include "attn.h"
-#include "ctl.h"
-#include "err.h"
-#include "lsh.h"
-#include "pool.h"
-#include "prep.h"
-#include "sfmt.h"
-#include "synth.h"
+#include "engine/attn.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
+#include "engine/lsh.h"
+#include "engine/pool.h"
+#include "engine/prep.h"
+#include "kvd/store/sfmt.h"
+#include "engine/synth.h"
 #include "testutil.h"
 
 #define PAGE KVD_SFMT_PAGE

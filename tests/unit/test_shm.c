@@ -22,7 +22,7 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "shm.h"
+#include "shm/shm.h"
 
 #define ESZ 64
 

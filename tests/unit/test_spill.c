@@ -24,14 +24,14 @@
 #include <unistd.h>
 #include <cmocka.h>
 
-#include "attn.h"
-#include "err.h"
-#include "iob.h"
-#include "lsh.h"
-#include "rng.h"
-#include "sfmt.h"
-#include "spill.h"
-#include "store.h"
+#include "engine/attn.h"
+#include "engine/err.h"
+#include "kvd/store/iob.h"
+#include "engine/lsh.h"
+#include "engine/rng.h"
+#include "kvd/store/sfmt.h"
+#include "kvd/store/spill.h"
+#include "kvd/store/store.h"
 
 #define MAXEXT 64
 #define TMPFS_MAGIC_ 0x01021994

@@ -21,11 +21,11 @@
 
 #include <cmocka.h>
 
-#include "pool.h"
-#include "rng.h"
-#include "store.h"
+#include "engine/pool.h"
+#include "engine/rng.h"
+#include "kvd/store/store.h"
 #include "testutil.h"
-#include "uidlimits.h"
+#include "kvd/store/uidlimits.h"
 
 #define KV 2
 #define D 64

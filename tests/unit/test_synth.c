@@ -14,8 +14,8 @@
 
 #include <cmocka.h>
 
-#include "rng.h"
-#include "synth.h"
+#include "engine/rng.h"
+#include "engine/synth.h"
 
 #define S KVD_SYNTH_SINKS
 #define NN KVD_SYNTH_NEEDLES

@@ -32,13 +32,13 @@
 
 #include <cmocka.h>
 
-#include "err.h"
-#include "pool.h"
-#include "rng.h"
-#include "store.h"
+#include "engine/err.h"
+#include "engine/pool.h"
+#include "engine/rng.h"
+#include "kvd/store/store.h"
 #include "testutil.h"
-#include "tier.h"
-#include "uidlimits.h"
+#include "kvd/store/tier.h"
+#include "kvd/store/uidlimits.h"
 
 #define KV 2
 #define D 16

@@ -15,9 +15,9 @@
 
 #include <cmocka.h>
 
-#include "kvd_ring.h"
-#include "store.h"
-#include "wire.h"
+#include "proto/kvd_ring.h"
+#include "kvd/store/store.h"
+#include "kvd/wire.h"
 
 #define NSLOTS 4
 #define SLOT (1u << 20)

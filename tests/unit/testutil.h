@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
-#include "kern.h"
-#include "rng.h"
+#include "engine/bf16.h"
+#include "engine/kern.h"
+#include "engine/rng.h"
 
 /* Sanitizer builds run the heaviest tests on smaller problems (fewer draws,
  * fewer sessions, one kernel variant where the kernels are not what is under

@@ -35,10 +35,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "attn.h"
-#include "config.h"
-#include "ctl.h"
-#include "err.h"
+#include "engine/attn.h"
+#include "kvd/config.h"
+#include "proto/ctl.h"
+#include "engine/err.h"
 
 enum {
 	EXIT_REFUSED = 1,

@@ -10,10 +10,10 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include "attn.h"
+#include "engine/attn.h"
 #include "ctl.h"
-#include "err.h"
-#include "lsh.h"
+#include "engine/err.h"
+#include "engine/lsh.h"
 
 /* W travels as little-endian float32 and is memcpy'd. */
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "kvd_ctl assumes a little-endian host");

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "invariant.h"
+#include "engine/invariant.h"
 #include "uidlimits.h"
 
 #define UID_BUCKETS 256         /* uids with usage are bounded by connections */

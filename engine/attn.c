@@ -1,5 +1,5 @@
 /* Attention over a layer's segments and tail: see attn.h.  Segments
- * themselves are kvd/engine/seg.c's. */
+ * themselves are engine/seg.c's. */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>

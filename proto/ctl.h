@@ -184,7 +184,7 @@ void kvd_ctl_free_response(Kvd__Response *r);
  * 1..KVD_CTL_NAME_MAX printable bytes; layers 1..KVD_CTL_LAYERS_MAX; the
  * geometry as kvd_geom_check() (q_heads <= KVD_QHEADS_MAX); kv_dtype
  * KVD_KV_BF16 or KVD_KV_INT8 (0, the default, is bf16); estimator at most
- * KVD_EST_MAX (0, the default, is magicpig; kvd/engine/attn.h); sink_tokens,
+ * KVD_EST_MAX (0, the default, is magicpig; engine/attn.h); sink_tokens,
  * window_tokens <= KVD_CTL_TOKENS_MAX; dense_layers: each < layers, no
  * duplicates; segment_tokens a power of two in [KVD_CTL_SEG_MIN,
  * KVD_SEG_MAX]; seal_tokens in [KVD_CTL_SEAL_MIN, segment_tokens].  Unless

@@ -6,7 +6,7 @@
  * is (o, lse) with o normalised (the softmax-weighted mean of V) and
  * lse = ln sum exp(score).  An empty part is (0, -inf) and merges as nothing.
  * The q heads of a GQA group (G consecutive q heads) share one kv head.
- * Segments and the geometry (kvd_geom) are kvd/engine/seg.h's; attention only
+ * Segments and the geometry (kvd_geom) are engine/seg.h's; attention only
  * reads them.
  *
  * Scratch is per worker thread (kvd_attn_scratch); everything else is pure.

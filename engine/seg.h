@@ -10,7 +10,7 @@
  * adopted in place after kvd_seg_check().
  *
  * One module owns the layout so that build, check, adopt and the byte count
- * cannot disagree; attention (kvd/engine/attn.h) only reads segments.
+ * cannot disagree; attention (engine/attn.h) only reads segments.
  */
 #ifndef KVD_SEG_H
 #define KVD_SEG_H

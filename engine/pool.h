@@ -12,7 +12,7 @@
  * calling thread's affinity mask (round-robin), best effort: a worker the
  * kernel will not pin runs unpinned, since pinning only buys locality.
  * kvd_pool_create_cpus() pins worker i to cpus[i % ncpus] and fails if it
- * cannot: it is how a pool is kept on one NUMA node (kvd/engine/numa_nodes.h).  Either
+ * cannot: it is how a pool is kept on one NUMA node (engine/numa_nodes.h).  Either
  * way the affinity is set before the worker runs, so no task of it ever runs
  * elsewhere.
  */

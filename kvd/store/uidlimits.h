@@ -1,4 +1,4 @@
-/* kvd_limits (kvd/uidlimits.h: "limits.h" would shadow <limits.h>, as kvd/
+/* kvd_limits (kvd/store/uidlimits.h: "limits.h" would shadow <limits.h>, as kvd/
  * is on the include path): what each uid uses (connections, sequences, profiles,
  * resident bytes, spill bytes, shared-memory bytes, remote-tier bytes) and the caps the configuration puts on it
  * ([limits] and [memory]/[spill] limit in kvd.conf), plus the sharing
