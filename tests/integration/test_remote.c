@@ -81,8 +81,13 @@ static char spill_a[64], spill_b[64], cfg_a[96], cfg_b[96], seeds[512];
 
 /* ---- the cluster and the daemons ------------------------------------------ */
 
-/* retry_ms: how long kvd retries unreachable nodes; the failover needs
- * seconds, a daemon that only meets a stopped cluster does not. */
+/* retry_ms: how long kvd retries unreachable nodes.  A and B must outlast a
+ * failover (a replica takes over ~2 s after its master dies, with the
+ * cluster's 1 s node timeout); test_remote_down then waits it out twice
+ * against a stopped cluster, so it is no longer than that needs.  A daemon
+ * that only meets a stopped cluster retries briefly. */
+#define AB_RETRY_MS 5000
+
 static int write_cfg(char *path, size_t n, const char *spill, const char *tag, unsigned retry_ms,
 		     const char *extra)
 {
@@ -110,8 +115,8 @@ static int setup(void **state)
 		return -1;
 	snprintf(spill_a, sizeof spill_a, "%s", ta);
 	snprintf(spill_b, sizeof spill_b, "%s", tb);
-	if (write_cfg(cfg_a, sizeof cfg_a, spill_a, "a", 12000, "") ||
-	    write_cfg(cfg_b, sizeof cfg_b, spill_b, "b", 12000, ""))
+	if (write_cfg(cfg_a, sizeof cfg_a, spill_a, "a", AB_RETRY_MS, "") ||
+	    write_cfg(cfg_b, sizeof cfg_b, spill_b, "b", AB_RETRY_MS, ""))
 		return -1;
 	if (daemon_start4(&A, "--config", cfg_a, NULL, NULL) ||
 	    daemon_start4(&B, "--config", cfg_b, NULL, NULL))
@@ -140,13 +145,20 @@ struct src {
 	uint32_t tok[NTOT];
 };
 
-static void src_make(struct src *s, uint64_t seed)
+/* n tokens: the evicted-sequence tests use a few thousand, and making all
+ * NTOT of them (Box-Muller, ~1.5 s a source here) was most of their time. */
+static void src_make_n(struct src *s, uint64_t seed, uint32_t n)
 {
 	for (uint32_t l = 0; l < LAYERS; l++)
-		assert_int_equal(kvd_synth_make(&s->w[l], (enum kvd_wl)(l % KVD_WL_COUNT), NTOT, HQ,
+		assert_int_equal(kvd_synth_make(&s->w[l], (enum kvd_wl)(l % KVD_WL_COUNT), n, HQ,
 						HKV, D, seed * 10 + l), 0);
 	for (uint32_t i = 0; i < NTOT; i++)
 		s->tok[i] = (uint32_t)(seed * 1000003u + i * 7919u);
+}
+
+static void src_make(struct src *s, uint64_t seed)
+{
+	src_make_n(s, seed, NTOT);
 }
 
 static void src_free(struct src *s)
@@ -173,10 +185,11 @@ static void prefill_ok(struct kvc *c, struct kvc_seq *s, const struct src *src, 
 	assert_non_null(k);
 	assert_non_null(v);
 	for (uint32_t l = 0; l < LAYERS; l++) {
+		assert_true(n <= src->w[l].n);
 		for (uint32_t h = 0; h < HKV; h++) {
-			memcpy(k + (size_t)h * n * D, src->w[l].k + (size_t)h * NTOT * D,
+			memcpy(k + (size_t)h * n * D, src->w[l].k + (size_t)h * src->w[l].n * D,
 			       (size_t)n * D * 4);
-			memcpy(v + (size_t)h * n * D, src->w[l].v + (size_t)h * NTOT * D,
+			memcpy(v + (size_t)h * n * D, src->w[l].v + (size_t)h * src->w[l].n * D,
 			       (size_t)n * D * 4);
 		}
 		if (kvc_extend(c, s, l, k, v, n))
@@ -623,6 +636,7 @@ static void test_remote_isolation(void **state)
 
 #define EV_N    5
 #define EV_TOK  2048            /* a file of 5.9 MB: two fit in 12 MiB */
+#define EV_SRC  (EV_TOK + 256)
 
 /* The full name of chunk 0 of sequence id's copy, found by SCAN on the
  * live nodes (its key also holds the daemon's lifetime, unknown here). */
@@ -703,7 +717,7 @@ static void test_remote_evicted(void **state)
 	struct kvc *c = kconnect_ok(&E, "e");
 
 	for (int i = 0; i < EV_N; i++) {
-		src_make(&src, 20 + (uint64_t)i);
+		src_make_n(&src, 20 + (uint64_t)i, EV_SRC);
 		assert_int_equal(kvc_seq_create(c, &x[i]), 0);
 		prefill_ok(c, x[i], &src, EV_TOK);
 		answer_ok(c, x[i], &src, &want[i]);
@@ -759,7 +773,7 @@ static void test_remote_evicted(void **state)
 	freeReplyObject(r);
 	redisFree(rc);
 	for (int i = 0; i < EV_N; i++) {
-		src_make(&src, 20 + (uint64_t)i);
+		src_make_n(&src, 20 + (uint64_t)i, EV_SRC);
 		if (i == gone) {
 			assert_int_not_equal(kvc_attend(c, 1, &x[i], 1, src.w[1].q, got.o[1],
 							got.lse[1]), 0);
@@ -808,7 +822,7 @@ static void test_remote_quota(void **state)
 	struct kvc *c = kconnect_ok(&F, "q");
 
 	for (int i = 0; i < 3; i++) {
-		src_make(&src, 20 + (uint64_t)i);
+		src_make_n(&src, 20 + (uint64_t)i, EV_SRC);
 		assert_int_equal(kvc_seq_create(c, &x[i]), 0);
 		prefill_ok(c, x[i], &src, EV_TOK);
 		answer_ok(c, x[i], &src, &a);
@@ -844,7 +858,7 @@ static void test_remote_quota(void **state)
 	/* A fourth has no room anywhere: refused, naming the limit. */
 	struct kvc_seq *y;
 
-	src_make(&src, 30);
+	src_make_n(&src, 30, EV_SRC);
 	assert_int_equal(kvc_seq_create(c, &y), 0);
 	prefill_ok(c, y, &src, EV_TOK);
 	src_free(&src);
@@ -880,7 +894,7 @@ static void test_remote_down(void **state)
 	struct kvc *e = kconnect_ok(&E, "e");
 
 	for (int i = 0; i < 3; i++) {
-		src_make(&src, 40 + (uint64_t)i);
+		src_make_n(&src, 40 + (uint64_t)i, EV_SRC);
 		assert_int_equal(kvc_seq_create(e, &ev[i]), 0);
 		prefill_ok(e, ev[i], &src, EV_TOK);
 		src_free(&src);
@@ -899,7 +913,7 @@ static void test_remote_down(void **state)
 
 	struct kvc_seq_stats st = { 0 };
 
-	src_make(&src, 40 + (uint64_t)gone);
+	src_make_n(&src, 40 + (uint64_t)gone, EV_SRC);
 	assert_int_not_equal(kvc_attend(e, 1, &ev[gone], 1, src.w[1].q, pa.o[1], pa.lse[1]), 0);
 	assert_non_null(strstr(kvc_last_error(e), "remote tier"));
 	assert_null(strstr(kvc_last_error(e), "lost"));
@@ -907,7 +921,7 @@ static void test_remote_down(void **state)
 	assert_int_equal(st.state, KVC_SEQ_DISK);
 	src_free(&src);
 	/* One on local disk still serves. */
-	src_make(&src, 40 + (uint64_t)kept);
+	src_make_n(&src, 40 + (uint64_t)kept, EV_SRC);
 	answer_ok(e, ev[kept], &src, &pa);
 	src_free(&src);
 	for (int i = 0; i < 3; i++)
