@@ -324,7 +324,7 @@ test: deps
 else
 test: deps
 	$(Q)sh tests/run.sh --reset
-	$(Q)$(MAKE) $(TEST_J) --no-print-directory check
+	$(Q)sh tests/run.sh --stage $(SAN) $(MAKE) $(TEST_J) --no-print-directory check
 	$(Q)sh tests/run.sh --total
 endif
 

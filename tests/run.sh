@@ -2,7 +2,8 @@
 # Runs cmocka test binaries and keeps a tally across build variants.
 #   run.sh LABEL BIN...      run the binaries (TEST_JOBS at once), print each
 #                            one's output and wall time, add to the tally
-#   run.sh --stage NAME CMD  run CMD as one stage of `make test`, timed
+#   run.sh --stage NAME CMD  run CMD as one stage of `make test`, timed; if it
+#                            fails, print --total's summary so far
 #   run.sh --reset           start a new tally
 #   run.sh --total           print the ten slowest binaries, each stage's time
 #                            and "N passed, N failed, N skipped"; exit 1 on
@@ -22,6 +23,9 @@ case "${1:-}" in
 	rc=$?
 	mkdir -p build
 	echo "stage $(since "$t0") $name" >>"$times"
+	# make stops at a failed stage and never reaches --total: summarise
+	# here, so a failing `make test` still ends with where its time went.
+	[ "$rc" = 0 ] || sh "$0" --total
 	exit $rc
 	;;
 --one)
