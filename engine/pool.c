@@ -10,9 +10,9 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "invariant.h"
 #include "pool.h"
 
@@ -58,19 +58,11 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static uint64_t now_ns(void)
-{
-	struct timespec t;
-
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
 /* Pauses until *v != 0 (ne) or *v == want (!ne), or SPIN_NS have passed,
  * reading the clock every 32 pauses.  Returns whether the wait ended. */
 static int spin(const _Atomic unsigned *v, unsigned want, int ne)
 {
-	uint64_t end = now_ns() + SPIN_NS;
+	uint64_t end = kvd_now_ns() + SPIN_NS;
 
 	for (;;) {
 		for (int i = 0; i < 32; i++) {
@@ -80,7 +72,7 @@ static int spin(const _Atomic unsigned *v, unsigned want, int ne)
 				return 1;
 			cpu_relax();
 		}
-		if (now_ns() >= end)
+		if (kvd_now_ns() >= end)
 			return 0;
 	}
 }

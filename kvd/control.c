@@ -16,6 +16,7 @@
 
 #include "config.h"
 #include "proto/ctl.h"
+#include "engine/clock.h"
 #include "engine/err.h"
 #include "engine/log.h"
 #include "engine/lsh.h"

@@ -29,9 +29,9 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "engine/clock.h"
 #include "engine/err.h"
 #include "engine/invariant.h"
 #include "engine/kern.h"
@@ -65,14 +65,6 @@ struct kvd_exec_buf {
 	struct kvd_attn_req req[PASS_UNITS];
 	struct client *top[PASS_UNITS];
 };
-
-uint64_t kvd_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static inline void cpu_relax(void)
 {

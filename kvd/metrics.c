@@ -18,6 +18,7 @@
 
 #include <microhttpd.h>
 
+#include "engine/clock.h"
 #include "proto/ctl.h"
 #include "engine/err.h"
 #include "engine/invariant.h"
@@ -165,14 +166,6 @@ struct kvd_metrics {
 	int reaping;                    /* the reaper thread runs */
 	_Atomic uint64_t http_cut;
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 int kvd_metrics_create(struct kvd_metrics **out)
 {
@@ -373,7 +366,7 @@ void kvd_metrics_collect(struct kvd_metrics *m, struct kvd_server *s)
 	sn->rem_drops = ts.rem_drops;
 	sn->rem_fetches = ts.rem_fetches;
 	sn->rem_only = ts.rem_only;
-	sn->taken_ns = now_ns();
+	sn->taken_ns = kvd_now_ns();
 
 	pthread_mutex_lock(&m->mu);
 	tmp = m->cur;
@@ -530,7 +523,7 @@ static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, 
 {
 	static const char *const how[3] = { "ok", "error", "cancelled" };
 	char v[128], g[128];
-	uint64_t now = now_ns();
+	uint64_t now = kvd_now_ns();
 
 	head(b, "kvd_build_info", "gauge", "Always 1; the labels say which kvd this is.");
 	put(b, "kvd_build_info{version=\"%s\",git=\"%s\"} 1\n", esc(v, sizeof v, KVD_VERSION),
@@ -697,7 +690,7 @@ int kvd_metrics_render(struct kvd_metrics *m, uint32_t only, int refresh, char *
 		return -ENOMEM;
 	b.p[0] = 0;
 	pthread_mutex_lock(&m->mu);
-	if (refresh && now_ns() - m->cur.taken_ns > KVD_METRICS_FRESH_MS * 1000000ull) {
+	if (refresh && kvd_now_ns() - m->cur.taken_ns > KVD_METRICS_FRESH_MS * 1000000ull) {
 		uint64_t gen = m->gen, one = 1;
 		struct timespec dl;
 
@@ -736,7 +729,7 @@ static void *reaper_main(void *arg)
 
 	pthread_mutex_lock(&m->cmu);
 	while (!m->quit) {
-		uint64_t now = now_ns(), next = UINT64_MAX;
+		uint64_t now = kvd_now_ns(), next = UINT64_MAX;
 
 		for (unsigned i = 0; i < KVD_METRICS_CONNS; i++) {
 			struct conn *c = &m->conn[i];
@@ -792,7 +785,7 @@ static void on_conn(void *cls, struct MHD_Connection *conn, void **ctx,
 			shutdown(ci->connect_fd, SHUT_RDWR);    /* one we cannot time */
 	} else {
 		c->fd = ci->connect_fd;
-		c->deadline = now_ns() + m->life_ns;
+		c->deadline = kvd_now_ns() + m->life_ns;
 		*ctx = c;
 		pthread_cond_signal(&m->ccv);
 	}

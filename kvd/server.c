@@ -21,6 +21,7 @@
 
 #include "config.h"
 #include "proto/ctl.h"
+#include "engine/clock.h"
 #include "engine/err.h"
 #include "kvd.pb-c.h"
 #include "engine/log.h"

@@ -175,8 +175,6 @@ struct kvd_server {
 	struct kvd_exec_buf *xb;        /* the executor's unit buffers */
 };
 
-uint64_t kvd_now_ns(void);
-
 /* server.c */
 void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why);
 /* Control-plane CPU per uid: whether c's uid may have another control

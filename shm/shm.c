@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/clock.h"
 #include "engine/invariant.h"
 #include "shm.h"
 
@@ -81,14 +82,6 @@ static inline void cpu_relax(void)
 #elif defined(__aarch64__)
 	__asm__ volatile("yield" ::: "memory");
 #endif
-}
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 static int is_pow2(uint64_t x)
@@ -405,7 +398,7 @@ static int ring_sleep(struct shm_ring *r, uint64_t deadline)
 		n = shm_ring_ready(r);
 		if (n)
 			break;
-		now = now_ns();
+		now = kvd_now_ns();
 		if (now >= deadline)
 			break;
 		left = deadline - now;
@@ -425,7 +418,7 @@ static int ring_sleep(struct shm_ring *r, uint64_t deadline)
 
 int shm_ring_wait(struct shm_ring *r, uint64_t spin_ns, uint64_t timeout_ns, int poll)
 {
-	uint64_t start = now_ns(), deadline, spin_end;
+	uint64_t start = kvd_now_ns(), deadline, spin_end;
 	int n;
 
 	if (!timeout_ns || __builtin_add_overflow(start, timeout_ns, &deadline))
@@ -438,7 +431,7 @@ int shm_ring_wait(struct shm_ring *r, uint64_t spin_ns, uint64_t timeout_ns, int
 		n = shm_ring_ready(r);
 		if (n)
 			return n;
-		if (!(i % 64) && now_ns() >= spin_end)
+		if (!(i % 64) && kvd_now_ns() >= spin_end)
 			break;
 		cpu_relax();
 	}

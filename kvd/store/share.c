@@ -3,8 +3,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "engine/clock.h"
 #include "engine/err.h"
 #include "engine/log.h"
 #include "remote.h"
@@ -62,14 +62,6 @@ struct kvd_share {
 	struct pub *lru_head, *lru_tail;
 	struct ns_usage *usage;
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void say(char *msg, size_t msglen, const char *fmt, ...)
 {
@@ -176,7 +168,7 @@ static int pub_add(struct kvd_share *sh, uint32_t ns, struct kvd_seqn *snap, con
 	x->snap = snap;
 	x->next = sh->bucket[b];
 	sh->bucket[b] = x;
-	x->used_ns = now_ns();
+	x->used_ns = kvd_now_ns();
 	lru_front(sh, x);
 	u->u.published++;
 	u->u.published_tokens += tokens;
@@ -462,7 +454,7 @@ void kvd_share_remote_done(struct kvd_share *sh, const struct kvd_remote_done *d
 		;
 	if (!f)
 		return;         /* given up on already */
-	f->done_ns = now_ns();
+	f->done_ns = kvd_now_ns();
 	ns_name(sh, f->ns, ns, sizeof ns);
 	if (d->rc == 0) {
 		rc = kvd_tier_adopt(sh->t, d->dir, d->seq, f->tenant);
@@ -532,7 +524,7 @@ static int remote_lookup(struct kvd_share *sh, uint32_t ns, const struct kvd_pro
 			 const char *tenant, char *msg, size_t msglen)
 {
 	const uint8_t *last = keys + (size_t)(nkeys - 1) * KVD_SHARE_KEY;
-	uint64_t now = now_ns();
+	uint64_t now = kvd_now_ns();
 	unsigned of_ns = 0;
 	char name[KVD_REMOTE_NS_MAX];
 	struct fetch *f, *nf;
@@ -642,7 +634,7 @@ int kvd_share_attach(struct kvd_share *sh, uint32_t ns, const struct kvd_profile
 		kvd_store_local_give(sh->st, x->snap, *out, 0);
 		lru_front(sh, x);
 		x->attaches++;
-		x->used_ns = now_ns();
+		x->used_ns = kvd_now_ns();
 		*tokens = x->tokens;
 		if (u) {
 			u->u.hit_tokens += x->tokens;
@@ -674,7 +666,7 @@ void kvd_share_each(const struct kvd_share *sh,
 void kvd_share_list(const struct kvd_share *sh,
 		    void (*fn)(void *arg, const struct kvd_share_info *i), void *arg)
 {
-	uint64_t now = now_ns();
+	uint64_t now = kvd_now_ns();
 
 	for (const struct pub *x = sh->lru_head; x; x = x->lru_next) {
 		struct kvd_share_info i = {

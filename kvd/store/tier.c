@@ -7,6 +7,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "engine/clock.h"
 #include "engine/err.h"
 #include "engine/invariant.h"
 #include "engine/log.h"
@@ -116,14 +117,6 @@ struct kvd_tier {
 static struct kvd_limits *lim(const struct kvd_tier *t)
 {
 	return kvd_store_limits(t->st);
-}
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 /* With limits, everything charged as memory: sequences, profiles, the
@@ -449,7 +442,7 @@ static int build_write(struct kvd_tier *t, struct rec *r, int evict)
 			rc = kvd_limits_force(lim(t), r->uid, KVD_RES_MEMORY, cb);
 		if (rc) {
 			snprintf(t->why, sizeof t->why, "the write-back's copies: %s", why);
-			r->backoff_until = now_ns() + BACKOFF_NS;
+			r->backoff_until = kvd_now_ns() + BACKOFF_NS;
 			return rc;
 		}
 		r->wcopy = cb;
@@ -657,7 +650,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 	if (lim(t) && (rc = spill_charge(t, r->uid, fb, t->why, sizeof t->why))) {
 		kvd_log(LOG_DEBUG, "sequence %016llx stays in RAM: %s", (unsigned long long)q->id,
 			t->why);
-		r->backoff_until = now_ns() + BACKOFF_NS;
+		r->backoff_until = kvd_now_ns() + BACKOFF_NS;
 		job_release(t, r);
 		return rc;
 	}
@@ -668,7 +661,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 		return rc;
 	}
 	r->busy = 1;
-	r->io_t0 = now_ns();
+	r->io_t0 = kvd_now_ns();
 	r->evict_after = evict;
 	q->state = KVD_SEQ_SPILLING;
 	if (evict) {
@@ -819,7 +812,7 @@ static uint64_t rem_room(struct kvd_tier *t, uint32_t uid, uint64_t bytes, int a
 
 	/* While the cluster fails, a local file is the only one that can be
 	 * read: none goes. */
-	if (!t->rem || t->rem_down_until > now_ns() ||
+	if (!t->rem || t->rem_down_until > kvd_now_ns() ||
 	    (t->dry && (t->dry_any || (t->dry_uid == uid && !any))))
 		return 0;
 	kvd_store_each(t->st, drop_local, &a);
@@ -857,7 +850,7 @@ static int rem_fetch(struct kvd_tier *t, struct rec *r, char *msg, size_t msglen
 
 	if (r->rem_getting || r->unl)
 		return -EINPROGRESS;    /* the fetch, or the old file's unlink, runs */
-	if (r->rem_fail_until > now_ns()) {
+	if (r->rem_fail_until > kvd_now_ns()) {
 		snprintf(msg, msglen, "its file is in the remote tier, which failed (%s): try again",
 			 r->why);
 		return -EIO;
@@ -915,7 +908,7 @@ void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
 
 	if (d->op == KVD_REMOTE_PUT) {
 		if (d->rc && d->rc != -ENOENT && d->rc != -ENOMEM)
-			t->rem_down_until = now_ns() + BACKOFF_NS;
+			t->rem_down_until = kvd_now_ns() + BACKOFF_NS;
 		if (!r || d->rc || d->seq != id) {
 			kvd_log(LOG_DEBUG, "remote: the copy of %016llx did not go: %s",
 				(unsigned long long)id,
@@ -961,7 +954,7 @@ void kvd_tier_remote_done(struct kvd_tier *t, const struct kvd_remote_done *d)
 	    d->rc != -EEXIST) {
 		/* The cluster, not the copy: the sequence waits for it (each
 		 * want in the meantime is refused at once, then tried again). */
-		r->rem_fail_until = t->rem_down_until = now_ns() + BACKOFF_NS;
+		r->rem_fail_until = t->rem_down_until = kvd_now_ns() + BACKOFF_NS;
 		snprintf(r->why, sizeof r->why, "%.90s", d->msg[0] ? d->msg : kvd_strerror(d->rc));
 		kvd_log(LOG_WARNING, "sequence %016llx: its file could not be fetched from the remote "
 			"tier: %s", (unsigned long long)id, r->why);
@@ -1001,10 +994,10 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	}
 	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_WRITE,
 			    j->res == 0 ? KVD_MX_OK : j->res == -ECANCELED ? KVD_MX_CANCELLED : KVD_MX_ERROR,
-			    j->disk_bytes, now_ns() - r->io_t0);
+			    j->disk_bytes, kvd_now_ns() - r->io_t0);
 	if (j->res && j->res != -ECANCELED) {
 		t->spill_errors++;
-		r->backoff_until = now_ns() + BACKOFF_NS;
+		r->backoff_until = kvd_now_ns() + BACKOFF_NS;
 		kvd_log(LOG_WARNING, "spill of sequence %016llx failed, it stays in RAM: %s",
 			(unsigned long long)q->id, j->msg[0] ? j->msg : kvd_strerror(j->res));
 	}
@@ -1107,7 +1100,7 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		return rc;
 	}
 	r->busy = 1;
-	r->io_t0 = now_ns();
+	r->io_t0 = kvd_now_ns();
 	q->state = KVD_SEQ_RESTORING;
 	q->ready = ready_after(r, 0);
 	kvd_log(LOG_DEBUG, "sequence %016llx: restoring %llu bytes", (unsigned long long)q->id,
@@ -1241,7 +1234,8 @@ static void read_done(struct kvd_tier *t, struct rec *r)
 		how = KVD_MX_CANCELLED;
 	else if (q->state == KVD_SEQ_LOST || j->res || j->done != j->next)
 		how = KVD_MX_ERROR;
-	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_READ, how, r->disk_bytes, now_ns() - r->io_t0);
+	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_READ, how, r->disk_bytes,
+			    kvd_now_ns() - r->io_t0);
 	if (q->state == KVD_SEQ_RESTORING) {
 		if (j->res == 0 && j->done == j->next) {
 			q->state = KVD_SEQ_RAM;
@@ -1382,7 +1376,7 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 	if (!t->cfg.limit || u + bytes <= t->cfg.limit)
 		return 0;
 	if (t->sp) {
-		uint64_t now = now_ns();
+		uint64_t now = kvd_now_ns();
 		int later = 0, pinned = 0;
 
 		for (struct rec *r = t->head, *nx; r && u + bytes > t->cfg.limit + t->pending; r = nx) {
@@ -1428,7 +1422,7 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 		      size_t msglen)
 {
 	uint64_t cap = lim(t) ? kvd_limits_cfg(lim(t))->per_uid[KVD_RES_MEMORY] : 0;
-	uint64_t pend = 0, now = now_ns();
+	uint64_t pend = 0, now = kvd_now_ns();
 	int later = 0, pinned = 0;
 
 	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap)
@@ -1606,7 +1600,7 @@ unsigned kvd_tier_poll(struct kvd_tier *t)
 {
 	struct kvd_spill_result res[POLL_BATCH];
 	unsigned n, total = 0;
-	uint64_t t0 = now_ns();
+	uint64_t t0 = kvd_now_ns();
 
 	if (!t->sp)
 		return 0;
@@ -1614,7 +1608,7 @@ unsigned kvd_tier_poll(struct kvd_tier *t)
 	 * lock: a whole restore at once held every client up for tens of ms.
 	 * What is left after the budget stays queued, and the fd readable;
 	 * one batch is always taken, so every call makes progress. */
-	while ((!total || now_ns() - t0 < t->cfg.poll_ns) &&
+	while ((!total || kvd_now_ns() - t0 < t->cfg.poll_ns) &&
 	       (n = kvd_spill_reap(t->sp, res, POLL_BATCH)) > 0) {
 		total += n;
 		for (unsigned i = 0; i < n; i++) {
@@ -1655,7 +1649,7 @@ void kvd_tier_balance(struct kvd_tier *t)
 
 	if (!t->sp || !t->cfg.limit || used(t) <= t->cfg.high)
 		return;
-	now = now_ns();
+	now = kvd_now_ns();
 	for (struct rec *r = t->head, *nx; r; r = nx) {
 		uint64_t u = used(t);
 		int pinned = 0;
