@@ -486,7 +486,7 @@ static int do_seq_evict(struct kvd_server *s, struct client *c, uint64_t id, uin
 }
 
 struct uid_rows {
-	const struct share *shares;
+	const struct kvd_fair *fairs;
 	Kvd__UidUsage *row;
 	Kvd__UidUsage **ptr;
 	size_t n, cap;
@@ -513,11 +513,11 @@ static void uid_row(void *arg, uint32_t uid, const struct kvd_limits_usage *u)
 	m->bytes = u->n[KVD_RES_MEMORY];
 	m->spill_bytes = u->n[KVD_RES_SPILL];
 	m->shm_bytes = u->n[KVD_RES_SHM];
-	for (const struct share *sh = ur->shares; sh; sh = sh->next)
-		if (sh->uid == uid)
-			m->exec_ns = sh->busy_ns, m->control_ns = sh->ctl_ns,
-			m->control_paused = sh->ctl_paused, m->accepts = sh->accepts,
-			m->conn_refused = sh->conn_refused;
+	for (const struct kvd_fair *f = ur->fairs; f; f = f->next)
+		if (f->uid == uid)
+			m->exec_ns = f->busy_ns, m->control_ns = f->ctl_ns,
+			m->control_paused = f->ctl_paused, m->accepts = f->accepts,
+			m->conn_refused = f->conn_refused;
 	ur->ptr[ur->n++] = m;
 }
 
@@ -571,7 +571,7 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	/* Tenants never see each other: root, kvd's own uid and [server]
 	 * admin_group see every uid, anyone else only their own. */
 	struct uid_rows ur = {
-		.shares = s->shares,
+		.fairs = s->fair.list,
 		.cap = kvd_limits_uids(s->limits),
 		.only = c->admin ? UINT32_MAX : c->uid,
 	};
@@ -1130,7 +1130,7 @@ static int do_limits(struct kvd_server *s, struct client *c, uint64_t id)
 	Kvd__LimitsReply lr = KVD__LIMITS_REPLY__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
 	struct uid_rows ur = {
-		.shares = s->shares,
+		.fairs = s->fair.list,
 		.cap = KVD_CTL_LIST_MAX,
 		.only = c->admin ? UINT32_MAX : c->uid,
 	};

@@ -78,11 +78,11 @@ static inline void cpu_relax(void)
 static void charge(struct client *c, uint64_t ns)
 {
 	c->vtime += ns;
-	c->share->vtime += ns;
-	c->share->busy_ns += ns;
+	c->fair->vtime += ns;
+	c->fair->busy_ns += ns;
 }
 
-/* Whether (share a, client a) goes before (share b, client b): the uid with
+/* Whether (uid a, client a) goes before (uid b, client b): the uid with
  * less time first, then the client with less. */
 static int before(uint64_t sa, uint64_t ca, uint64_t sb, uint64_t cb)
 {
@@ -91,7 +91,7 @@ static int before(uint64_t sa, uint64_t ca, uint64_t sb, uint64_t cb)
 
 static int ahead(const struct client *a, const struct client *b)
 {
-	return before(a->share->vtime, a->vtime, b->share->vtime, b->vtime);
+	return before(a->fair->vtime, a->vtime, b->fair->vtime, b->vtime);
 }
 
 /* ---- completions -------------------------------------------------------- */
@@ -572,8 +572,8 @@ static unsigned pick(struct kvd_server *s, struct client **top)
 			/* Rejoining: no credit for idle time. */
 			if (c->vtime < s->vclock)
 				c->vtime = s->vclock;
-			if (c->share->vtime < s->uvclock)
-				c->share->vtime = s->uvclock;
+			if (c->fair->vtime < s->fair.uvclock)
+				c->fair->vtime = s->fair.uvclock;
 		}
 		c->was_ready = ready;
 		if (!ready)
@@ -595,11 +595,11 @@ static unsigned pick(struct kvd_server *s, struct client **top)
  * uid is not too far ahead of top[0]'s, packed to the front; how many. */
 static unsigned joiners(struct client **top, unsigned n)
 {
-	uint64_t lim = top[0]->share->vtime + JOIN_SLACK_NS;
+	uint64_t lim = top[0]->fair->vtime + JOIN_SLACK_NS;
 	unsigned m = 0;
 
 	for (unsigned i = 0; i < n; i++)
-		if (in_records(top[i]) && top[i]->share->vtime <= lim)
+		if (in_records(top[i]) && top[i]->fair->vtime <= lim)
 			top[m++] = top[i];
 	return m;
 }
@@ -650,7 +650,7 @@ static void slice_yield(void *arg)
 		if (!m || !owner)
 			break;
 		el = kvd_now_ns() - s->unit_t0 - s->nested_ns;
-		if (!before(top[0]->share->vtime, top[0]->vtime, owner->share->vtime + el,
+		if (!before(top[0]->fair->vtime, top[0]->vtime, owner->fair->vtime + el,
 			    owner->vtime + el))
 			break;
 	}
@@ -667,8 +667,8 @@ static int exec_pass(struct kvd_server *s)
 		return 0;
 	if (top[0]->vtime > s->vclock)
 		s->vclock = top[0]->vtime;
-	if (top[0]->share->vtime > s->uvclock)
-		s->uvclock = top[0]->share->vtime;
+	if (top[0]->fair->vtime > s->fair.uvclock)
+		s->fair.uvclock = top[0]->fair->vtime;
 	for (unsigned i = 0; i < n; i++) {
 		uint64_t t0 = kvd_now_ns();
 

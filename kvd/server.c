@@ -126,132 +126,6 @@ static void listen_resume(struct kvd_server *s)
 		s->listen_paused = 0;
 }
 
-/* A uid's control budget holds at most one second of its share. */
-#define CTL_BURST_NS(s) ((int64_t)(s)->cfg->control_cpu_pct * 10000000)
-
-static struct share *share_get(struct kvd_server *s, uint32_t uid)
-{
-	struct share *sh;
-
-	for (sh = s->shares; sh; sh = sh->next)
-		if (sh->uid == uid)
-			break;
-	if (!sh && (sh = calloc(1, sizeof *sh))) {
-		sh->uid = uid;
-		sh->vtime = s->uvclock;         /* a newcomer starts level, not ahead */
-		sh->ctl_budget_ns = CTL_BURST_NS(s);
-		sh->ctl_at_ns = kvd_now_ns();
-		sh->next = s->shares;
-		s->shares = sh;
-	} else if (sh && !sh->refs) {
-		s->idle_shares--;
-	}
-	if (sh)
-		sh->refs++;
-	return sh;
-}
-
-/* The uid's share when it has one (no reference taken). */
-static struct share *share_find(struct kvd_server *s, uint32_t uid)
-{
-	struct share *sh;
-
-	for (sh = s->shares; sh && sh->uid != uid; sh = sh->next)
-		;
-	return sh;
-}
-
-static int ctl_refill(struct kvd_server *s, struct share *sh, uint64_t now);
-
-/* Whether a share without connections may go: nothing owed, nothing
- * waiting to be logged. */
-static int share_spent(struct kvd_server *s, struct share *sh, uint64_t now)
-{
-	ctl_refill(s, sh, now);
-	return sh->ctl_budget_ns >= CTL_BURST_NS(s) && !sh->log_quiet;
-}
-
-static void share_free(struct kvd_server *s, struct share **pp)
-{
-	struct share *sh = *pp;
-
-	*pp = sh->next;
-	free(sh);
-}
-
-static void share_put(struct kvd_server *s, struct share *sh)
-{
-	struct share **pp = &s->shares;
-
-	if (!sh || --sh->refs)
-		return;
-	if (!share_spent(s, sh, kvd_now_ns())) {
-		s->idle_shares++;
-		return;
-	}
-	while (*pp && *pp != sh)
-		pp = &(*pp)->next;
-	if (*pp)
-		share_free(s, pp);
-}
-
-/* Shares without connections go once their debt is paid and their count of
- * lines not logged was reported. */
-static void shares_gc(struct kvd_server *s)
-{
-	uint64_t now = kvd_now_ns();
-
-	for (struct share **pp = &s->shares; *pp && s->idle_shares;) {
-		struct share *sh = *pp;
-
-		if (sh->refs) {
-			pp = &sh->next;
-			continue;
-		}
-		if (sh->log_quiet && now - sh->log_ns >= 1000000000u) {
-			kvd_log(LOG_NOTICE, "uid %u: %u more line(s) about its connections "
-				"not logged", sh->uid, sh->log_quiet);
-			sh->log_quiet = 0;
-		}
-		if (!share_spent(s, sh, now)) {
-			pp = &sh->next;
-			continue;
-		}
-		s->idle_shares--;
-		share_free(s, pp);
-	}
-}
-
-void kvd_log_uid(struct kvd_server *s, struct share *sh, int level, const char *fmt, ...)
-{
-	uint64_t now = kvd_now_ns();
-	char line[512];
-	va_list ap;
-
-	(void)s;
-	if (!sh || now - sh->log_ns >= 1000000000u) {
-		if (sh) {
-			sh->log_ns = now;
-			sh->log_lines = 0;
-		}
-	} else if (sh->log_lines >= KVD_UID_LOG_LINES) {
-		sh->log_quiet++;
-		return;
-	}
-	va_start(ap, fmt);
-	vsnprintf(line, sizeof line, fmt, ap);
-	va_end(ap);
-	if (sh && sh->log_quiet) {
-		kvd_log(level, "%s (and %u more about uid %u not logged)", line, sh->log_quiet,
-			sh->uid);
-		sh->log_quiet = 0;
-	} else {
-		kvd_log(level, "%s", line);
-	}
-	if (sh)
-		sh->log_lines++;
-}
-
 static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 {
 	struct client **pp = &s->clients;
@@ -267,19 +141,19 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	nseq = c->owns ? kvd_tier_free_owner(s->tier, c->id) : 0;
 	kvd_control_release(s, c);
 	kvd_limits_uncharge(s->limits, c->uid, KVD_RES_CONNECTIONS, 1);
-	kvd_log_uid(s, c->share, c->hello ? LOG_INFO : LOG_DEBUG,
-		    "client %llu (%s, pid %d, uid %u) gone: %s; released %u sequence(s), %zu bytes of shared memory",
-		    (unsigned long long)c->id, c->name[0] ? c->name : "?", (int)c->pid,
-		    (unsigned)c->uid, why, nseq, c->map_size);
+	kvd_fair_log(c->fair, c->hello ? LOG_INFO : LOG_DEBUG,
+		     "client %llu (%s, pid %d, uid %u) gone: %s; released %u sequence(s), %zu bytes of shared memory",
+		     (unsigned long long)c->id, c->name[0] ? c->name : "?", (int)c->pid,
+		     (unsigned)c->uid, why, nseq, c->map_size);
 	kvd_control_unmap(s, c);
 	epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
 	if (c->ctl_paused)
 		s->ctl_paused--;
 	/* Its going is the uid's control time too, as its coming was. */
-	if (c->share)
+	if (c->fair)
 		kvd_control_spent(s, c, kvd_now_ns() - t0);
-	share_put(s, c->share);
+	kvd_fair_put(&s->fair, c->fair);
 	free(c->job.ids);
 	free(c);
 	/* A descriptor is free again: accept() may work now. */
@@ -287,19 +161,6 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 }
 
 /* ---- control-plane CPU per uid ------------------------------------------ */
-
-static int ctl_refill(struct kvd_server *s, struct share *sh, uint64_t now)
-{
-	if (now > sh->ctl_at_ns) {
-		int64_t add = (int64_t)((now - sh->ctl_at_ns) * s->cfg->control_cpu_pct / 100);
-
-		sh->ctl_budget_ns += add;
-		if (sh->ctl_budget_ns > CTL_BURST_NS(s))
-			sh->ctl_budget_ns = CTL_BURST_NS(s);
-		sh->ctl_at_ns = now;
-	}
-	return sh->ctl_budget_ns > 0;
-}
 
 static void ctl_poll(struct kvd_server *s, struct client *c, uint32_t events)
 {
@@ -311,9 +172,9 @@ static void ctl_poll(struct kvd_server *s, struct client *c, uint32_t events)
 
 int kvd_control_admit(struct kvd_server *s, struct client *c)
 {
-	struct share *sh = c->share;
+	struct kvd_fair *sh = c->fair;
 
-	if (!sh || ctl_refill(s, sh, kvd_now_ns()))
+	if (!sh || kvd_fair_refill(&s->fair, sh, kvd_now_ns()))
 		return 1;
 	if (!c->ctl_paused) {
 		ctl_poll(s, c, 0);
@@ -330,10 +191,8 @@ int kvd_control_admit(struct kvd_server *s, struct client *c)
 void kvd_control_spent(struct kvd_server *s, struct client *c, uint64_t ns)
 {
 	(void)s;
-	if (c->share) {
-		c->share->ctl_budget_ns -= (int64_t)ns;
-		c->share->ctl_ns += ns;
-	}
+	if (c->fair)
+		kvd_fair_spent(c->fair, ns);
 }
 
 /* Paused connections whose uid's budget refilled are polled again (their
@@ -343,7 +202,7 @@ static void ctl_resume(struct kvd_server *s)
 	uint64_t now = kvd_now_ns();
 
 	for (struct client *c = s->clients; c && s->ctl_paused; c = c->next) {
-		if (!c->ctl_paused || c->dead || !ctl_refill(s, c->share, now))
+		if (!c->ctl_paused || c->dead || !kvd_fair_refill(&s->fair, c->fair, now))
 			continue;
 		ctl_poll(s, c, EPOLLIN);
 		c->ctl_paused = 0;
@@ -358,8 +217,8 @@ void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why)
 	if (c->dead)
 		return;
 	s->disconnects++;
-	kvd_log_uid(s, c->share, LOG_WARNING, "client %llu (uid %u): %s: disconnecting",
-		    (unsigned long long)c->id, (unsigned)c->uid, why);
+	kvd_fair_log(c->fair, LOG_WARNING, "client %llu (uid %u): %s: disconnecting",
+		     (unsigned long long)c->id, (unsigned)c->uid, why);
 	c->dead = 1;
 	poke(s->sfd);
 }
@@ -451,7 +310,7 @@ static void accept_clients(struct kvd_server *s)
 		struct ucred cred;
 		socklen_t len = sizeof cred;
 		struct client *c;
-		struct share *sh;
+		struct kvd_fair *sh;
 		char msg[160];
 		int rc;
 
@@ -475,29 +334,28 @@ static void accept_clients(struct kvd_server *s)
 		}
 		/* Out of control budget: refused before anything is made for
 		 * it, at the cost of the refusal, which the uid pays too. */
-		sh = share_find(s, cred.uid);
-		if (sh && !ctl_refill(s, sh, t0)) {
+		sh = kvd_fair_find(&s->fair, cred.uid);
+		if (sh && !kvd_fair_refill(&s->fair, sh, t0)) {
 			sh->conn_refused++;
-			kvd_log_uid(s, sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
-				    "past limits.control_cpu_per_uid (%u%% of a core)", (int)cred.pid,
-				    (unsigned)cred.uid, s->cfg->control_cpu_pct);
+			kvd_fair_log(sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
+				     "past limits.control_cpu_per_uid (%u%% of a core)", (int)cred.pid,
+				     (unsigned)cred.uid, s->cfg->control_cpu_pct);
 			refuse(s, fd, -EAGAIN,
 			       "connections past limits.control_cpu_per_uid: try later");
 			t1 = kvd_now_ns();
-			sh->ctl_budget_ns -= (int64_t)(t1 - t0);
-			sh->ctl_ns += t1 - t0;
+			kvd_fair_spent(sh, t1 - t0);
 			continue;
 		}
 		/* Counted before anything is allocated for it, per uid: a uid that
 		 * opens connections and never says Hello runs into its own cap. */
 		rc = kvd_limits_charge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1, msg, sizeof msg);
 		if (rc) {
-			/* A uid at its own cap holds connections, so has a share:
+			/* A uid at its own cap holds connections, so has an entry:
 			 * its lines are its own.  At the global cap, one a second. */
 			if (sh)
-				kvd_log_uid(s, sh, LOG_NOTICE,
-					    "refusing a connection of pid %d (uid %u): %s",
-					    (int)cred.pid, (unsigned)cred.uid, msg);
+				kvd_fair_log(sh, LOG_NOTICE,
+					     "refusing a connection of pid %d (uid %u): %s",
+					     (int)cred.pid, (unsigned)cred.uid, msg);
 			else
 				kvd_log_refusal("refusing a connection of pid %d (uid %u): %s",
 						(int)cred.pid, (unsigned)cred.uid, msg);
@@ -507,11 +365,11 @@ static void accept_clients(struct kvd_server *s)
 		c = calloc(1, sizeof *c);
 		if (c) {
 			c->job.ids = malloc(KVD_WIRE_MAX_NSEQ * sizeof *c->job.ids);
-			c->share = share_get(s, cred.uid);
+			c->fair = kvd_fair_get(&s->fair, cred.uid);
 		}
-		if (!c || !c->job.ids || !c->share) {
+		if (!c || !c->job.ids || !c->fair) {
 			if (c) {
-				share_put(s, c->share);
+				kvd_fair_put(&s->fair, c->fair);
 				free(c->job.ids);
 				free(c);
 			}
@@ -532,7 +390,7 @@ static void accept_clients(struct kvd_server *s)
 		if (kvd_ep_add(s, fd, &c->ev_ctl)) {
 			kvd_limits_uncharge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1);
 			close(fd);
-			share_put(s, c->share);
+			kvd_fair_put(&s->fair, c->fair);
 			free(c->job.ids);
 			free(c);
 			continue;
@@ -540,10 +398,10 @@ static void accept_clients(struct kvd_server *s)
 		c->next = s->clients;
 		s->clients = c;
 		s->nclients++;
-		kvd_log_uid(s, c->share, LOG_DEBUG, "client %llu connected: pid %d uid %d",
-			    (unsigned long long)c->id, (int)cred.pid, (int)cred.uid);
+		kvd_fair_log(c->fair, LOG_DEBUG, "client %llu connected: pid %d uid %d",
+			     (unsigned long long)c->id, (int)cred.pid, (int)cred.uid);
 		t1 = kvd_now_ns() - t0;
-		c->share->accepts++;
+		c->fair->accepts++;
 		kvd_control_spent(s, c, t1 > KVD_CONN_COST_NS ? t1 : KVD_CONN_COST_NS);
 	}
 }
@@ -710,8 +568,8 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 	reap_dead(s);
 	if (s->ctl_paused)
 		ctl_resume(s);
-	if (s->idle_shares)
-		shares_gc(s);
+	if (s->fair.idle)
+		kvd_fair_gc(&s->fair);
 	/* Paused for EMFILE: try again now and then even if no client left
 	 * (descriptors also free when spill files close). */
 	if (s->listen_paused && kvd_now_ns() - s->emfile_logged_ns > 1000000000u) {
@@ -748,9 +606,9 @@ int kvd_server_run(struct kvd_server *s)
 	while (!s->stopping) {
 		/* The executor polls the rings; the loop only waits for events.
 		 * A bounded wait: a second's wake-up costs nothing and re-checks
-		 * the signal flags and a paused listener; shares kept for a
+		 * the signal flags and a paused listener; uids kept for a
 		 * debt are looked at ten times a second. */
-		int ms = s->ctl_paused ? 5 : s->idle_shares ? 100 : 1000;
+		int ms = s->ctl_paused ? 5 : s->fair.idle ? 100 : 1000;
 		int n = epoll_wait(s->epfd, ev, 64, ms);
 
 		handle_events(s, ev, n > 0 ? n : 0);
@@ -866,6 +724,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 	pthread_sigmask(SIG_BLOCK, &mask, NULL);
 	signal(SIGPIPE, SIG_IGN);
 	s->cfg = cfg;
+	s->fair.ctl_pct = cfg->control_cpu_pct;
 	s->lfd = s->epfd = s->sfd = s->tfd = s->xepfd = s->xnfd = -1;
 	s->ev_listen.kind = EV_LISTEN;
 	s->ev_signal.kind = EV_SIGNAL;
@@ -1084,8 +943,7 @@ void kvd_server_destroy(struct kvd_server *s)
 	kvd_numa_fini(&s->numa);
 	free(s->rxbuf);
 	kvd_exec_free(s);
-	while (s->shares)
-		share_free(s, &s->shares);      /* kept for a debt after their last client */
+	kvd_fair_destroy(&s->fair);     /* some kept for a debt after their last client */
 	kvd_limits_destroy(s->limits);
 	if (s->sync_init) {
 		pthread_mutex_destroy(&s->mu);

@@ -31,6 +31,7 @@
 #include <sys/types.h>
 
 #include "engine/attn.h"
+#include "fair.h"
 #include "kvd.pb-c.h"
 #include "metrics.h"
 #include "proto/kvd_ring.h"
@@ -61,30 +62,6 @@ struct job {
 	uint64_t *ids;                  /* [KVD_WIRE_MAX_NSEQ], allocated at Hello */
 };
 
-/* One per uid with a connection.  The executor shares its time between uids
- * first and then between a uid's connections, so opening more connections
- * buys a uid no more of it. */
-struct share {
-	uint32_t uid, refs;
-	uint64_t vtime;                 /* executor ns charged to the uid (plus rejoins) */
-	uint64_t busy_ns;               /* executor ns spent for the uid, nothing else */
-	/* The loop's time for the uid's control requests: a budget refilled at
-	 * [limits] control_cpu_per_uid of real time, up to one second's worth;
-	 * at or below 0 the uid's sockets are not read until it refills. */
-	int64_t ctl_budget_ns;
-	uint64_t ctl_at_ns;             /* when the budget was last refilled */
-	uint64_t ctl_ns;                /* control time spent for the uid, in all */
-	uint64_t ctl_paused;            /* times one of its connections was paused */
-	/* Connections cost their uid control time too (accept, set-up, the
-	 * drop); a uid out of budget has new ones refused at accept.  Kept
-	 * while it owes time or has a log line pending, connections or not,
-	 * so closing them all does not wipe the debt. */
-	uint64_t accepts, conn_refused;
-	uint64_t log_ns;                /* start of its current one-second log window */
-	uint32_t log_lines, log_quiet;  /* lines logged in that window, lines not logged */
-	struct share *next;
-};
-
 #define CLIENT_PROFILES 64              /* profile references one connection may hold */
 
 struct client {
@@ -103,7 +80,7 @@ struct client {
 	int owns;                       /* created or opened a sequence: its drop looks */
 	int was_ready;
 	uint64_t vtime;                 /* executor ns charged: the fair-share clock */
-	struct share *share;            /* its uid's */
+	struct kvd_fair *fair;          /* its uid's share of the threads (fair.h) */
 	struct job job;
 	uint32_t prof[CLIENT_PROFILES]; /* profile ids this connection holds a reference on */
 	uint32_t nprof;
@@ -165,9 +142,7 @@ struct kvd_server {
 	struct client *unit_client;     /* whose whole-entry unit is running */
 	uint64_t unit_t0;
 	uint64_t vclock;                /* fair-share clock of the last unit started */
-	uint64_t uvclock;               /* the same between uids */
-	struct share *shares;
-	unsigned idle_shares;           /* shares without connections, kept for a debt or a log */
+	struct kvd_fairs fair;          /* every uid's share, and their clock (fair.h) */
 	uint64_t hold_t0;               /* loop thread: when it took the lock (or last breathed) */
 	uint64_t exec_passes;           /* under mu: the executor's passes so far */
 	int loop_parked;                /* under mu: the loop waits for an executor pass */
@@ -205,12 +180,6 @@ void kvd_state_unlock(struct kvd_server *s);
 #define KVD_LOOP_HOLD_NS 1000000ull
 #define KVD_LOOP_WAIT_NS 2000000ull
 void kvd_loop_breathe(struct kvd_server *s);
-/* A line about uid's connections (refused, kicked, gone): at most
- * KVD_UID_LOG_LINES a second per uid, the rest counted and reported with
- * the next line logged, so one uid's churn cannot flood the log. */
-#define KVD_UID_LOG_LINES 5
-void kvd_log_uid(struct kvd_server *s, struct share *sh, int level, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
 
 /* control.c: reads and answers what c's control socket holds (under the
  * lock). */
