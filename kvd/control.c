@@ -20,7 +20,7 @@
 #include "engine/err.h"
 #include "engine/log.h"
 #include "engine/lsh.h"
-#include "server.h"
+#include "clients.h"
 #include "server_int.h"
 #include "kvd/store/share.h"
 #include "kvd/store/tier.h"
@@ -567,7 +567,7 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 {
 	Kvd__ServerStats m = KVD__SERVER_STATS__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
-	struct kvd_server_stats st;
+	struct kvd_store_stats ss;
 	/* Tenants never see each other: root, kvd's own uid and [server]
 	 * admin_group see every uid, anyone else only their own. */
 	struct uid_rows ur = {
@@ -595,16 +595,18 @@ static int do_server_stats(struct kvd_server *s, struct client *c, uint64_t id)
 	m.n_share = sr.n;
 	m.share = sr.ptr;
 
-	kvd_server_stats(s, &st);
-	m.clients = st.clients;
-	m.sequences = st.sequences;
-	m.profiles = st.profiles;
-	m.bytes = st.bytes;
-	m.requests = st.requests;
-	m.errors = st.errors;
-	m.disconnects = st.disconnects;
-	m.slots_in_use = st.slots_in_use;
-	m.mapped_bytes = st.mapped_bytes;
+	kvd_store_stats(s->store, &ss);
+	m.clients = s->nclients;
+	m.sequences = ss.sequences;
+	m.profiles = ss.profiles;
+	m.bytes = ss.bytes;
+	m.requests = s->requests;
+	m.errors = s->errors;
+	m.disconnects = s->disconnects;
+	for (const struct client *o = s->clients; o; o = o->next) {
+		m.mapped_bytes += o->map_size;
+		m.slots_in_use += o->hello && !o->control ? o->r.geo.nslots : 0;
+	}
 	{
 		struct kvd_tier_stats ts;
 
@@ -1314,8 +1316,8 @@ void kvd_control_event(struct kvd_server *s, struct client *c)
 
 	/* Every message is charged to the uid's control budget, from its
 	 * receipt to its reply; past the budget the socket waits. */
-	for (int burst = 0; burst < CTL_BURST && kvd_control_admit(s, c);
-	     burst++, kvd_control_spent(s, c, (t1 = kvd_now_ns()) - t0), t0 = t1) {
+	for (int burst = 0; burst < CTL_BURST && kvd_client_admit(s, c);
+	     burst++, kvd_fair_spent(c->fair, (t1 = kvd_now_ns()) - t0), t0 = t1) {
 		int fds[4], nfds = 4, n;
 		struct kvd_ctl_err err;
 		Kvd__Request *rq;

@@ -37,6 +37,7 @@
 #include "engine/kern.h"
 #include "engine/log.h"
 #include "engine/pool.h"
+#include "clients.h"
 #include "server_int.h"
 #include "config.h"
 #include "kvd/store/tier.h"

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +25,8 @@
 #include "kvd.pb-c.h"
 #include "engine/log.h"
 #include "engine/pool.h"
+#include "clients.h"
+#include "fair.h"
 #include "server.h"
 #include "server_int.h"
 #include "kvd/store/store.h"
@@ -60,51 +61,6 @@ static void on_signal(int sig)
 		sig_term = sig;
 	poke(sig_efd);
 	errno = e;
-}
-
-/* ---- the state lock ---------------------------------------------------- */
-
-void kvd_state_lock(struct kvd_server *s)
-{
-	/* Pairs with the executor's acquire load in yield_to_loop(): it sees
-	 * we wait and hands the lock over after its unit. */
-	atomic_fetch_add_explicit(&s->loop_wants, 1, memory_order_release);
-	pthread_mutex_lock(&s->mu);
-	atomic_fetch_sub_explicit(&s->loop_wants, 1, memory_order_relaxed);
-	s->hold_t0 = kvd_now_ns();
-}
-
-void kvd_state_unlock(struct kvd_server *s)
-{
-	s->loop_turns++;
-	pthread_cond_broadcast(&s->handoff);
-	pthread_mutex_unlock(&s->mu);
-}
-
-void kvd_loop_breathe(struct kvd_server *s)
-{
-	uint64_t now = kvd_now_ns(), p0 = s->exec_passes, until;
-	struct timespec ts;
-
-	if (now - s->hold_t0 < KVD_LOOP_HOLD_NS)
-		return;
-	/* A new turn releases an executor waiting in yield_to_loop(); counted
-	 * in loop_wants, we get the lock back after its next pass.  An idle
-	 * executor has nothing to run: a short wait lets one just woken in. */
-	until = now + (atomic_load_explicit(&s->exec_idle, memory_order_relaxed) ? 100000
-										: KVD_LOOP_WAIT_NS);
-	ts.tv_sec = (time_t)(until / 1000000000u);
-	ts.tv_nsec = (long)(until % 1000000000u);
-	s->loop_turns++;
-	s->loop_parked = 1;
-	atomic_fetch_add_explicit(&s->loop_wants, 1, memory_order_release);
-	pthread_cond_broadcast(&s->handoff);
-	while (s->exec_passes == p0 && !s->exec_stop &&
-	       pthread_cond_timedwait(&s->handoff, &s->mu, &ts) != ETIMEDOUT) {
-	}
-	atomic_fetch_sub_explicit(&s->loop_wants, 1, memory_order_relaxed);
-	s->loop_parked = 0;
-	s->hold_t0 = kvd_now_ns();
 }
 
 /* ---- clients ----------------------------------------------------------- */
@@ -152,75 +108,12 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 		s->ctl_paused--;
 	/* Its going is the uid's control time too, as its coming was. */
 	if (c->fair)
-		kvd_control_spent(s, c, kvd_now_ns() - t0);
+		kvd_fair_spent(c->fair, kvd_now_ns() - t0);
 	kvd_fair_put(&s->fair, c->fair);
 	free(c->job.ids);
 	free(c);
 	/* A descriptor is free again: accept() may work now. */
 	listen_resume(s);
-}
-
-/* ---- control-plane CPU per uid ------------------------------------------ */
-
-static void ctl_poll(struct kvd_server *s, struct client *c, uint32_t events)
-{
-	struct epoll_event ev = { .events = events, .data.ptr = &c->ev_ctl };
-
-	/* Fails only for a descriptor already gone, which reap_dead handles. */
-	epoll_ctl(s->epfd, EPOLL_CTL_MOD, c->fd, &ev);
-}
-
-int kvd_control_admit(struct kvd_server *s, struct client *c)
-{
-	struct kvd_fair *sh = c->fair;
-
-	if (!sh || kvd_fair_refill(&s->fair, sh, kvd_now_ns()))
-		return 1;
-	if (!c->ctl_paused) {
-		ctl_poll(s, c, 0);
-		c->ctl_paused = 1;
-		s->ctl_paused++;
-		sh->ctl_paused++;
-		kvd_log_refusal("uid %u: control requests past limits.control_cpu_per_uid "
-				"(%u%% of a core): its connections wait", sh->uid,
-				s->cfg->control_cpu_pct);
-	}
-	return 0;
-}
-
-void kvd_control_spent(struct kvd_server *s, struct client *c, uint64_t ns)
-{
-	(void)s;
-	if (c->fair)
-		kvd_fair_spent(c->fair, ns);
-}
-
-/* Paused connections whose uid's budget refilled are polled again (their
- * queued requests are still in the socket, level-triggered). */
-static void ctl_resume(struct kvd_server *s)
-{
-	uint64_t now = kvd_now_ns();
-
-	for (struct client *c = s->clients; c && s->ctl_paused; c = c->next) {
-		if (!c->ctl_paused || c->dead || !kvd_fair_refill(&s->fair, c->fair, now))
-			continue;
-		ctl_poll(s, c, EPOLLIN);
-		c->ctl_paused = 0;
-		s->ctl_paused--;
-	}
-}
-
-/* A protocol violation: this client only.  Either thread, under the lock;
- * the loop reaps it (the poke wakes it when the executor was the one). */
-void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why)
-{
-	if (c->dead)
-		return;
-	s->disconnects++;
-	kvd_fair_log(c->fair, LOG_WARNING, "client %llu (uid %u): %s: disconnecting",
-		     (unsigned long long)c->id, (unsigned)c->uid, why);
-	c->dead = 1;
-	poke(s->sfd);
 }
 
 int kvd_peer_in_group(int fd, uint32_t gid, uint32_t pgid)
@@ -240,13 +133,6 @@ int kvd_peer_in_group(int fd, uint32_t gid, uint32_t pgid)
 	return 0;
 }
 
-struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t seq)
-{
-	struct kvd_seqn *q = kvd_store_seq_get(s->store, seq, c->tenant);
-
-	return q && kvd_store_seq_owner(q) == c->id ? q : NULL;
-}
-
 /* Out of descriptors: stop polling the listener (it stays readable and would
  * spin the loop) until a client leaves or a second passes; one log line per
  * minute at most. */
@@ -262,28 +148,6 @@ static void listen_pause(struct kvd_server *s, int err)
 			"(raise LimitNOFILE=, or [limits] connections)", strerror(err));
 		s->emfile_logged_ns = now;
 	}
-}
-
-void kvd_log_refusal(const char *fmt, ...)
-{
-	static uint64_t last_ns, quiet;
-	uint64_t now = kvd_now_ns();
-	char line[512];
-	va_list ap;
-
-	if (last_ns && now - last_ns < 1000000000u) {
-		quiet++;
-		return;
-	}
-	va_start(ap, fmt);
-	vsnprintf(line, sizeof line, fmt, ap);
-	va_end(ap);
-	if (quiet)
-		kvd_log(LOG_NOTICE, "%s (and %llu refusals not logged)", line, (unsigned long long)quiet);
-	else
-		kvd_log(LOG_NOTICE, "%s", line);
-	last_ns = now;
-	quiet = 0;
 }
 
 /* A connection we will not serve: say why when we can, then close. */
@@ -402,26 +266,7 @@ static void accept_clients(struct kvd_server *s)
 			     (unsigned long long)c->id, (int)cred.pid, (int)cred.uid);
 		t1 = kvd_now_ns() - t0;
 		c->fair->accepts++;
-		kvd_control_spent(s, c, t1 > KVD_CONN_COST_NS ? t1 : KVD_CONN_COST_NS);
-	}
-}
-
-void kvd_server_stats(const struct kvd_server *s, struct kvd_server_stats *st)
-{
-	struct kvd_store_stats ss;
-
-	kvd_store_stats(s->store, &ss);
-	memset(st, 0, sizeof *st);
-	st->clients = s->nclients;
-	st->sequences = ss.sequences;
-	st->profiles = ss.profiles;
-	st->bytes = ss.bytes;
-	st->requests = s->requests;
-	st->errors = s->errors;
-	st->disconnects = s->disconnects;
-	for (const struct client *c = s->clients; c; c = c->next) {
-		st->mapped_bytes += c->map_size;
-		st->slots_in_use += c->hello && !c->control ? c->r.geo.nslots : 0;
+		kvd_fair_spent(c->fair, t1 > KVD_CONN_COST_NS ? t1 : KVD_CONN_COST_NS);
 	}
 }
 
@@ -567,7 +412,7 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 	}
 	reap_dead(s);
 	if (s->ctl_paused)
-		ctl_resume(s);
+		kvd_client_resume(s);
 	if (s->fair.idle)
 		kvd_fair_gc(&s->fair);
 	/* Paused for EMFILE: try again now and then even if no client left

@@ -29,17 +29,11 @@
 struct kvd_config;
 struct kvd_server;
 
-struct kvd_server_stats {
-	uint32_t clients, sequences, profiles, slots_in_use;
-	uint64_t bytes, requests, errors, disconnects, mapped_bytes;
-};
-
 /* Binds the socket, starts the workers.  0 or -errno (messages on stderr). */
 int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out);
 /* Runs until SIGTERM/SIGINT (a handler pokes an eventfd the loop polls), then
  * drains what is queued and returns 0. */
 int kvd_server_run(struct kvd_server *s);
 void kvd_server_destroy(struct kvd_server *s);
-void kvd_server_stats(const struct kvd_server *s, struct kvd_server_stats *st);
 
 #endif

@@ -1,12 +1,17 @@
-/* The daemon's insides, shared by its three parts (not an API):
+/* The daemon's insides, shared by its parts (not an API).  Each calls only
+ * the ones listed below it, never one above:
  *
  *   server.c   the event loop: listening socket, clients' control sockets,
- *              signals, the watchdog timer, the tier's fd.
+ *              signals, the watchdog timer, the tier's fd; accepts and
+ *              drops clients.
  *   control.c  control-plane requests (protobuf over the socket), run by the
  *              loop thread.
  *   exec.c     the executor thread: every ring entry, in small units
  *              (one ATTEND record, one PREFILL/APPEND entry), fair across
  *              clients, on the worker pools.
+ *   clients.c  the client registry and the state lock (clients.h): what
+ *              the three above need of each other's clients.
+ *   fair.c     each uid's share of the executor and of the loop (fair.h).
  *
  * Threads and the state lock.  Everything below — clients, store, tier,
  * counters — is guarded by s->mu.  The executor holds it while it runs a
@@ -151,35 +156,10 @@ struct kvd_server {
 };
 
 /* server.c */
-void kvd_client_kick(struct kvd_server *s, struct client *c, const char *why);
-/* Control-plane CPU per uid: whether c's uid may have another control
- * request handled now (refilling its budget first); when not, c's socket
- * leaves the poll set until the budget refills (the loop resumes it), so a
- * flood costs kvd nothing but what the budget allows and loses nothing.
- * kvd_control_spent charges ns of loop time to c's uid. */
-int kvd_control_admit(struct kvd_server *s, struct client *c);
-void kvd_control_spent(struct kvd_server *s, struct client *c, uint64_t ns);
 int kvd_ep_add(struct kvd_server *s, int fd, void *tag);
-/* A refusal at a limit, logged at most once a second (a client retrying in
- * a loop must not flood the log), with a count of those not logged.  Loop
- * thread only. */
-void kvd_log_refusal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Whether the peer is a member of gid (its primary group or a supplementary
  * one, from SO_PEERCRED / SO_PEERGROUPS at accept). */
 int kvd_peer_in_group(int fd, uint32_t gid, uint32_t pgid);
-/* c's own sequence seq (NULL when it is not, or not c's). */
-struct kvd_seqn *kvd_client_seq(struct kvd_server *s, struct client *c, uint64_t seq);
-/* The loop's side of the state lock. */
-void kvd_state_lock(struct kvd_server *s);
-void kvd_state_unlock(struct kvd_server *s);
-/* The loop's turn is bounded in time, not only in count: once it has held
- * the lock for KVD_LOOP_HOLD_NS, the executor gets one pass (the loop waits
- * for it at most KVD_LOOP_WAIT_NS) before the loop goes on.  Called between
- * requests, events and accepts; whatever the caller holds must stay valid
- * without the lock (clients are freed only by the loop). */
-#define KVD_LOOP_HOLD_NS 1000000ull
-#define KVD_LOOP_WAIT_NS 2000000ull
-void kvd_loop_breathe(struct kvd_server *s);
 
 /* control.c: reads and answers what c's control socket holds (under the
  * lock). */
