@@ -5,12 +5,13 @@
  *              signals, the watchdog timer, the tier's fd; accepts and
  *              drops clients.
  *   control.c  control-plane requests (protobuf over the socket), run by the
- *              loop thread.
+ *              loop thread: the session's own (Hello, profiles, sequences)
+ *   admin.c    and the server-wide views and acts of kvctl (admin.h).
  *   exec.c     the executor thread: every ring entry, in small units
  *              (one ATTEND record, one PREFILL/APPEND entry), fair across
  *              clients, on the worker pools.
  *   clients.c  the client registry and the state lock (clients.h): what
- *              the three above need of each other's clients.
+ *              the parts above need of each other's clients.
  *   fair.c     each uid's share of the executor and of the loop (fair.h).
  *
  * Threads and the state lock.  Everything below — clients, store, tier,
