@@ -174,7 +174,7 @@ static void accept_clients(struct kvd_server *s)
 		struct ucred cred;
 		socklen_t len = sizeof cred;
 		struct client *c;
-		struct kvd_fair *sh;
+		struct kvd_fair *f;
 		char msg[160];
 		int rc;
 
@@ -198,16 +198,16 @@ static void accept_clients(struct kvd_server *s)
 		}
 		/* Out of control budget: refused before anything is made for
 		 * it, at the cost of the refusal, which the uid pays too. */
-		sh = kvd_fair_find(&s->fair, cred.uid);
-		if (sh && !kvd_fair_refill(&s->fair, sh, t0)) {
-			sh->conn_refused++;
-			kvd_fair_log(sh, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
+		f = kvd_fair_find(&s->fair, cred.uid);
+		if (f && !kvd_fair_refill(&s->fair, f, t0)) {
+			f->conn_refused++;
+			kvd_fair_log(f, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
 				     "past limits.control_cpu_per_uid (%u%% of a core)", (int)cred.pid,
 				     (unsigned)cred.uid, s->cfg->control_cpu_pct);
 			refuse(s, fd, -EAGAIN,
 			       "connections past limits.control_cpu_per_uid: try later");
 			t1 = kvd_now_ns();
-			kvd_fair_spent(sh, t1 - t0);
+			kvd_fair_spent(f, t1 - t0);
 			continue;
 		}
 		/* Counted before anything is allocated for it, per uid: a uid that
@@ -216,8 +216,8 @@ static void accept_clients(struct kvd_server *s)
 		if (rc) {
 			/* A uid at its own cap holds connections, so has an entry:
 			 * its lines are its own.  At the global cap, one a second. */
-			if (sh)
-				kvd_fair_log(sh, LOG_NOTICE,
+			if (f)
+				kvd_fair_log(f, LOG_NOTICE,
 					     "refusing a connection of pid %d (uid %u): %s",
 					     (int)cred.pid, (unsigned)cred.uid, msg);
 			else
