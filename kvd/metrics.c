@@ -90,8 +90,6 @@ struct hist {
 
 static const double le_attend[] = { 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3,
 				    10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3, 1, 2.5, 5, 10 };
-static const double le_io[] = { 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
-				 500e-3, 1, 2.5, 5, 10, 30, 60 };
 
 static void hist_init(struct hist *h, const double *le, unsigned n)
 {
@@ -134,9 +132,9 @@ struct snap {
 struct kvd_metrics {
 	_Atomic uint64_t ring[RING_OPS][NRES];
 	_Atomic uint64_t ctl[KVD_METRICS_CTL_OPS][NRES];
-	struct hist attend, io_s[2];
-	_Atomic uint64_t io_n[2][3], io_bytes[2];
-	_Atomic uint64_t evict[2], lost, wd_ping, wd_skip;
+	struct hist attend;
+	_Atomic uint64_t wd_ping, wd_skip;
+	const struct kvd_tier_counters *tier;   /* the tier's own (kvd_metrics_set_tier) */
 
 	/* The snapshot: cur is read under mu; stage is the loop's alone. */
 	pthread_mutex_t mu;
@@ -183,8 +181,6 @@ int kvd_metrics_create(struct kvd_metrics **out)
 		return e;
 	}
 	hist_init(&m->attend, le_attend, sizeof le_attend / sizeof le_attend[0]);
-	for (int k = 0; k < 2; k++)
-		hist_init(&m->io_s[k], le_io, sizeof le_io / sizeof le_io[0]);
 	pthread_mutex_init(&m->mu, NULL);
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -233,6 +229,11 @@ unsigned kvd_metrics_port(const struct kvd_metrics *m)
 	return m ? m->port : 0;
 }
 
+void kvd_metrics_set_tier(struct kvd_metrics *m, const struct kvd_tier_counters *c)
+{
+	m->tier = c;
+}
+
 /* ---- counting ------------------------------------------------------------ */
 
 #define ADD(x, n) atomic_fetch_add_explicit(&(x), (n), memory_order_relaxed)
@@ -253,29 +254,6 @@ void kvd_metrics_attend(struct kvd_metrics *m, uint64_t ns)
 {
 	if (m)
 		hist_observe(&m->attend, ns);
-}
-
-void kvd_metrics_tier_io(struct kvd_metrics *m, int kind, int how, uint64_t bytes, uint64_t ns)
-{
-	if (!m)
-		return;
-	ADD(m->io_n[kind][how], 1);
-	if (how == KVD_MX_OK)
-		ADD(m->io_bytes[kind], bytes);
-	if (how != KVD_MX_CANCELLED)
-		hist_observe(&m->io_s[kind], ns);
-}
-
-void kvd_metrics_evict(struct kvd_metrics *m, int written)
-{
-	if (m)
-		ADD(m->evict[!!written], 1);
-}
-
-void kvd_metrics_lost(struct kvd_metrics *m)
-{
-	if (m)
-		ADD(m->lost, 1);
 }
 
 void kvd_metrics_watchdog(struct kvd_metrics *m, int pinged)
@@ -449,23 +427,33 @@ static void scalar(struct buf *b, const char *name, const char *type, const char
 	put(b, "%s %llu\n", name, (unsigned long long)v);
 }
 
-static void hist_put(struct buf *b, const char *name, const char *labels, const struct hist *h)
+/* A histogram's lines: n upper bounds le, the per-bucket counts bk[n + 1]
+ * and their sum in ns. */
+static void hist_lines(struct buf *b, const char *name, const char *labels, const double *le,
+		       unsigned n, _Atomic uint64_t *bk, _Atomic uint64_t *sum_ns)
 {
 	uint64_t cum = 0;
 	const char *sep = labels[0] ? "," : "";
 
-	for (unsigned i = 0; i < h->n; i++) {
-		cum += GET(((struct hist *)h)->b[i]);
-		put(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep, h->le[i],
+	for (unsigned i = 0; i < n; i++) {
+		cum += GET(bk[i]);
+		put(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, labels, sep, le[i],
 		    (unsigned long long)cum);
 	}
-	cum += GET(((struct hist *)h)->b[h->n]);
+	cum += GET(bk[n]);
 	put(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, (unsigned long long)cum);
 	put(b, "%s_sum%s%s%s %.9f\n", name, labels[0] ? "{" : "", labels, labels[0] ? "}" : "",
-	    (double)GET(((struct hist *)h)->sum_ns) / 1e9);
+	    (double)GET(*sum_ns) / 1e9);
 	/* _count from the buckets themselves, so +Inf and _count always agree. */
 	put(b, "%s_count%s%s%s %llu\n", name, labels[0] ? "{" : "", labels, labels[0] ? "}" : "",
 	    (unsigned long long)cum);
+}
+
+static void hist_put(struct buf *b, const char *name, const char *labels, const struct hist *h)
+{
+	struct hist *w = (struct hist *)h;
+
+	hist_lines(b, name, labels, h->le, h->n, w->b, &w->sum_ns);
 }
 
 static const char *ring_op_name(unsigned op)
@@ -522,6 +510,9 @@ static const struct {
 static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, struct buf *b)
 {
 	static const char *const how[3] = { "ok", "error", "cancelled" };
+	static const struct kvd_tier_counters none;
+	/* The tier's counters, read as they are now (not from the snapshot). */
+	struct kvd_tier_counters *tc = (struct kvd_tier_counters *)(m->tier ? m->tier : &none);
 	char v[128], g[128];
 	uint64_t now = kvd_now_ns();
 
@@ -630,30 +621,32 @@ static void render(struct kvd_metrics *m, const struct snap *sn, uint32_t only, 
 	     "meanwhile).");
 	for (int h = 0; h < 3; h++)
 		put(b, "kvd_spill_writes_total{result=\"%s\"} %llu\n", how[h],
-		    (unsigned long long)GET(m->io_n[KVD_MX_WRITE][h]));
+		    (unsigned long long)GET(tc->io_n[KVD_TIER_WRITE][h]));
 	scalar(b, "kvd_spill_write_bytes_total", "counter", "Bytes of spill files written successfully.",
-	       GET(m->io_bytes[KVD_MX_WRITE]));
+	       GET(tc->io_bytes[KVD_TIER_WRITE]));
 	head(b, "kvd_spill_write_seconds", "histogram",
 	     "Write-backs that ended (ok or error), from submission to the synced, renamed file.");
-	hist_put(b, "kvd_spill_write_seconds", "", &m->io_s[KVD_MX_WRITE]);
+	hist_lines(b, "kvd_spill_write_seconds", "", kvd_tier_io_le, KVD_TIER_IO_LE,
+		   tc->io_le[KVD_TIER_WRITE], &tc->io_sum_ns[KVD_TIER_WRITE]);
 	head(b, "kvd_restores_total", "counter",
 	     "Restores (sequences read back from disk), by result (error: the sequence is lost; "
 	     "cancelled: freed meanwhile).");
 	for (int h = 0; h < 3; h++)
 		put(b, "kvd_restores_total{result=\"%s\"} %llu\n", how[h],
-		    (unsigned long long)GET(m->io_n[KVD_MX_READ][h]));
+		    (unsigned long long)GET(tc->io_n[KVD_TIER_READ][h]));
 	scalar(b, "kvd_restore_bytes_total", "counter", "Bytes of spill files read back by restores that succeeded.",
-	       GET(m->io_bytes[KVD_MX_READ]));
+	       GET(tc->io_bytes[KVD_TIER_READ]));
 	head(b, "kvd_restore_seconds", "histogram",
 	     "Restores that ended (ok or error), from submission to the last extent installed.");
-	hist_put(b, "kvd_restore_seconds", "", &m->io_s[KVD_MX_READ]);
+	hist_lines(b, "kvd_restore_seconds", "", kvd_tier_io_le, KVD_TIER_IO_LE,
+		   tc->io_le[KVD_TIER_READ], &tc->io_sum_ns[KVD_TIER_READ]);
 	head(b, "kvd_evictions_total", "counter",
 	     "Sequences dropped from RAM, by how: written (after their write-back) or dropped "
 	     "(their file was current, no write).");
-	put(b, "kvd_evictions_total{how=\"written\"} %llu\n", (unsigned long long)GET(m->evict[1]));
-	put(b, "kvd_evictions_total{how=\"dropped\"} %llu\n", (unsigned long long)GET(m->evict[0]));
+	put(b, "kvd_evictions_total{how=\"written\"} %llu\n", (unsigned long long)GET(tc->evict[1]));
+	put(b, "kvd_evictions_total{how=\"dropped\"} %llu\n", (unsigned long long)GET(tc->evict[0]));
 	scalar(b, "kvd_sequences_lost_total", "counter",
-	       "Sequences lost: a restore failed (I/O error, checksum or structure).", GET(m->lost));
+	       "Sequences lost: a restore failed (I/O error, checksum or structure).", GET(tc->lost));
 
 	scalar(b, "kvd_prefix_attach_hit_tokens_total", "counter",
 	       "Tokens a new sequence found already held by prefix sharing; always 0: prefix "

@@ -6,7 +6,8 @@
  * Contract:
  *  - Counters and histograms are relaxed atomics: any thread counts with
  *    kvd_metrics_ring() .. kvd_metrics_watchdog() without a lock.  m may be
- *    NULL: nothing is counted.
+ *    NULL: nothing is counted.  The spill tier counts in its own
+ *    (kvd_tier_counters, below the daemon); they are read the same way.
  *  - Gauges (clients and bytes by uid, queue depth, the budget) belong to the
  *    state under the server's lock.  The event loop copies them into a
  *    snapshot (kvd_metrics_collect, under the state lock, then a swap under
@@ -37,11 +38,7 @@
 
 struct kvd_metrics;
 struct kvd_server;
-
-/* Spill-tier I/O kinds for kvd_metrics_tier_io(). */
-enum { KVD_MX_WRITE = 0, KVD_MX_READ = 1 };
-/* How an I/O ended. */
-enum { KVD_MX_OK = 0, KVD_MX_ERROR = 1, KVD_MX_CANCELLED = 2 };
+struct kvd_tier_counters;
 
 /* The counters and the refresh eventfd; no thread yet.  0 or -errno. */
 int kvd_metrics_create(struct kvd_metrics **out);
@@ -60,6 +57,10 @@ int kvd_metrics_addr_parse(const char *addr, struct sockaddr_storage *ss, sockle
 unsigned kvd_metrics_port(const struct kvd_metrics *m);
 /* Stops the HTTP threads (if any) and frees everything. */
 void kvd_metrics_destroy(struct kvd_metrics *m);
+/* The spill tier's counters (kvd_tier_counters), rendered as they are at
+ * each scrape.  Before kvd_metrics_listen; they must outlive m's renders
+ * (destroy m before the tier).  Without: rendered as 0. */
+void kvd_metrics_set_tier(struct kvd_metrics *m, const struct kvd_tier_counters *c);
 
 /* The loop polls this fd (readable: a scrape wants a snapshot). */
 int kvd_metrics_fd(const struct kvd_metrics *m);
@@ -85,14 +86,6 @@ void kvd_metrics_ring(struct kvd_metrics *m, unsigned op, int res);
 void kvd_metrics_control(struct kvd_metrics *m, unsigned body, int code);
 /* One ATTEND record (one sequence, one layer) computed in ns. */
 void kvd_metrics_attend(struct kvd_metrics *m, uint64_t ns);
-/* A spill write (KVD_MX_WRITE) or restore (KVD_MX_READ) ended: how, the
- * bytes moved when it succeeded, the time from submission. */
-void kvd_metrics_tier_io(struct kvd_metrics *m, int kind, int how, uint64_t bytes, uint64_t ns);
-/* A sequence left RAM: written (after its write-back) or dropped (its file
- * was current). */
-void kvd_metrics_evict(struct kvd_metrics *m, int written);
-/* A sequence was lost (a restore failed). */
-void kvd_metrics_lost(struct kvd_metrics *m);
 /* The watchdog timer fired: pinged (1) or held back for a silent executor. */
 void kvd_metrics_watchdog(struct kvd_metrics *m, int pinged);
 

@@ -628,11 +628,11 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 		tc.io.block = cfg->spill_block;
 		tc.io.buffered = cfg->spill_buffered;
 		tc.io.fault = cfg->spill_fault_on ? cfg->spill_fault : NULL;
-		tc.metrics = s->metrics;
 		if ((rc = kvd_tier_create(&tc, s->store, &s->tier))) {
 			kvd_log(LOG_ERR, "spill: %s", kvd_strerror(rc));
 			goto fail;
 		}
+		kvd_metrics_set_tier(s->metrics, kvd_tier_counters(s->tier));
 		/* Before the load: published prefixes found on disk are filed
 		 * again as they are read. */
 		if ((rc = kvd_share_create(s->store, s->tier, &s->share))) {
@@ -772,13 +772,13 @@ void kvd_server_destroy(struct kvd_server *s)
 		kvd_share_set_remote(s->share, NULL);
 	if (s->tier)
 		kvd_tier_set_remote(s->tier, NULL);
+	/* Before the tier, whose counters a scrape reads.  A scrape in flight
+	 * stops waiting for the loop after KVD_METRICS_WAIT_MS. */
+	kvd_metrics_destroy(s->metrics);
 	kvd_remote_destroy(s->remote);
 	kvd_share_destroy(s->share);
 	kvd_tier_destroy(s->tier);
 	kvd_store_destroy(s->store);
-	/* After the tier, which counts its last I/O into it.  A scrape in
-	 * flight stops waiting for the loop after KVD_METRICS_WAIT_MS. */
-	kvd_metrics_destroy(s->metrics);
 	for (unsigned i = 0; i < s->npools; i++) {
 		for (unsigned w = 0; s->scrs[i] && w < kvd_pool_size(s->pools[i]); w++)
 			kvd_attn_scratch_free(&s->scrs[i][w]);

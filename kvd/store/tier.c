@@ -11,7 +11,6 @@
 #include "engine/err.h"
 #include "engine/invariant.h"
 #include "engine/log.h"
-#include "kvd/metrics.h"
 #include "remote.h"
 #include "engine/rng.h"
 #include "store_int.h"
@@ -98,7 +97,8 @@ struct kvd_tier {
 	uint64_t epoch;
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
 	struct unl *unls;
-	uint64_t spills, restores, drops, spill_errors, lost, spill_bytes, restore_bytes;
+	struct kvd_tier_counters ctr;   /* write-backs, drops, losses: kvd_tier_stats' too */
+	uint64_t restores, restore_bytes;
 	struct kvd_remote *rem;         /* evicted sequences' files go there too */
 	uint64_t inst;                  /* this lifetime's half of their keys */
 	uint64_t rem_puts, rem_drops, rem_fetches;
@@ -134,6 +134,31 @@ static uint64_t used(const struct kvd_tier *t)
 	}
 	kvd_store_stats(t->st, &ss);
 	return ss.bytes + ss.fixed_bytes + ss.profile_bytes + ss.local_bytes + t->reserved;
+}
+
+const double kvd_tier_io_le[KVD_TIER_IO_LE] = { 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
+						250e-3, 500e-3, 1, 2.5, 5, 10, 30, 60 };
+
+#define ADD(x, n) atomic_fetch_add_explicit(&(x), (n), memory_order_relaxed)
+#define GET(x) atomic_load_explicit(&(x), memory_order_relaxed)
+
+/* A write-back or restore ended (KVD_TIER_WRITE or _READ): how, the bytes it
+ * moved when it succeeded, the time since its submission. */
+static void count_io(struct kvd_tier *t, int kind, int how, uint64_t bytes, uint64_t ns)
+{
+	struct kvd_tier_counters *c = &t->ctr;
+	double s = (double)ns / 1e9;
+	unsigned i = 0;
+
+	ADD(c->io_n[kind][how], 1);
+	if (how == KVD_TIER_OK)
+		ADD(c->io_bytes[kind], bytes);
+	if (how == KVD_TIER_CANCELLED)
+		return;
+	while (i < KVD_TIER_IO_LE && s > kvd_tier_io_le[i])
+		i++;
+	ADD(c->io_le[kind][i], 1);
+	ADD(c->io_sum_ns[kind], ns);
 }
 
 static void *page_alloc(uint64_t bytes)
@@ -627,8 +652,7 @@ static int write_out(struct kvd_tier *t, struct rec *r, int evict)
 		kvd_log(LOG_DEBUG, "sequence %016llx: dropped, its file is current",
 			(unsigned long long)q->id);
 		drop(t, r);
-		t->drops++;
-		kvd_metrics_evict(t->cfg.metrics, 0);
+		ADD(t->ctr.evict[0], 1);
 		return 0;
 	}
 	if (!kvd_store_spillable(q))
@@ -979,8 +1003,6 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	r->pend = 0;
 	q->state = KVD_SEQ_RAM;
 	if (j->res == 0) {
-		t->spills++;
-		t->spill_bytes += j->disk_bytes;
 		r->has_file = 1;
 		r->dir = j->wdir;
 		r->file_gen = gen;
@@ -992,11 +1014,10 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	} else {
 		spill_unchg(t, r);      /* no file */
 	}
-	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_WRITE,
-			    j->res == 0 ? KVD_MX_OK : j->res == -ECANCELED ? KVD_MX_CANCELLED : KVD_MX_ERROR,
-			    j->disk_bytes, kvd_now_ns() - r->io_t0);
+	count_io(t, KVD_TIER_WRITE,
+		 j->res == 0 ? KVD_TIER_OK : j->res == -ECANCELED ? KVD_TIER_CANCELLED : KVD_TIER_ERROR,
+		 j->disk_bytes, kvd_now_ns() - r->io_t0);
 	if (j->res && j->res != -ECANCELED) {
-		t->spill_errors++;
 		r->backoff_until = kvd_now_ns() + BACKOFF_NS;
 		kvd_log(LOG_WARNING, "spill of sequence %016llx failed, it stays in RAM: %s",
 			(unsigned long long)q->id, j->msg[0] ? j->msg : kvd_strerror(j->res));
@@ -1022,7 +1043,7 @@ static void write_done(struct kvd_tier *t, struct rec *r)
 	}
 	if (evict_now && !r->freeing) {
 		drop(t, r);
-		kvd_metrics_evict(t->cfg.metrics, 1);
+		ADD(t->ctr.evict[1], 1);
 	}
 }
 
@@ -1120,8 +1141,7 @@ static void lose(struct kvd_tier *t, struct rec *r, const char *why)
 	q->state = KVD_SEQ_LOST;
 	q->ready = 0;
 	snprintf(r->why, sizeof r->why, "%s", why);
-	t->lost++;
-	kvd_metrics_lost(t->cfg.metrics);
+	ADD(t->ctr.lost, 1);
 	kvd_log(LOG_ERR, "sequence %016llx lost: %s", (unsigned long long)q->id, why);
 	rem_forget(t, r);
 	r->rem_only = 0;
@@ -1228,14 +1248,13 @@ static void read_done(struct kvd_tier *t, struct rec *r)
 
 	kvd_log(LOG_DEBUG, "sequence %016llx: restore %s (%d, %u of %u extents)",
 		(unsigned long long)q->id, j->res ? "failed" : "done", j->res, j->done, j->next);
-	int how = KVD_MX_OK;
+	int how = KVD_TIER_OK;
 
 	if (r->freeing || (q->state != KVD_SEQ_RESTORING && q->state != KVD_SEQ_LOST))
-		how = KVD_MX_CANCELLED;
+		how = KVD_TIER_CANCELLED;
 	else if (q->state == KVD_SEQ_LOST || j->res || j->done != j->next)
-		how = KVD_MX_ERROR;
-	kvd_metrics_tier_io(t->cfg.metrics, KVD_MX_READ, how, r->disk_bytes,
-			    kvd_now_ns() - r->io_t0);
+		how = KVD_TIER_ERROR;
+	count_io(t, KVD_TIER_READ, how, r->disk_bytes, kvd_now_ns() - r->io_t0);
 	if (q->state == KVD_SEQ_RESTORING) {
 		if (j->res == 0 && j->done == j->next) {
 			q->state = KVD_SEQ_RAM;
@@ -1689,12 +1708,14 @@ void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st)
 	st->low = t->cfg.low;
 	st->used = used(t);
 	st->reserved = t->reserved;
-	st->spills = t->spills;
+	st->spills = GET(t->ctr.io_n[KVD_TIER_WRITE][KVD_TIER_OK]);
+	st->drops = GET(t->ctr.evict[0]);
+	st->spill_errors = GET(t->ctr.io_n[KVD_TIER_WRITE][KVD_TIER_ERROR]);
+	st->lost = GET(t->ctr.lost);
+	st->spill_bytes = GET(t->ctr.io_bytes[KVD_TIER_WRITE]);
+	/* Not from ctr: a restore that lands while its sequence is being freed
+	 * counts here, and as cancelled there. */
 	st->restores = t->restores;
-	st->drops = t->drops;
-	st->spill_errors = t->spill_errors;
-	st->lost = t->lost;
-	st->spill_bytes = t->spill_bytes;
 	st->restore_bytes = t->restore_bytes;
 	st->rem_puts = t->rem_puts;
 	st->rem_drops = t->rem_drops;
@@ -1703,6 +1724,11 @@ void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st)
 	st->on_disk = a.on_disk;
 	st->rem_only = a.rem_only;
 	st->disk_bytes = t->sp ? kvd_spill_disk_bytes(t->sp) : 0;
+}
+
+const struct kvd_tier_counters *kvd_tier_counters(const struct kvd_tier *t)
+{
+	return &t->ctr;
 }
 
 void kvd_tier_seq_info(const struct kvd_tier *t, const struct kvd_seqn *q, int *durable,

@@ -32,6 +32,7 @@
 #ifndef KVD_TIER_H
 #define KVD_TIER_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -46,7 +47,6 @@ struct kvd_tier_cfg {
 	int remote;                     /* published prefixes get a file at once, as
 					 * with persist (the remote tier sends it) */
 	struct kvd_spill_cfg io;
-	struct kvd_metrics *metrics;    /* I/O, evictions and losses are counted here (NULL: not) */
 	uint64_t poll_ns;               /* kvd_tier_poll's budget (0: 2 ms) */
 };
 
@@ -158,6 +158,28 @@ struct kvd_tier_stats {
 	uint32_t on_disk, rem_only;
 };
 void kvd_tier_stats(const struct kvd_tier *t, struct kvd_tier_stats *st);
+
+/* What the tier did, counted as it happens in relaxed atomics: the tier
+ * bumps them on the state's side and knows nothing of who reads them;
+ * kvd_metrics renders them live from any thread, without the state lock.
+ * They live as long as the tier. */
+enum { KVD_TIER_WRITE = 0, KVD_TIER_READ = 1 };         /* a write-back, a restore */
+enum { KVD_TIER_OK = 0, KVD_TIER_ERROR = 1, KVD_TIER_CANCELLED = 2 };  /* how it ended */
+#define KVD_TIER_IO_LE 15
+/* The upper bounds, in seconds, of the buckets of io_le. */
+extern const double kvd_tier_io_le[KVD_TIER_IO_LE];
+struct kvd_tier_counters {
+	_Atomic uint64_t io_n[2][3];    /* [kind][how] */
+	_Atomic uint64_t io_bytes[2];   /* moved by the ones that ended ok */
+	/* The ones that ended ok or in error, by the time from submission:
+	 * per bucket (not cumulative), [KVD_TIER_IO_LE] above the last bound. */
+	_Atomic uint64_t io_le[2][KVD_TIER_IO_LE + 1];
+	_Atomic uint64_t io_sum_ns[2];
+	_Atomic uint64_t evict[2];      /* left RAM: [1] written (after a write-back),
+					 * [0] dropped (their file was current) */
+	_Atomic uint64_t lost;          /* a restore, or the fetch of its file, failed */
+};
+const struct kvd_tier_counters *kvd_tier_counters(const struct kvd_tier *t);
 /* durable: a synced file holds exactly q's data; its bytes on disk. */
 void kvd_tier_seq_info(const struct kvd_tier *t, const struct kvd_seqn *q, int *durable,
 		       uint64_t *disk_bytes);
