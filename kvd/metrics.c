@@ -27,6 +27,7 @@
 #include "metrics.h"
 #include "kvd/store/remote.h"
 #include "server_int.h"
+#include "shm/shm.h"
 #include "kvd/store/store.h"
 #include "kvd/store/tier.h"
 #include "kvd/store/uidlimits.h"
@@ -307,21 +308,17 @@ void kvd_metrics_collect(struct kvd_metrics *m, struct kvd_server *s)
 	if (sn->nuid)
 		qsort(sn->uid, sn->nuid, sizeof *sn->uid, uid_cmp);
 
-	/* Queue depth: entries in each SQ (the client's tail against our
-	 * head, clamped: the tail is the client's to scribble on) plus the one
-	 * being worked on; a client is runnable when the executor could run
-	 * something of it now. */
+	/* Queue depth: entries in each SQ (clamped: the tail is the client's
+	 * to scribble on) plus the one being worked on; a client is runnable
+	 * when the executor could run something of it now. */
 	sn->pending = sn->runnable = sn->parked = 0;
 	for (struct client *c = s->clients; c; c = c->next) {
 		uint32_t q, room;
 
 		if (!c->hello || c->dead || !c->map)
 			continue;       /* control-only connections have no rings */
-		q = atomic_load_explicit(&c->r.sq.ctl->tail, memory_order_acquire) - c->r.sq.local;
-		if (q > c->r.sq.mask + 1)
-			q = c->r.sq.mask + 1;
-		room = c->r.cq.local + c->r.cq.pending -
-		       atomic_load_explicit(&c->r.cq.ctl->head, memory_order_acquire) <= c->r.cq.mask;
+		q = shm_ring_depth(&c->r.sq);
+		room = shm_ring_room(&c->r.cq) > 0;
 		sn->pending += q + (c->job.active ? 1 : 0);
 		if (c->job.active && c->parked)
 			sn->parked++;

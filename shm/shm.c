@@ -362,6 +362,21 @@ void shm_ring_release(struct shm_ring *r, uint32_t n)
 	atomic_store_explicit(&r->ctl->head, r->local, memory_order_release);
 }
 
+uint32_t shm_ring_depth(const struct shm_ring *r)
+{
+	uint32_t n = atomic_load_explicit(&r->ctl->tail, memory_order_acquire) - r->local;
+
+	return n > r->mask + 1 ? r->mask + 1 : n;
+}
+
+uint32_t shm_ring_room(const struct shm_ring *r)
+{
+	uint32_t used = r->local + r->pending -
+			atomic_load_explicit(&r->ctl->head, memory_order_acquire);
+
+	return used > r->mask + 1 ? 0 : r->mask + 1 - used;
+}
+
 /* ---- wake-ups ---------------------------------------------------------- */
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts)

@@ -153,6 +153,15 @@ static inline const void *shm_ring_entry(const struct shm_ring *r, uint32_t i)
 /* Consumer: gives back n entries (release store of head). */
 void shm_ring_release(struct shm_ring *r, uint32_t n);
 
+/* Gauges for an observer beside the owner of r (kvd's metrics): the peer's
+ * index read afresh, nothing cached or changed, a peer's impossible index
+ * only clamped (the owner's shm_ring_ready() and shm_ring_reserve() are
+ * what judge it).  Consumer: entries published and not yet released, at
+ * most the ring's size.  Producer: entries free for shm_ring_reserve()
+ * (reserved ones count as used), 0 when the peer's head is impossible. */
+uint32_t shm_ring_depth(const struct shm_ring *r);
+uint32_t shm_ring_room(const struct shm_ring *r);
+
 /* Wake-ups.  The consumer's wait: spins `spin_ns`, then sleeps on the ring's
  * futex (with poll: keeps spinning) until an entry is ready, `timeout_ns`
  * passes (0 = forever) or a signal arrives.  Returns entries ready, 0 on

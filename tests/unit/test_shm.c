@@ -1,7 +1,7 @@
 /* shm: region sizes and layout, attach's refusal of every corrupted header
  * field, the ring's FIFO order across the u32 wrap, full and broken rings,
- * the memfd's seals, and the wait / wake paths (timeout, futex, polling,
- * eventfd flag, signals).  Fast: the long runs are in tests/stress/.
+ * the observer's gauges, the memfd's seals, and the wait / wake paths
+ * (timeout, futex, polling, eventfd flag, signals).  Fast: the long runs are in tests/stress/.
  *
  * Indices are free-running, so a ring may start anywhere: ring_start_at()
  * (test-only) moves a fresh ring pair to index v by writing the shared tail
@@ -420,6 +420,39 @@ static void test_ring_corrupt_peer_index(void **state)
 	pair_close(&x);
 }
 
+/* The observer's gauges across the wrap, with reserved entries, and clamped
+ * (not trusted, not judged) when the peer's index is impossible. */
+static void test_ring_gauges(void **state)
+{
+	struct pair x;
+	struct shm_ring *prod, *cons;
+	uint32_t start = UINT32_MAX - 2;
+
+	pair_open(&x, 8, 8, 0);
+	prod = &x.cli.sq;
+	cons = &x.kvd.sq;
+	ring_start_at(prod, cons, start);
+	assert_int_equal(shm_ring_depth(cons), 0);
+	assert_int_equal(shm_ring_room(prod), 8);
+	for (int i = 0; i < 5; i++)
+		assert_non_null(shm_ring_reserve(prod));
+	assert_int_equal(shm_ring_room(prod), 3);
+	assert_int_equal(shm_ring_depth(cons), 0);      /* reserved is not published */
+	shm_ring_commit(prod, 5);
+	assert_int_equal(shm_ring_depth(cons), 5);
+	assert_int_equal(shm_ring_ready(cons), 5);
+	shm_ring_release(cons, 2);
+	assert_int_equal(shm_ring_depth(cons), 3);
+	assert_int_equal(shm_ring_room(prod), 5);
+	atomic_store(&prod->ctl->tail, start + 2 + 100);        /* a lie: clamped */
+	assert_int_equal(shm_ring_depth(cons), 8);
+	assert_false(shm_ring_broken(cons));
+	atomic_store(&cons->ctl->head, start + 6);              /* past the tail: no room */
+	assert_int_equal(shm_ring_room(prod), 0);
+	assert_false(shm_ring_broken(prod));
+	pair_close(&x);
+}
+
 /* ---- memfd ------------------------------------------------------------- */
 
 static void test_memfd_sealed(void **state)
@@ -606,6 +639,7 @@ int main(void)
 		cmocka_unit_test(test_ring_fifo_wraps),
 		cmocka_unit_test(test_ring_full_and_batches),
 		cmocka_unit_test(test_ring_corrupt_peer_index),
+		cmocka_unit_test(test_ring_gauges),
 		cmocka_unit_test(test_memfd_sealed),
 		cmocka_unit_test(test_wait_times_out),
 		cmocka_unit_test(test_wait_woken_by_futex),
