@@ -1,6 +1,6 @@
 /* The store's private part: a sequence's and its layers' fields.
  *
- * Only kvd/store/store.c and kvd/store/tier.c include this.  The tier is the store's
+ * Only kvd/store/store.c and the tier (tier_int.h) include this.  The tier is the store's
  * close partner: it moves a sequence's data between RAM and disk (state,
  * ready, gen, its record in `tier`) and writes a layer's parts out as they
  * lie.  Everyone else goes through the functions in store.h, so that the

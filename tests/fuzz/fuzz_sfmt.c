@@ -81,7 +81,7 @@ static void profile(const struct kvd_sfmt_hdr *h, const uint8_t *pl, int ok)
 	free(p.W);
 }
 
-/* A LOCAL extent as tier.c installs it: K [kv][n][d] at 0, V at half the
+/* A LOCAL extent as tier_io.c installs it: K [kv][n][d] at 0, V at half the
  * payload, read end to end. */
 static void local(const struct kvd_sfmt_hdr *h, const uint8_t *pl)
 {
