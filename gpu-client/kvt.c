@@ -20,7 +20,6 @@
 #include "engine/seg.h"
 #include "shm/shm.h"
 
-#define RX_MAX (KVD_CTL_W_INLINE_MAX + 65536)
 #define NOP_TAG UINT64_MAX
 
 enum { SLOT_FREE, SLOT_FIRE, SLOT_OWNED };
@@ -75,41 +74,17 @@ const char *kvt_error(const struct kvt *t)
 
 /* ---- control plane ----------------------------------------------------- */
 
-/* One request, one response.  Returns the response (caller frees) or NULL
- * with *rc and t->err set; an Error response becomes NULL too. */
-static Kvd__Response *call(struct kvt *t, Kvd__Request *rq, int *fds, int *nfds, int *rc)
+/* One request and its answer of body want: the response (caller frees) or
+ * NULL with *rc and t->err set (an Error too). */
+static Kvd__Response *call(struct kvt *t, Kvd__Request *rq, Kvd__Response__BodyCase want,
+			   int *fds, int *nfds, int *rc)
 {
 	struct kvd_ctl_err e;
 	Kvd__Response *r;
-	int n, want = nfds ? *nfds : 0;
 
 	rq->id = ++t->next_id;
-	*rc = kvd_ctl_send(t->fd, &rq->base, NULL, 0);
-	if (*rc) {
-		kvt_fail(t, *rc, "send %s: %s", kvd_ctl_request_name(rq->body_case), kvd_strerror(*rc));
-		return NULL;
-	}
-	if (nfds)
-		*nfds = want;
-	n = kvd_ctl_recv(t->fd, t->rx, RX_MAX, fds, nfds);
-	if (n <= 0) {
-		*rc = n ? n : -ECONNRESET;
-		kvt_fail(t, *rc, "kvd: %s", n ? kvd_strerror(n) : "connection closed");
-		return NULL;
-	}
-	r = kvd_ctl_decode_response(t->rx, (size_t)n, rq->id, &e);
-	if (!r) {
-		*rc = e.code;
-		kvt_fail(t, *rc, "bad reply from kvd: %s", e.msg);
-		return NULL;
-	}
-	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
-		*rc = r->error->code;
-		kvt_fail(t, *rc, "kvd: %s", r->error->message);
-		kvd_ctl_free_response(r);
-		return NULL;
-	}
-	*rc = 0;
+	r = kvd_ctl_call(t->fd, rq, want, t->rx, -1, fds, nfds, &e);
+	*rc = r ? 0 : kvt_fail(t, e.code, "kvd: %s", e.msg);
 	return r;
 }
 
@@ -120,7 +95,7 @@ struct kvt *kvt_new(void)
 	if (!t)
 		return NULL;
 	t->fd = t->efd = t->memfd = -1;
-	t->rx = malloc(RX_MAX);
+	t->rx = malloc(KVD_CTL_RX_MAX);
 	if (!t->rx) {
 		free(t);
 		return NULL;
@@ -154,13 +129,10 @@ int kvt_connect(struct kvt *t, const struct kvc_opts *o)
 	h.slot_size = o ? o->slot_size : 0;
 	rq.body_case = KVD__REQUEST__BODY_HELLO;
 	rq.hello = &h;
-	r = call(t, &rq, fds, &nfds, &rc);
-	if (!r) {
-		for (int i = 0; i < nfds; i++)
-			close(fds[i]);
+	r = call(t, &rq, KVD__RESPONSE__BODY_HELLO, fds, &nfds, &rc);
+	if (!r)
 		return rc;
-	}
-	if (r->body_case != KVD__RESPONSE__BODY_HELLO || nfds != 2) {
+	if (nfds != 2) {
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);
 		kvd_ctl_free_response(r);
@@ -262,13 +234,9 @@ int kvt_profile(struct kvt *t, const struct kvc_model *m)
 	pc.profile = &p;
 	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
 	rq.profile_create = &pc;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_PROFILE, NULL, NULL, &rc);
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_PROFILE) {
-		kvd_ctl_free_response(r);
-		return kvt_fail(t, -KVD_EPROTO, "kvd answered a profile request with something else");
-	}
 
 	const Kvd__Profile *got = r->profile->profile;
 
@@ -523,13 +491,9 @@ int kvt_seq_fork(struct kvt *t, uint64_t parent, uint64_t *id)
 	sc.parent = parent;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
 	rq.seq_create = &sc;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_SEQ, NULL, NULL, &rc);
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_SEQ) {
-		kvd_ctl_free_response(r);
-		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
-	}
 	*id = r->seq->seq;
 	kvd_ctl_free_response(r);
 	return 0;
@@ -564,12 +528,11 @@ int kvt_seq_attach(struct kvt *t, const uint8_t *keys, uint32_t nkeys, uint64_t 
 	sc.attach_keys = kb;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_CREATE;
 	rq.seq_create = &sc;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_SEQ, NULL, NULL, &rc);
 	free(kb);
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_SEQ ||
-	    (r->seq->tokens && r->seq->n_local_rows != t->m.layers)) {
+	if (r->seq->tokens && r->seq->n_local_rows != t->m.layers) {
 		kvd_ctl_free_response(r);
 		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
 	}
@@ -598,7 +561,7 @@ int kvt_seq_publish(struct kvt *t, uint64_t id, const uint8_t *key, uint64_t tok
 	rq.seq_publish = &sp;
 	/* -EAGAIN: kvd is writing older sequences out to make room. */
 	for (int tries = 0;; tries++) {
-		r = call(t, &rq, NULL, NULL, &rc);
+		r = call(t, &rq, KVD__RESPONSE__BODY_OK, NULL, NULL, &rc);
 		kvd_ctl_free_response(r);
 		if (rc != -EAGAIN || tries >= 30000)
 			return rc;
@@ -734,7 +697,7 @@ int kvt_seq_free(struct kvt *t, uint64_t id)
 	sf.seq = id;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_FREE;
 	rq.seq_free = &sf;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_OK, NULL, NULL, &rc);
 	kvd_ctl_free_response(r);
 	return rc;
 }
@@ -751,13 +714,9 @@ int kvt_seq_open(struct kvt *t, uint64_t id, uint64_t *tokens)
 	so.seq = id;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_OPEN;
 	rq.seq_open = &so;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_SEQ, NULL, NULL, &rc);
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_SEQ) {
-		kvd_ctl_free_response(r);
-		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
-	}
 	if (r->seq->profile_id != t->profile_id) {
 		kvd_ctl_free_response(r);
 		return kvt_fail(t, -EINVAL, "sequence %llu was written with another profile",
@@ -781,7 +740,7 @@ int kvt_seq_evict(struct kvt *t, uint64_t id)
 	se.seq = id;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_EVICT;
 	rq.seq_evict = &se;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_OK, NULL, NULL, &rc);
 	kvd_ctl_free_response(r);
 	return rc;
 }
@@ -792,17 +751,10 @@ static Kvd__Response *server_stats(struct kvt *t, int *rc)
 {
 	Kvd__Request rq = KVD__REQUEST__INIT;
 	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
-	Kvd__Response *r;
 
 	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
 	rq.server_stats = &sr;
-	r = call(t, &rq, NULL, NULL, rc);
-	if (r && r->body_case != KVD__RESPONSE__BODY_SERVER_STATS) {
-		kvd_ctl_free_response(r);
-		*rc = kvt_fail(t, -KVD_EPROTO, "unexpected reply");
-		return NULL;
-	}
-	return r;
+	return call(t, &rq, KVD__RESPONSE__BODY_SERVER_STATS, NULL, NULL, rc);
 }
 
 int kvt_server_stats(struct kvt *t, struct kvc_stats *st)
@@ -861,13 +813,9 @@ int kvt_seq_stats(struct kvt *t, uint64_t id, struct kvc_seq_stats *st)
 	sr.seq = id;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_STATS;
 	rq.seq_stats = &sr;
-	r = call(t, &rq, NULL, NULL, &rc);
+	r = call(t, &rq, KVD__RESPONSE__BODY_SEQ_STATS, NULL, NULL, &rc);
 	if (!r)
 		return rc;
-	if (r->body_case != KVD__RESPONSE__BODY_SEQ_STATS) {
-		kvd_ctl_free_response(r);
-		return kvt_fail(t, -KVD_EPROTO, "unexpected reply");
-	}
 	st->tokens = r->seq_stats->tokens;
 	st->bytes = r->seq_stats->bytes;
 	st->segments = r->seq_stats->segments;

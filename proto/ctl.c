@@ -2,6 +2,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <limits.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -521,6 +522,7 @@ static void err_reset(struct kvd_ctl_err *err)
 	err->code = 0;
 	err->id = 0;
 	err->msg[0] = 0;
+	err->remote = 0;
 }
 
 Kvd__Request *kvd_ctl_decode_request(const void *buf, size_t len, struct kvd_ctl_err *err)
@@ -956,4 +958,94 @@ int kvd_ctl_send_ok(int fd, uint64_t id)
 	resp.body_case = KVD__RESPONSE__BODY_OK;
 	resp.ok = &ok;
 	return kvd_ctl_send(fd, &resp.base, NULL, 0);
+}
+
+static int readable(int fd, int ms)
+{
+	struct pollfd p = { .fd = fd, .events = POLLIN };
+	int n;
+
+	do
+		n = poll(&p, 1, ms);
+	while (n < 0 && errno == EINTR);
+	return n < 0 ? -errno : n;
+}
+
+static Kvd__Response *call_fail(struct kvd_ctl_err *err, int *fds, int *nfds, int code,
+				const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static Kvd__Response *call_fail(struct kvd_ctl_err *err, int *fds, int *nfds, int code,
+				const char *fmt, ...)
+{
+	va_list ap;
+
+	for (int i = 0; nfds && i < *nfds; i++)
+		close(fds[i]);
+	if (nfds)
+		*nfds = 0;
+	err->code = code;
+	va_start(ap, fmt);
+	vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+	va_end(ap);
+	return NULL;
+}
+
+Kvd__Response *kvd_ctl_call(int fd, Kvd__Request *rq, Kvd__Response__BodyCase want, void *rx,
+			    int timeout_ms, int *fds, int *nfds, struct kvd_ctl_err *err)
+{
+	const char *what = kvd_ctl_request_name(rq->body_case);
+	int room = fds && nfds ? *nfds : 0, sent, n;
+	struct kvd_ctl_err dummy;
+	Kvd__Response *r;
+
+	if (!err)
+		err = &dummy;
+	err_reset(err);
+	if (nfds)
+		*nfds = 0;
+	sent = kvd_ctl_send(fd, &rq->base, NULL, 0);
+	if (sent && sent != -EPIPE && sent != -ECONNRESET)
+		return call_fail(err, NULL, NULL, sent, "sending %s: %s", what, kvd_strerror(sent));
+	/* Gone already: only what kvd queued before closing is left to read. */
+	n = readable(fd, sent ? 0 : timeout_ms);
+	if (n == 0 && !sent)
+		return call_fail(err, NULL, NULL, -ETIMEDOUT, "no answer to %s within %d ms", what,
+				 timeout_ms);
+	if (n > 0) {
+		if (nfds)
+			*nfds = room;
+		n = kvd_ctl_recv(fd, rx, KVD_CTL_RX_MAX, fds, nfds);
+	}
+	/* kvd closing a connection it refused, with our request unread, shows
+	 * as ECONNRESET first; the reason it queued before closing comes next. */
+	if (n == -ECONNRESET && readable(fd, 100) > 0) {
+		if (nfds)
+			*nfds = room;
+		n = kvd_ctl_recv(fd, rx, KVD_CTL_RX_MAX, fds, nfds);
+	}
+	if (n == 0 || n == -ECONNRESET)
+		return call_fail(err, fds, nfds, -EPIPE, "kvd closed the connection before "
+				 "answering %s", what);
+	if (n < 0)
+		return call_fail(err, fds, nfds, n, "receiving the answer to %s: %s", what,
+				 kvd_strerror(n));
+	r = kvd_ctl_decode_response(rx, (size_t)n, rq->id, err);
+	if (!r) {
+		char why[KVD_CTL_MSG_MAX];
+
+		memcpy(why, err->msg, sizeof(why));
+		return call_fail(err, fds, nfds, err->code, "kvd's answer to %s does not decode: "
+				 "%.200s", what, why);
+	}
+	if (!want || r->body_case == want)
+		return r;
+	err->id = r->id;
+	err->remote = r->body_case == KVD__RESPONSE__BODY_ERROR;
+	if (err->remote)
+		call_fail(err, fds, nfds, r->error->code, "%s", r->error->message);
+	else
+		call_fail(err, fds, nfds, -KVD_EPROTO, "kvd answered %s with another kind of "
+			  "reply (body %d)", what, (int)r->body_case);
+	kvd_ctl_free_response(r);
+	return NULL;
 }

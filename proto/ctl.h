@@ -79,6 +79,7 @@ struct kvd_ctl_err {
 	int code;                       /* -errno or -KVD_E*; 0: no error */
 	uint64_t id;                    /* the message's id when it unpacked, else 0 */
 	char msg[KVD_CTL_MSG_MAX];      /* names the field and the bad value */
+	int remote;                     /* kvd_ctl_call: code and msg are an Error kvd sent */
 };
 
 /* ---- socket I/O --------------------------------------------------------- */
@@ -113,6 +114,30 @@ int kvd_ctl_send_error(int fd, uint64_t id, int code, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));
 /* Sends Response{id, Ok{}}. */
 int kvd_ctl_send_ok(int fd, uint64_t id);
+
+/* ---- a client's request ------------------------------------------------ */
+
+/* A client's receive buffer: any reply kvd sends (a ProfileReply with W
+ * inline up to KVD_CTL_W_INLINE_MAX, a full page of a listing). */
+#define KVD_CTL_RX_MAX      (KVD_CTL_W_INLINE_MAX + (64u << 10))
+
+/* One request and its answer, the round trip libkvclient, kvctl and the
+ * tests share: sends rq (rq->id is the caller's), waits at most timeout_ms
+ * (-1: for ever) for a datagram, receives it into rx (KVD_CTL_RX_MAX bytes)
+ * with fds as kvd_ctl_recv() (fds and nfds may be NULL), and decodes it as
+ * kvd_ctl_decode_response(.., rq->id, ..).  want 0 takes any body, an Error
+ * included; otherwise a reply of another body is refused.  A send that finds
+ * kvd gone (-EPIPE, -ECONNRESET) still reads what kvd queued before it
+ * closed: a refused connection's reason, an Error of id 0.
+ * Returns the Response (kvd_ctl_free_response()), or NULL with *err filled
+ * (err->msg says which step, fds received are closed and *nfds is 0):
+ * -ETIMEDOUT, -EPIPE (kvd closed the connection without an answer), the
+ * send's or the receive's -errno, the decoder's code, and with want != 0
+ * -KVD_EPROTO for a reply of another body or, err->remote set, an Error's
+ * own code and message (err->id: the Error's id, 0 for a refused
+ * connection). */
+Kvd__Response *kvd_ctl_call(int fd, Kvd__Request *rq, Kvd__Response__BodyCase want, void *rx,
+			    int timeout_ms, int *fds, int *nfds, struct kvd_ctl_err *err);
 
 /* ---- decoding ----------------------------------------------------------- */
 

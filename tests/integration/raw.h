@@ -31,11 +31,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "engine/err.h"
 #include "proto/ctl.h"
 #include "proto/kvd_ring.h"
 #include "shm/shm.h"
 
-#define RX_CAP  (KVD_CTL_W_INLINE_MAX + 65536)
+#define RX_CAP  KVD_CTL_RX_MAX
 #define CALL_MS 60000           /* control replies: generous for sanitizer builds */
 #define RAW_RING_WAITS 3000     /* completions: 3000 waits of 100 ms at most */
 
@@ -61,7 +62,7 @@ static __attribute__((unused)) int raw_open(struct raw *x, const char *sock, int
 
 	memset(x, 0, sizeof *x);
 	x->efd = -1;
-	x->rx = malloc(RX_CAP);
+	x->rx = malloc(KVD_CTL_RX_MAX);
 	memcpy(a.sun_path, sock, strlen(sock) + 1);
 	x->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
 	if (x->fd < 0 || !x->rx)
@@ -82,16 +83,18 @@ static __attribute__((unused)) void raw_close(struct raw *x)
 	x->fd = x->efd = -1;
 }
 
-/* Sends rq and waits for its Response.  NULL with *err: -ETIMEDOUT, -EPIPE
- * (kvd closed the connection), -EBADMSG (the reply does not decode), or the
- * send's -errno.  A reply that decodes sets x->code and x->msg afresh: its
- * Error's, or 0 and "". */
-static __attribute__((unused)) Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq,
+/* Sends rq and waits for its Response, of body want (0: any, an Error
+ * included).  NULL with *err: -ETIMEDOUT, -EPIPE (kvd closed the
+ * connection), -EBADMSG (the reply does not decode or is of another body),
+ * an Error's code (with want), or the send's or receive's -errno; the
+ * message in x->msg.
+ * A reply that decodes sets x->code and x->msg afresh: its Error's, or 0
+ * and "".  Stray fds that come when none are asked for are closed. */
+static __attribute__((unused)) Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq, int want,
 							 int *fds, int *nfds, int *err)
 {
-	struct pollfd p = { .fd = x->fd, .events = POLLIN };
 	struct kvd_ctl_err e;
-	int spare[KVD_CTL_MAX_FDS], nspare = KVD_CTL_MAX_FDS, n;
+	int spare[KVD_CTL_MAX_FDS], nspare = KVD_CTL_MAX_FDS;
 	Kvd__Response *r;
 
 	if (!fds) {
@@ -99,36 +102,27 @@ static __attribute__((unused)) Kvd__Response *raw_call(struct raw *x, Kvd__Reque
 		nfds = &nspare;
 	}
 	rq->id = ++x->next;
-	n = kvd_ctl_send(x->fd, &rq->base, NULL, 0);
-	if (n) {
-		*err = n == -ECONNRESET ? -EPIPE : n;
-		return NULL;
-	}
-	if (poll(&p, 1, CALL_MS) == 0) {
-		*err = -ETIMEDOUT;
-		return NULL;
-	}
-	n = kvd_ctl_recv(x->fd, x->rx, RX_CAP, fds, nfds);
+	r = kvd_ctl_call(x->fd, rq, (Kvd__Response__BodyCase)want, x->rx, CALL_MS, fds, nfds, &e);
 	if (fds == spare)
 		for (int i = 0; i < nspare; i++)
 			close(spare[i]);
-	if (n <= 0) {
-		*err = n == 0 || n == -ECONNRESET ? -EPIPE : n;
-		return NULL;
-	}
-	r = kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
-	if (!r) {
-		snprintf(x->msg, sizeof x->msg, "reply does not decode: %.200s", e.msg);
-		*err = -EBADMSG;
-		return NULL;
-	}
 	x->code = 0;
-	x->msg[0] = 0;
-	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
+	snprintf(x->msg, sizeof x->msg, "%s", r ? "" : e.msg);
+	if (r && r->body_case == KVD__RESPONSE__BODY_ERROR) {
 		x->code = r->error->code;
 		snprintf(x->msg, sizeof x->msg, "%s", r->error->message);
 	}
-	return r;
+	if (r)
+		return r;
+	if (e.remote)
+		x->code = e.code;
+	/* a reply of another body, or one that does not decode */
+	if (!e.remote && (e.code == -KVD_EFORMAT || e.code == -KVD_EPROTO ||
+			  e.code == -EPROTONOSUPPORT))
+		*err = -EBADMSG;
+	else
+		*err = e.code < 0 ? e.code : -EIO;
+	return NULL;
 }
 
 /* Error code of a reply that should have been `want`: 0 when it was (the
@@ -138,22 +132,20 @@ static __attribute__((unused)) int raw_expect(struct raw *x, Kvd__Request *rq, i
 					      Kvd__Response **out)
 {
 	int err = 0;
-	Kvd__Response *r = raw_call(x, rq, NULL, NULL, &err);
+	Kvd__Response *r;
 
+	/* set on every path: the callers read *out after a 0, and -O2 cannot
+	 * tell that raw_call() never fails with err 0 */
+	if (out)
+		*out = NULL;
+	r = raw_call(x, rq, want, NULL, NULL, &err);
 	if (!r)
 		return err;
-	if ((int)r->body_case == want) {
-		if (out)
-			*out = r;
-		else
-			kvd_ctl_free_response(r);
-		return 0;
-	}
-	err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
-	if (r->body_case != KVD__RESPONSE__BODY_ERROR)
-		snprintf(x->msg, sizeof x->msg, "unexpected reply body %d", (int)r->body_case);
-	kvd_ctl_free_response(r);
-	return err;
+	if (out)
+		*out = r;
+	else
+		kvd_ctl_free_response(r);
+	return 0;
 }
 
 /* Hello as client `client` of `tenant`, and map the region: 0, an Error's
@@ -173,16 +165,9 @@ static __attribute__((unused)) int raw_hello(struct raw *x, const char *client, 
 	h.slot_size = slot_size;
 	rq.body_case = KVD__REQUEST__BODY_HELLO;
 	rq.hello = &h;
-	r = raw_call(x, &rq, fds, &nfds, &err);
+	r = raw_call(x, &rq, KVD__RESPONSE__BODY_HELLO, fds, &nfds, &err);
 	if (!r)
 		return err;
-	if (r->body_case != KVD__RESPONSE__BODY_HELLO) {
-		err = r->body_case == KVD__RESPONSE__BODY_ERROR ? r->error->code : -EBADMSG;
-		for (int i = 0; i < nfds; i++)
-			close(fds[i]);
-		kvd_ctl_free_response(r);
-		return err;
-	}
 	if (nfds != 2) {
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);

@@ -449,14 +449,14 @@ static void test_control_hello(void **state)
 {
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
 	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-	uint8_t *rx = xmalloc(KVD_CTL_W_INLINE_MAX + 65536);
+	uint8_t *rx = xmalloc(KVD_CTL_RX_MAX);
 	Kvd__Request rq = KVD__REQUEST__INIT;
 	Kvd__Hello h = KVD__HELLO__INIT;
 	Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
 	Kvd__Profile p = KVD__PROFILE__INIT;
 	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
 	Kvd__Response *r;
-	int fds[KVD_CTL_MAX_FDS], nfds, n;
+	int fds[KVD_CTL_MAX_FDS], nfds;
 
 	memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
 	assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
@@ -468,11 +468,8 @@ static void test_control_hello(void **state)
 	rq.id = 1;
 	rq.body_case = KVD__REQUEST__BODY_HELLO;
 	rq.hello = &h;
-	assert_int_equal(kvd_ctl_send(fd, &rq.base, NULL, 0), 0);
 	nfds = KVD_CTL_MAX_FDS;
-	n = kvd_ctl_recv(fd, rx, KVD_CTL_W_INLINE_MAX + 65536, fds, &nfds);
-	assert_true(n > 0);
-	r = kvd_ctl_decode_response(rx, (size_t)n, 1, NULL);
+	r = kvd_ctl_call(fd, &rq, 0, rx, -1, fds, &nfds, NULL);
 	assert_non_null(r);
 	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_ERROR);
 	assert_int_equal(r->error->code, -EINVAL);
@@ -481,13 +478,10 @@ static void test_control_hello(void **state)
 
 	h.slots = 0;
 	rq.id = 2;
-	assert_int_equal(kvd_ctl_send(fd, &rq.base, NULL, 0), 0);
 	nfds = KVD_CTL_MAX_FDS;
-	n = kvd_ctl_recv(fd, rx, KVD_CTL_W_INLINE_MAX + 65536, fds, &nfds);
-	assert_true(n > 0);
-	assert_int_equal(nfds, 0);
-	r = kvd_ctl_decode_response(rx, (size_t)n, 2, NULL);
+	r = kvd_ctl_call(fd, &rq, 0, rx, -1, fds, &nfds, NULL);
 	assert_non_null(r);
+	assert_int_equal(nfds, 0);
 	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_HELLO);
 	assert_true(r->hello->control);
 	assert_int_equal(r->hello->region_size, 0);
@@ -497,9 +491,7 @@ static void test_control_hello(void **state)
 	rq.id = 3;
 	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
 	rq.server_stats = &sr;
-	assert_int_equal(kvd_ctl_send(fd, &rq.base, NULL, 0), 0);
-	n = kvd_ctl_recv(fd, rx, KVD_CTL_W_INLINE_MAX + 65536, NULL, NULL);
-	r = kvd_ctl_decode_response(rx, (size_t)n, 3, NULL);
+	r = kvd_ctl_call(fd, &rq, 0, rx, -1, NULL, NULL, NULL);
 	assert_non_null(r);
 	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_SERVER_STATS);
 	assert_int_equal(r->server_stats->mapped_bytes, 0);
@@ -520,9 +512,7 @@ static void test_control_hello(void **state)
 	rq.id = 4;
 	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
 	rq.profile_create = &pc;
-	assert_int_equal(kvd_ctl_send(fd, &rq.base, NULL, 0), 0);
-	n = kvd_ctl_recv(fd, rx, KVD_CTL_W_INLINE_MAX + 65536, NULL, NULL);
-	r = kvd_ctl_decode_response(rx, (size_t)n, 4, NULL);
+	r = kvd_ctl_call(fd, &rq, 0, rx, -1, NULL, NULL, NULL);
 	assert_non_null(r);
 	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_ERROR);
 	assert_int_equal(r->error->code, -EOPNOTSUPP);

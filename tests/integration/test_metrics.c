@@ -214,7 +214,7 @@ struct raw {
 	void *rx;
 };
 
-#define RX_CAP (KVD_CTL_W_INLINE_MAX + 65536)
+#define RX_CAP KVD_CTL_RX_MAX
 
 static int raw_connect(struct raw *x, const char *sock)
 {
@@ -231,16 +231,8 @@ static int raw_connect(struct raw *x, const char *sock)
 /* The response to rq (NULL if the socket broke). */
 static Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq, int *fds, int *nfds)
 {
-	struct kvd_ctl_err e;
-	int n;
-
 	rq->id = ++x->next;
-	if (kvd_ctl_send(x->fd, &rq->base, NULL, 0))
-		return NULL;
-	n = kvd_ctl_recv(x->fd, x->rx, RX_CAP, fds, nfds);
-	if (n <= 0)
-		return NULL;
-	return kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
+	return kvd_ctl_call(x->fd, rq, 0, x->rx, -1, fds, nfds, NULL);
 }
 
 /* Hello: a control-only connection (no rings) or one with a region of

@@ -304,23 +304,19 @@ static int raw_connect(struct raw *x)
 	memset(x, 0, sizeof *x);
 	memcpy(a.sun_path, D.sock, strlen(D.sock) + 1);
 	x->fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
-	x->rx = xmalloc(KVD_CTL_W_INLINE_MAX + 65536);
+	x->rx = xmalloc(KVD_CTL_RX_MAX);
 	return connect(x->fd, (struct sockaddr *)&a, sizeof a);
 }
 
 static Kvd__Response *raw_call(struct raw *x, Kvd__Request *rq, int *fds, int *nfds)
 {
 	struct kvd_ctl_err e;
-	int n;
+	Kvd__Response *r;
 
 	rq->id = ++x->next;
-	assert_int_equal(kvd_ctl_send(x->fd, &rq->base, NULL, 0), 0);
-	n = kvd_ctl_recv(x->fd, x->rx, KVD_CTL_W_INLINE_MAX + 65536, fds, nfds);
-	assert_true(n > 0);
-	Kvd__Response *r = kvd_ctl_decode_response(x->rx, (size_t)n, rq->id, &e);
-
+	r = kvd_ctl_call(x->fd, rq, 0, x->rx, -1, fds, nfds, &e);
 	if (!r)
-		fail_msg("decode: %s", e.msg);
+		fail_msg("%s", e.msg);
 	return r;
 }
 
@@ -419,7 +415,7 @@ static void expect_error_reply(struct raw *x, const void *bytes, size_t len, uin
 	int n;
 
 	assert_int_equal(send(x->fd, bytes, len, 0), (ssize_t)len);
-	n = kvd_ctl_recv(x->fd, x->rx, KVD_CTL_W_INLINE_MAX + 65536, NULL, NULL);
+	n = kvd_ctl_recv(x->fd, x->rx, KVD_CTL_RX_MAX, NULL, NULL);
 	assert_true(n > 0);
 	Kvd__Response *r = kvd_ctl_decode_response(x->rx, (size_t)n, id, &e);
 
@@ -461,7 +457,7 @@ static void test_bad_control_messages(void **state)
 
 		memcpy(t, buf, cut);
 		assert_int_equal(send(x.fd, t, cut, 0), (ssize_t)cut);
-		n = kvd_ctl_recv(x.fd, x.rx, KVD_CTL_W_INLINE_MAX + 65536, NULL, NULL);
+		n = kvd_ctl_recv(x.fd, x.rx, KVD_CTL_RX_MAX, NULL, NULL);
 		assert_true(n > 0);     /* an answer (error or not), never a hang-up */
 	}
 	for (int i = 0; i < 64; i++)

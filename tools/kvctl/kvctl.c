@@ -49,7 +49,6 @@ enum {
 	EXIT_NOPERM = 77,
 };
 
-#define RX_CAP (192u << 10)     /* docs/PROTOCOL.md: enough for any reply */
 
 static const char *prog = "kvctl";
 static const char *sock_path = KVD_CONFIG_SOCKET;
@@ -316,65 +315,42 @@ static int wait_readable(int ms)
 }
 
 /* An Error kvd sent before we asked anything (a refused connection): id 0. */
-static void refused_at_connect(const Kvd__Response *r)
+static void refused_at_connect(const struct kvd_ctl_err *e)
 {
-	int code = r->error->code;
+	int code = e->code;
 
 	if (code == -EDQUOT || code == -ENOSPC)
-		die(EXIT_TEMPFAIL, "kvd refused the connection: %s (%s)", r->error->message, errname(code));
+		die(EXIT_TEMPFAIL, "kvd refused the connection: %s (%s)", e->msg, errname(code));
 	if (code == -ESHUTDOWN)
-		die(EXIT_UNAVAILABLE, "kvd refused the connection: %s (%s)", r->error->message,
-		    errname(code));
-	die(EXIT_REFUSED, "kvd refused the connection: %s (%s)", r->error->message, errname(code));
+		die(EXIT_UNAVAILABLE, "kvd refused the connection: %s (%s)", e->msg, errname(code));
+	die(EXIT_REFUSED, "kvd refused the connection: %s (%s)", e->msg, errname(code));
 }
 
-/* Sends rq, returns its decoded Response, never an Error: an Error is
- * reported and the program exits (1, or as refused_at_connect for an id-0
- * Error before Hello is answered). */
-static Kvd__Response *call(Kvd__Request *rq, int hello)
+/* Sends rq, returns its decoded Response of body want; anything else is
+ * reported and the program exits: an Error 1 (or as refused_at_connect for
+ * an id-0 Error before Hello is answered), a reply of another body or none
+ * as its kind. */
+static Kvd__Response *call(Kvd__Request *rq, Kvd__Response__BodyCase want)
 {
+	int hello = rq->body_case == KVD__REQUEST__BODY_HELLO;
 	struct kvd_ctl_err e;
 	Kvd__Response *r;
-	int n, rc;
 
 	rq->id = ++next_id;
-	rc = kvd_ctl_send(fd, &rq->base, NULL, 0);
-	if (rc && rc != -EPIPE && rc != -ECONNRESET)
-		die(EXIT_UNAVAILABLE, "cannot send to kvd at %s: %s", sock_path, kvd_strerror(rc));
-	/* On -EPIPE kvd may have closed after queueing its reason: read it. */
-	n = wait_readable(rc ? 0 : timeout_ms);
-	if (n == 0 && !rc)
+	r = kvd_ctl_call(fd, rq, want, rx, timeout_ms, NULL, NULL, &e);
+	if (r)
+		return r;
+	if (e.remote && hello && e.id == 0)
+		refused_at_connect(&e);
+	if (e.remote)
+		die(EXIT_REFUSED, "%s (%s)", e.msg, errname(e.code));
+	if (e.code == -ETIMEDOUT)
 		die(EXIT_UNAVAILABLE, "no answer from kvd at %s within %d s", sock_path,
 		    timeout_ms / 1000);
-	n = n > 0 ? kvd_ctl_recv(fd, rx, RX_CAP, NULL, NULL) : 0;
-	/* kvd closing a connection it refused, with our Hello unread, shows
-	 * as ECONNRESET first; the reason it queued before closing comes next. */
-	if (n == -ECONNRESET && wait_readable(100) > 0)
-		n = kvd_ctl_recv(fd, rx, RX_CAP, NULL, NULL);
-	if (n == 0 || n == -ECONNRESET)
+	if (e.code == -EPIPE)
 		die(hello ? EXIT_UNAVAILABLE : EXIT_PROTOCOL, "kvd at %s closed the connection%s",
 		    sock_path, hello ? " (stopping?)" : "");
-	if (n < 0)
-		die(EXIT_PROTOCOL, "reading kvd's answer: %s", kvd_strerror(n));
-	r = kvd_ctl_decode_response(rx, (size_t)n, rq->id, &e);
-	if (!r)
-		die(EXIT_PROTOCOL, "kvd's answer does not decode: %s", e.msg);
-	if (r->body_case == KVD__RESPONSE__BODY_ERROR) {
-		if (hello && r->id == 0)
-			refused_at_connect(r);
-		die(EXIT_REFUSED, "%s (%s)", r->error->message, errname(r->error->code));
-	}
-	return r;
-}
-
-static Kvd__Response *call_expect(Kvd__Request *rq, Kvd__Response__BodyCase want)
-{
-	Kvd__Response *r = call(rq, 0);
-
-	if (r->body_case != want)
-		die(EXIT_PROTOCOL, "kvd answered %s with another kind of reply (body %d)",
-		    kvd_ctl_request_name(rq->body_case), (int)r->body_case);
-	return r;
+	die(EXIT_PROTOCOL, "%s", e.msg);
 }
 
 static void connect_kvd(void)
@@ -388,7 +364,7 @@ static void connect_kvd(void)
 		usage_error("socket path too long (%zu bytes, at most %zu): %s", strlen(sock_path),
 			    sizeof a.sun_path - 1, sock_path);
 	memcpy(a.sun_path, sock_path, strlen(sock_path) + 1);
-	rx = malloc(RX_CAP);
+	rx = malloc(KVD_CTL_RX_MAX);
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (!rx || fd < 0)
 		die(EXIT_UNAVAILABLE, "socket: %s", strerror(errno));
@@ -412,8 +388,8 @@ static void connect_kvd(void)
 	h.control = 1;
 	rq.body_case = KVD__REQUEST__BODY_HELLO;
 	rq.hello = &h;
-	r = call(&rq, 1);
-	if (r->body_case != KVD__RESPONSE__BODY_HELLO || !r->hello->control)
+	r = call(&rq, KVD__RESPONSE__BODY_HELLO);
+	if (!r->hello->control)
 		die(EXIT_PROTOCOL, "kvd at %s does not take control-only connections (an older "
 		    "kvd?)", sock_path);
 	kvd_pid = r->hello->pid;
@@ -472,7 +448,7 @@ static int cmd_status(void)
 
 	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
 	rq.server_stats = &sr;
-	r = call_expect(&rq, KVD__RESPONSE__BODY_SERVER_STATS);
+	r = call(&rq, KVD__RESPONSE__BODY_SERVER_STATS);
 	m = r->server_stats;
 	qsort(m->uids, m->n_uids, sizeof *m->uids, by_uid);
 	if (json) {
@@ -559,7 +535,7 @@ static int cmd_clients(void)
 		cr.after = after;
 		rq.body_case = KVD__REQUEST__BODY_CLIENTS;
 		rq.clients = &cr;
-		r = call_expect(&rq, KVD__RESPONSE__BODY_CLIENT_LIST);
+		r = call(&rq, KVD__RESPONSE__BODY_CLIENT_LIST);
 		for (size_t i = 0; i < r->client_list->n_clients; i++) {
 			const Kvd__ClientInfo *c = r->client_list->clients[i];
 			const char *kind = c->control ? "control" : c->hello ? "data" : "new";
@@ -635,7 +611,7 @@ static int cmd_seqs(int filter, uint32_t uid)
 		sr.uid = filter ? uid : 0;
 		rq.body_case = KVD__REQUEST__BODY_SEQ_LIST;
 		rq.seq_list = &sr;
-		r = call_expect(&rq, KVD__RESPONSE__BODY_SEQ_LIST);
+		r = call(&rq, KVD__RESPONSE__BODY_SEQ_LIST);
 		for (size_t i = 0; i < r->seq_list->n_seqs; i++) {
 			const Kvd__SeqInfo *q = r->seq_list->seqs[i];
 
@@ -672,7 +648,7 @@ static int cmd_seq(uint32_t op, uint64_t seq)
 	if (op != KVD__SEQ_ADMIN_OP__SEQ_ADMIN_SHOW) {
 		const char *what = op == KVD__SEQ_ADMIN_OP__SEQ_ADMIN_EVICT ? "evict" : "free";
 
-		r = call_expect(&rq, KVD__RESPONSE__BODY_OK);
+		r = call(&rq, KVD__RESPONSE__BODY_OK);
 		kvd_ctl_free_response(r);
 		if (json) {
 			jobj_open(NULL);
@@ -687,7 +663,7 @@ static int cmd_seq(uint32_t op, uint64_t seq)
 		}
 		return 0;
 	}
-	r = call_expect(&rq, KVD__RESPONSE__BODY_SEQ_INFO);
+	r = call(&rq, KVD__RESPONSE__BODY_SEQ_INFO);
 	if (json) {
 		seq_json(r->seq_info);
 		putchar('\n');
@@ -731,7 +707,7 @@ static int cmd_profiles(void)
 		pr.after = (uint32_t)after;
 		rq.body_case = KVD__REQUEST__BODY_PROFILES;
 		rq.profiles = &pr;
-		r = call_expect(&rq, KVD__RESPONSE__BODY_PROFILE_LIST);
+		r = call(&rq, KVD__RESPONSE__BODY_PROFILE_LIST);
 		for (size_t i = 0; i < r->profile_list->n_profiles; i++) {
 			const Kvd__ProfileInfo *pi = r->profile_list->profiles[i];
 			const Kvd__Profile *p = pi->profile;
@@ -790,7 +766,7 @@ static int cmd_limits(void)
 
 	rq.body_case = KVD__REQUEST__BODY_LIMITS;
 	rq.limits = &lq;
-	r = call_expect(&rq, KVD__RESPONSE__BODY_LIMITS);
+	r = call(&rq, KVD__RESPONSE__BODY_LIMITS);
 	l = r->limits;
 	qsort(l->uids, l->n_uids, sizeof *l->uids, by_uid);
 	if (json) {
@@ -860,7 +836,7 @@ static int cmd_drain(int wait)
 
 	rq.body_case = KVD__REQUEST__BODY_DRAIN;
 	rq.drain = &dr;
-	r = call_expect(&rq, KVD__RESPONSE__BODY_OK);
+	r = call(&rq, KVD__RESPONSE__BODY_OK);
 	kvd_ctl_free_response(r);
 	while (wait && !done) {
 		int left = timeout_ms - (int)((now_s() - t0) * 1000);
@@ -871,7 +847,7 @@ static int cmd_drain(int wait)
 			    timeout_ms / 1000);
 		n = wait_readable(left);
 		if (n > 0) {
-			n = kvd_ctl_recv(fd, rx, RX_CAP, NULL, NULL);
+			n = kvd_ctl_recv(fd, rx, KVD_CTL_RX_MAX, NULL, NULL);
 			done = n == 0 || n == -ECONNRESET;
 			if (n < 0 && !done)
 				die(EXIT_PROTOCOL, "waiting for kvd to finish: %s", kvd_strerror(n));
@@ -905,7 +881,7 @@ static int cmd_metrics(void)
 
 	rq.body_case = KVD__REQUEST__BODY_METRICS;
 	rq.metrics = &mq;
-	r = call_expect(&rq, KVD__RESPONSE__BODY_METRICS);
+	r = call(&rq, KVD__RESPONSE__BODY_METRICS);
 	if (json) {
 		jobj_open(NULL);
 		ju("pid", kvd_pid);
@@ -946,7 +922,7 @@ static int cmd_shares(void)
 		sr.after = after;
 		rq.body_case = KVD__REQUEST__BODY_SHARES;
 		rq.shares = &sr;
-		r = call_expect(&rq, KVD__RESPONSE__BODY_SHARE_LIST);
+		r = call(&rq, KVD__RESPONSE__BODY_SHARE_LIST);
 		for (size_t i = 0; i < r->share_list->n_shares; i++) {
 			const Kvd__ShareInfo *x = r->share_list->shares[i];
 
@@ -994,7 +970,7 @@ static int cmd_share_drop(const uint8_t *key, const char *hex)
 	sd.key.len = KVD_CTL_CONTENT_KEY;
 	rq.body_case = KVD__REQUEST__BODY_SHARE_DROP;
 	rq.share_drop = &sd;
-	r = call_expect(&rq, KVD__RESPONSE__BODY_OK);
+	r = call(&rq, KVD__RESPONSE__BODY_OK);
 	kvd_ctl_free_response(r);
 	if (json) {
 		jobj_open(NULL);
