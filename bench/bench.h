@@ -79,25 +79,6 @@ int bench_lsh_main(int argc, char **argv);
 int bench_demo_main(int argc, char **argv);
 int bench_serve_main(int argc, char **argv);
 
-/* Helpers of bench/serve.c that kvbench load shares. */
-/* Starts the kvd next to kvbench with the tests' harness
- * (tests/integration/daemon.h), in a temporary run directory with a written
- * configuration (memory, extra: more INI text, or NULL), and waits for its
- * socket.  daemon_stop() stops it: SIGTERM, wait, clean up; kvd's exit
- * status. */
-int srv_start_conf(struct daemon *s, const char *memory, const char *extra);
-/* The same with [server] threads = threads (0: kvd's default, one per online
- * CPU). */
-int srv_start_threads(struct daemon *s, unsigned threads, const char *memory, const char *extra);
-/* Llama-3.1-8B geometry (32 q / 8 kv heads, d = 128, K = 10, L = 150, c = 2,
- * 4 sinks, 64-token window); `layers` != 32: that many layers, all sparse. */
-struct kvc_model llama(uint32_t layers);
-/* MAP_SHARED anonymous memory that forked children write and the parent reads. */
-void *shared_mem(size_t bytes);
-/* Forks n children, child i running kid(i, arg) (0: success); waits for all.
- * 1 if any failed. */
-int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg);
-
 /* `kvbench decode` (bench/decode.c): the decode loop of a GPU worker against
  * a real kvd, a candidate configuration against MagicPIG K10 L150 bf16. */
 int bench_decode_main(int argc, char **argv);

@@ -30,6 +30,7 @@
 
 #include "engine/attn.h"
 #include "bench.h"
+#include "srv.h"
 #include "engine/ref.h"
 #include "engine/seg.h"
 #include "engine/synth.h"

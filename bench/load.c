@@ -44,6 +44,7 @@
 
 #include "engine/attn.h"
 #include "bench.h"
+#include "srv.h"
 #include "engine/err.h"
 #include "gpu-client/kvc.h"
 #include "proto/kvd_ring.h"

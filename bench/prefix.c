@@ -41,6 +41,7 @@
 #include "engine/err.h"
 #include "gpu-client/kvc.h"
 #include "prefix.h"
+#include "srv.h"
 #include "engine/seg.h"
 #include "engine/synth.h"
 
@@ -114,36 +115,6 @@ static void spin_until(atomic_uint *x, unsigned want)
 {
 	while (atomic_load(x) < want)
 		usleep(200);
-}
-
-/* Forks n children running kid(i, arg); between their start and their end
- * the parent runs mid(arg) (it measures while they wait on a barrier).  1 if
- * a child failed. */
-static int with_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void (*mid)(void *arg),
-			void *arg)
-{
-	pid_t pids[PX_MAXCLIENT];
-	int failed = 0;
-
-	for (uint32_t i = 0; i < n; i++) {
-		pids[i] = fork();
-		if (pids[i] == 0)
-			_exit(kid(i, arg) ? 1 : 0);
-		if (pids[i] < 0) {
-			n = i;
-			failed = 1;
-			break;
-		}
-	}
-	if (!failed)
-		mid(arg);
-	for (uint32_t i = 0; i < n; i++) {
-		int st;
-
-		waitpid(pids[i], &st, 0);
-		failed |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-	}
-	return failed;
 }
 
 static int keys_of(struct kvc *c, const uint32_t *tok, uint32_t n, uint8_t **keys)
@@ -322,7 +293,7 @@ static int pr_one(const struct prefix_opts *op, const struct kvd_synth *w, const
 	}
 	a.sock = srv.sock;
 	run->kvd = srv.pid;
-	failed = with_clients(op->clients, pr_kid, pr_mid, &a);
+	failed = run_clients_mid(op->clients, pr_kid, pr_mid, &a);
 	st = daemon_stop(&srv);
 	for (uint32_t i = 0; i < op->clients; i++)
 		if (!run->r[i].ok)

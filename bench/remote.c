@@ -88,6 +88,7 @@
 #include <hiredis/hiredis.h>
 
 #include "bench.h"
+#include "srv.h"
 #include "engine/err.h"
 #include "gpu-client/kvc.h"
 #include "kvd/store/rcl.h"

@@ -26,6 +26,7 @@
 #include "engine/attn.h"
 #include "bench.h"
 #include "prefix.h"
+#include "srv.h"
 #include "engine/err.h"
 #include "gpu-client/kvc.h"
 #include "engine/pool.h"
@@ -33,48 +34,9 @@
 #include "engine/ref.h"
 #include "engine/synth.h"
 
-/* extra: more INI text for the configuration (a [memory]/[spill] part), or NULL. */
-int srv_start_conf(struct daemon *s, const char *memory, const char *extra)
-{
-	return srv_start_threads(s, 0, memory, extra);
-}
-
-int srv_start_threads(struct daemon *s, unsigned threads, const char *memory, const char *extra)
-{
-	char conf[sizeof s->dir + 16];
-	const char *args[] = { "--config", conf, NULL };
-	FILE *f;
-
-	if (daemon_mkdir(s, "/tmp/kvd-run.XXXXXX"))
-		return -1;
-	snprintf(conf, sizeof conf, "%s/kvd.conf", s->dir);
-	f = fopen(conf, "w");
-	if (!f)
-		return -1;
-	/* The default configuration, written out so the demo shows one. */
-	fprintf(f, "[server]\nsocket = %s\nthreads = %u\n\n[memory]\n%s\n\n"
-		   "[transport]\nslots = 16\nslot_size = 4M\nring_entries = 256\nspin_us = 50\n\n"
-		   "[log]\nlevel = warning\n%s", s->sock, threads, memory ? memory : "limit = 75%",
-		extra ? extra : "");
-	fclose(f);
-	return daemon_spawn(s, "kvd", args);
-}
-
 static int srv_start(struct daemon *s)
 {
 	return srv_start_conf(s, NULL, NULL);
-}
-
-static const uint32_t llama_dense[] = { 0, 16 };
-
-struct kvc_model llama(uint32_t layers)
-{
-	return (struct kvc_model){
-		.name = layers == 32 ? "llama-3.1-8b" : "llama-3.1-8b-slice", .layers = layers,
-		.q_heads = 32, .kv_heads = 8, .head_dim = 128, .K = 10, .L = 150, .c = 2,
-		.sink = 4, .window = 64, .dense_layers = llama_dense,
-		.n_dense = layers == 32 ? 2 : 0, .seed = 1,
-	};
 }
 
 /* ---- demo ---------------------------------------------------------------- */
@@ -176,18 +138,6 @@ out:
 	free(k0);
 	free(v0);
 	free(o_);
-}
-
-/* Results that child processes write and the parent reads. */
-void *shared_mem(size_t bytes)
-{
-	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-
-	if (p == MAP_FAILED) {
-		perror("kvbench: mmap");
-		return NULL;
-	}
-	return p;
 }
 
 static struct client_res *mmap_shared_results(uint32_t n)
@@ -346,28 +296,6 @@ static int srv_up(struct daemon *srv, const char *memory, const char *extra)
 	printf("kvd started (pid %d, socket %s)\n", (int)srv->pid, srv->sock);
 	fflush(stdout);
 	return 0;
-}
-
-/* Forks n client processes, child i running kid(i, arg) (0: success), and
- * waits for all of them.  1 if any failed. */
-int run_clients(uint32_t n, int (*kid)(uint32_t i, void *arg), void *arg)
-{
-	pid_t *pids = calloc(n, sizeof *pids);
-	int failed = !pids;
-
-	for (uint32_t i = 0; pids && i < n; i++) {
-		pids[i] = fork();
-		if (pids[i] == 0)
-			_exit(kid(i, arg) ? 1 : 0);
-	}
-	for (uint32_t i = 0; pids && i < n; i++) {
-		int st;
-
-		waitpid(pids[i], &st, 0);
-		failed |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
-	}
-	free(pids);
-	return failed;
 }
 
 struct demo_arg {

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "srv.h"
 #include "engine/err.h"
 #include "gpu-client/kvc.h"
 #include "prefix.h"
