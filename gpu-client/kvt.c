@@ -15,6 +15,7 @@
 #include "engine/attn.h"
 #include "proto/ctl.h"
 #include "engine/err.h"
+#include "engine/model.h"
 #include "proto/kvd_ring.h"
 #include "kvt.h"
 #include "engine/seg.h"
@@ -46,13 +47,12 @@ struct kvt {
 	/* profile */
 	int have_profile;
 	uint32_t profile_id;
-	uint32_t chunk;                 /* Profile.chunk_tokens (0: a kvd without sharing) */
-	struct kvc_model m;
-	char mname[KVD_CTL_NAME_MAX + 1];
+	/* as kvd made it; chunk_tokens 0: a kvd without sharing */
+	struct kvd_model pm;
+	struct kvc_model m;             /* the same, for kvc_model_of */
 	uint32_t *dense_list;
 	uint8_t *dense;
 	float *W;
-	struct kvd_geom g;
 	void *rx;
 	char err[256];
 };
@@ -209,28 +209,21 @@ int kvt_profile(struct kvt *t, const struct kvc_model *m)
 	Kvd__Request rq = KVD__REQUEST__INIT;
 	Kvd__ProfileCreate pc = KVD__PROFILE_CREATE__INIT;
 	Kvd__Profile p = KVD__PROFILE__INIT;
+	/* kvc.h's struct in the codec's C form: its own names are the ABI */
+	const struct kvd_model want = {
+		.g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c, m->kv_dtype },
+		.layers = m->layers, .sink = m->sink, .window = m->window,
+		.seg_tokens = m->segment_tokens, .seal_tokens = m->seal_tokens, .seed = m->seed,
+		.estimator = m->estimator,
+	};
+	const struct kvd_model *pm = &t->pm;
 	Kvd__Response *r;
 	int rc;
 
 	if (t->have_profile)
 		return kvt_fail(t, -EALREADY, "this connection already has a profile");
-	p.name = (char *)m->name;
-	p.layers = m->layers;
-	p.q_heads = m->q_heads;
-	p.kv_heads = m->kv_heads;
-	p.head_dim = m->head_dim;
-	p.k_bits = m->K;
-	p.tables = m->L;
-	p.min_collisions = m->c;
-	p.kv_dtype = m->kv_dtype;
-	p.estimator = m->estimator;
-	p.sink_tokens = m->sink;
-	p.window_tokens = m->window;
-	p.n_dense_layers = m->n_dense;
-	p.dense_layers = (uint32_t *)m->dense_layers;
-	p.seed = m->seed;
-	p.segment_tokens = m->segment_tokens;
-	p.seal_tokens = m->seal_tokens;
+	kvd_ctl_profile_put(&want, m->dense_layers, m->n_dense, &p);
+	p.name = (char *)m->name;       /* as it is, however long: kvd checks it */
 	pc.profile = &p;
 	rq.body_case = KVD__REQUEST__BODY_PROFILE_CREATE;
 	rq.profile_create = &pc;
@@ -257,22 +250,17 @@ int kvt_profile(struct kvt *t, const struct kvc_model *m)
 		return rc;
 	}
 	t->profile_id = r->profile->profile_id;
-	t->chunk = got->chunk_tokens;
-	snprintf(t->mname, sizeof t->mname, "%s", got->name);
+	kvd_ctl_profile_get(got, &t->pm);
 	t->m = (struct kvc_model){
-		.name = t->mname, .layers = got->layers, .q_heads = got->q_heads,
-		.kv_heads = got->kv_heads, .head_dim = got->head_dim, .K = got->k_bits,
-		.L = got->tables, .c = got->min_collisions, .sink = got->sink_tokens,
-		.window = got->window_tokens, .estimator = got->estimator,
-		.n_dense = (uint32_t)got->n_dense_layers,
-		.kv_dtype = got->kv_dtype,
-		.seed = got->seed, .segment_tokens = got->segment_tokens,
-		.seal_tokens = got->seal_tokens,
+		.name = pm->name, .layers = pm->layers, .q_heads = pm->g.q_heads,
+		.kv_heads = pm->g.kv_heads, .head_dim = pm->g.d, .K = pm->g.K, .L = pm->g.L,
+		.c = pm->g.c, .sink = pm->sink, .window = pm->window, .estimator = pm->estimator,
+		.n_dense = (uint32_t)got->n_dense_layers, .kv_dtype = pm->g.kv_dtype,
+		.seed = pm->seed, .segment_tokens = pm->seg_tokens, .seal_tokens = pm->seal_tokens,
 	};
-	kvd_ctl_profile_to_geom(got, &t->g);
 	t->dense_list = malloc((got->n_dense_layers + 1) * sizeof *t->dense_list);
 	t->dense = calloc(got->layers, 1);
-	t->W = malloc((size_t)t->g.d * t->g.K * t->g.L * sizeof *t->W);
+	t->W = malloc((size_t)pm->g.d * pm->g.K * pm->g.L * sizeof *t->W);
 	if (!t->dense_list || !t->dense || !t->W) {
 		kvd_ctl_free_response(r);
 		return kvt_fail(t, -ENOMEM, "out of memory");
@@ -295,7 +283,7 @@ const struct kvc_model *kvt_model(const struct kvt *t)
 	return t->have_profile ? &t->m : NULL;
 }
 
-const struct kvd_geom *kvt_geom(const struct kvt *t) { return &t->g; }
+const struct kvd_geom *kvt_geom(const struct kvt *t) { return &t->pm.g; }
 const float *kvt_w(const struct kvt *t) { return t->W; }
 int kvt_dense(const struct kvt *t, uint32_t layer) { return t->dense[layer]; }
 
@@ -571,13 +559,13 @@ int kvt_seq_publish(struct kvt *t, uint64_t id, const uint8_t *key, uint64_t tok
 
 uint32_t kvt_chunk_tokens(const struct kvt *t)
 {
-	return t->have_profile ? t->chunk : 0;
+	return t->have_profile ? t->pm.chunk_tokens : 0;
 }
 
 int kvt_local_put(struct kvt *t, uint64_t id, uint32_t layer, const uint16_t *k,
 		  const uint16_t *v, uint32_t n, uint32_t stride)
 {
-	const uint32_t H = t->g.kv_heads, d = t->g.d;
+	const uint32_t H = t->pm.g.kv_heads, d = t->pm.g.d;
 	uint32_t per = kvd_local_fit(H, d, kvt_slot_size(t));
 	int rc;
 
@@ -614,7 +602,7 @@ int kvt_local_put(struct kvt *t, uint64_t id, uint32_t layer, const uint16_t *k,
 static int local_get_submit(struct kvt *t, uint64_t id, uint32_t layer, uint32_t r0,
 			    uint32_t cnt, int mean, int *slot)
 {
-	const struct kvd_local_layout lay = kvd_local_layout(t->g.kv_heads, t->g.d, cnt, mean);
+	const struct kvd_local_layout lay = kvd_local_layout(t->pm.g.kv_heads, t->pm.g.d, cnt, mean);
 	int rc;
 
 	if ((*slot = kvt_slot_get(t, 0)) < 0)
@@ -633,7 +621,7 @@ static int local_get_submit(struct kvt *t, uint64_t id, uint32_t layer, uint32_t
 int kvt_local_get(struct kvt *t, uint64_t id, uint32_t layer, float *mean, uint16_t *k,
 		  uint16_t *v, uint32_t n, uint32_t stride)
 {
-	const uint32_t H = t->g.kv_heads, d = t->g.d;
+	const uint32_t H = t->pm.g.kv_heads, d = t->pm.g.d;
 	uint32_t per = kvd_local_fit(H, d, kvt_slot_size(t));
 	/* Several gets in flight: kvd fills one slot while this side copies
 	 * another out.  One slot stays free for whoever else needs one. */

@@ -158,27 +158,10 @@ static void profile_to_msg(const struct kvd_profile *p, Kvd__Profile *m, uint32_
 {
 	uint32_t nd = 0;
 
-	m->name = (char *)p->name;
-	m->layers = p->layers;
-	m->q_heads = p->g.q_heads;
-	m->kv_heads = p->g.kv_heads;
-	m->head_dim = p->g.d;
-	m->k_bits = p->g.K;
-	m->tables = p->g.L;
-	m->min_collisions = p->g.c;
-	m->kv_dtype = p->g.kv_dtype;
-	m->estimator = p->estimator;
-	m->sink_tokens = p->sink;
-	m->window_tokens = p->window;
 	for (uint32_t l = 0; l < p->layers; l++)
 		if (p->dense[l])
 			dense[nd++] = l;
-	m->n_dense_layers = nd;
-	m->dense_layers = dense;
-	m->seed = p->seed;
-	m->segment_tokens = p->seg_tokens;
-	m->seal_tokens = p->seal_tokens;
-	m->chunk_tokens = p->chunk_tokens;
+	kvd_ctl_profile_put(&p->model, dense, nd, m);
 }
 
 static int send_profile(struct client *c, uint64_t id, const struct kvd_profile *p)
@@ -253,6 +236,7 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 			     const Kvd__Profile *m)
 {
 	struct kvd_profile want = { 0 };
+	Kvd__Profile filled = *m;
 	const struct kvd_profile *p;
 	uint8_t *dense = calloc(m->layers, 1);
 	char msg[160] = "";
@@ -260,18 +244,8 @@ static int do_profile_create(struct kvd_server *s, struct client *c, uint64_t id
 
 	if (!dense)
 		return kvd_ctl_send_error(c->fd, id, -ENOMEM, "out of memory");
-	rc = kvd_ctl_profile_to_geom(m, &want.g);
-	snprintf(want.name, sizeof want.name, "%s", m->name);
-	want.layers = m->layers;
-	want.sink = m->sink_tokens;
-	want.window = m->window_tokens;
-	want.seed = m->seed;
-	want.estimator = m->estimator;
-	want.seg_tokens = m->segment_tokens ? m->segment_tokens : KVD_CTL_SEG_DEFAULT;
-	want.seal_tokens = m->seal_tokens ? m->seal_tokens :
-			   (KVD_CTL_SEAL_DEFAULT < want.seg_tokens ? KVD_CTL_SEAL_DEFAULT : want.seg_tokens);
-	want.chunk_tokens = m->chunk_tokens ? m->chunk_tokens :
-			    kvd_ctl_chunk_default(want.seal_tokens);
+	kvd_ctl_profile_defaults(&filled);
+	rc = kvd_ctl_profile_get(&filled, &want.model);
 	for (size_t i = 0; i < m->n_dense_layers; i++)
 		dense[m->dense_layers[i]] = 1;
 	want.dense = dense;

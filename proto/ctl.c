@@ -15,10 +15,12 @@
 #include "ctl.h"
 #include "engine/err.h"
 #include "engine/lsh.h"
+#include "engine/model.h"
 
 /* W travels as little-endian float32 and is memcpy'd. */
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "kvd_ctl assumes a little-endian host");
 static_assert(KVD_CTL_VERSION == KVD__VERSION__VERSION_CURRENT, "KVD_CTL_VERSION");
+static_assert(KVD_CTL_NAME_MAX == KVD_MODEL_NAME_MAX, "one name limit");
 static_assert(KVD_CTL_LAYERS_MAX % 64 == 0, "dense layer bitmap");
 /* Profile.kv_dtype goes into kvd_geom.kv_dtype as it is. */
 static_assert((int)KVD__KV_DTYPE__KV_DTYPE_BF16 == (int)KVD_KV_BF16 &&
@@ -273,6 +275,45 @@ int kvd_ctl_profile_to_geom(const Kvd__Profile *p, struct kvd_geom *g)
 	g->c = p->min_collisions;
 	g->kv_dtype = p->kv_dtype;
 	return kvd_geom_check(g);
+}
+
+int kvd_ctl_profile_get(const Kvd__Profile *m, struct kvd_model *p)
+{
+	int rc = kvd_ctl_profile_to_geom(m, &p->g);
+
+	snprintf(p->name, sizeof(p->name), "%s", str_or_empty(m->name));
+	p->layers = m->layers;
+	p->sink = m->sink_tokens;
+	p->window = m->window_tokens;
+	p->seg_tokens = m->segment_tokens;
+	p->seal_tokens = m->seal_tokens;
+	p->chunk_tokens = m->chunk_tokens;
+	p->seed = m->seed;
+	p->estimator = m->estimator;
+	return rc;
+}
+
+void kvd_ctl_profile_put(const struct kvd_model *p, const uint32_t *dense, size_t n,
+			 Kvd__Profile *m)
+{
+	m->name = (char *)p->name;
+	m->layers = p->layers;
+	m->q_heads = p->g.q_heads;
+	m->kv_heads = p->g.kv_heads;
+	m->head_dim = p->g.d;
+	m->k_bits = p->g.K;
+	m->tables = p->g.L;
+	m->min_collisions = p->g.c;
+	m->kv_dtype = p->g.kv_dtype;
+	m->estimator = p->estimator;
+	m->sink_tokens = p->sink;
+	m->window_tokens = p->window;
+	m->n_dense_layers = n;
+	m->dense_layers = (uint32_t *)dense;
+	m->seed = p->seed;
+	m->segment_tokens = p->seg_tokens;
+	m->seal_tokens = p->seal_tokens;
+	m->chunk_tokens = p->chunk_tokens;
 }
 
 /* Bytes of W for a checked profile: at most 256 * 16 * 1024 * 4 = 16 MiB. */

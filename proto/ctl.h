@@ -33,6 +33,7 @@
 #include "kvd.pb-c.h"
 
 struct kvd_geom;
+struct kvd_model;
 
 #define KVD_CTL_VERSION     1u          /* == KVD__VERSION__VERSION_CURRENT */
 
@@ -239,6 +240,16 @@ int kvd_ctl_profile_equal(const Kvd__Profile *a, const Kvd__Profile *b);
 
 /* The geometry of a profile, kv_dtype included; returns kvd_geom_check(g). */
 int kvd_ctl_profile_to_geom(const Kvd__Profile *p, struct kvd_geom *g);
+
+/* The one converter between the wire's Profile and its C form (engine/model.h),
+ * which the daemon and libkvclient both keep; dense layers are the caller's.
+ * _get copies every field as it is (no defaults: kvd_ctl_profile_defaults()
+ * first for that) and returns kvd_ctl_profile_to_geom()'s result.  _put
+ * fills m from p, m->name pointing into p and m->dense_layers at dense[0..n):
+ * both must outlive m. */
+int kvd_ctl_profile_get(const Kvd__Profile *m, struct kvd_model *p);
+void kvd_ctl_profile_put(const struct kvd_model *p, const uint32_t *dense, size_t n,
+			 Kvd__Profile *m);
 
 /* W (head_dim * K * L floats, lsh.h's layout) of a decoded ProfileReply:
  * copied from w, or, when w is empty, made from the profile's seed with

@@ -47,23 +47,25 @@
 
 #include "engine/attn.h"
 #include "engine/lsh.h"
+#include "engine/model.h"
 #include "uidlimits.h"
 
 struct kvd_pool;
 
-#define KVD_NAME_MAX 64
+#define KVD_NAME_MAX KVD_MODEL_NAME_MAX
 
 struct kvd_profile {
 	uint32_t id;                    /* unique in a daemon's life, never 0 */
 	uint32_t ns;                    /* namespace (KVD_STORE_NS_GLOBAL: old API) */
 	uint32_t uid;                   /* its creator: charged for its bytes */
-	char name[KVD_NAME_MAX + 1];
-	struct kvd_geom g;
-	uint32_t layers, sink, window, seg_tokens, seal_tokens;
-	uint32_t chunk_tokens;          /* content-key chunk, divides seal_tokens (0: 256
-					 * or seal_tokens when smaller) */
-	uint64_t seed;
-	uint32_t estimator;             /* enum kvd_estimator (attn.h); part of equality */
+	/* name, g, layers, sink, window, seg_tokens, seal_tokens, chunk_tokens
+	 * (content-key chunk, divides seal_tokens; 0: 256 or seal_tokens when
+	 * smaller), seed, estimator (part of equality): engine/model.h, by
+	 * name or as p->model for the control codec */
+	union {
+		struct { KVD_MODEL_FIELDS };
+		struct kvd_model model;
+	};
 	uint8_t *dense;                 /* [layers]: 1 = stays on the GPU */
 	float *W;                       /* [d][K*L] */
 	struct kvd_logp_tab *tab;

@@ -25,6 +25,7 @@
 #include "proto/ctl.h"
 #include "engine/err.h"
 #include "engine/lsh.h"
+#include "engine/model.h"
 
 static int sp[2];
 
@@ -735,6 +736,130 @@ static void test_profile_helpers(void **state)
 	assert_int_equal(a.seal_tokens, 100);
 }
 
+/* The converter: every field there and back, nothing filled in on the way. */
+static void test_profile_convert(void **state)
+{
+	Kvd__Profile a, b = KVD__PROFILE__INIT;
+	struct kvd_model m, n;
+
+	(void)state;
+	good_profile(&a);
+	a.kv_dtype = KVD_KV_INT8;
+	a.estimator = KVD_EST_ADAPTIVE;
+	a.segment_tokens = 4096;
+	a.seal_tokens = 512;
+	a.chunk_tokens = 128;
+	memset(&m, 0xa5, sizeof m);
+	assert_int_equal(kvd_ctl_profile_get(&a, &m), 0);
+	assert_string_equal(m.name, "llama-3-8b");
+	assert_int_equal(m.g.q_heads, 32);
+	assert_int_equal(m.g.kv_heads, 8);
+	assert_int_equal(m.g.d, 128);
+	assert_int_equal(m.g.K, 10);
+	assert_int_equal(m.g.L, 150);
+	assert_int_equal(m.g.c, 2);
+	assert_int_equal(m.g.kv_dtype, KVD_KV_INT8);
+	assert_int_equal(m.layers, 32);
+	assert_int_equal(m.sink, 4);
+	assert_int_equal(m.window, 64);
+	assert_int_equal(m.seg_tokens, 4096);
+	assert_int_equal(m.seal_tokens, 512);
+	assert_int_equal(m.chunk_tokens, 128);
+	assert_int_equal(m.seed, 42);
+	assert_int_equal(m.estimator, KVD_EST_ADAPTIVE);
+	kvd_ctl_profile_put(&m, dense2, 2, &b);
+	assert_true(kvd_ctl_profile_equal(&a, &b));
+	assert_int_equal(b.chunk_tokens, 128);
+	assert_ptr_equal(b.name, m.name);
+	assert_ptr_equal(b.dense_layers, dense2);
+	memset(&n, 0, sizeof n);
+	assert_int_equal(kvd_ctl_profile_get(&b, &n), 0);
+	assert_memory_equal(&m.g, &n.g, sizeof m.g);
+	assert_int_equal(n.seed, m.seed);
+
+	/* 0 stays 0 (the defaults are kvd_ctl_profile_defaults'), a bad
+	 * geometry says so */
+	good_profile(&a);
+	a.head_dim = 17;
+	assert_int_equal(kvd_ctl_profile_get(&a, &m), -KVD_EGEOM);
+	assert_int_equal(m.seg_tokens, 0);
+	assert_int_equal(m.chunk_tokens, 0);
+}
+
+/* kvd_ctl_call on a socketpair, sp[1] playing kvd. */
+static void test_call(void **state)
+{
+	static uint8_t rx[KVD_CTL_RX_MAX];
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	struct kvd_ctl_err e;
+	Kvd__Response *r;
+	uint8_t buf[4096];
+
+	(void)state;
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+
+	/* any body: an Error is a Response */
+	rq.id = 1;
+	assert_int_equal(kvd_ctl_send_error(sp[1], 1, -ENOENT, "no such"), 0);
+	r = kvd_ctl_call(sp[0], &rq, 0, rx, 1000, NULL, NULL, &e);
+	assert_non_null(r);
+	assert_int_equal(r->body_case, KVD__RESPONSE__BODY_ERROR);
+	kvd_ctl_free_response(r);
+	assert_true(kvd_ctl_recv(sp[1], buf, sizeof buf, NULL, NULL) > 0);
+
+	/* with a body wanted: the Error's code, message and id, marked kvd's */
+	rq.id = 2;
+	assert_int_equal(kvd_ctl_send_error(sp[1], 2, -ENOENT, "no such"), 0);
+	assert_null(kvd_ctl_call(sp[0], &rq, KVD__RESPONSE__BODY_SERVER_STATS, rx, 1000, NULL, NULL,
+				 &e));
+	assert_int_equal(e.code, -ENOENT);
+	assert_true(e.remote);
+	assert_int_equal(e.id, 2);
+	assert_string_equal(e.msg, "no such");
+	assert_true(kvd_ctl_recv(sp[1], buf, sizeof buf, NULL, NULL) > 0);
+
+	/* another body: -KVD_EPROTO, not kvd's */
+	rq.id = 3;
+	assert_int_equal(kvd_ctl_send_ok(sp[1], 3), 0);
+	assert_null(kvd_ctl_call(sp[0], &rq, KVD__RESPONSE__BODY_SERVER_STATS, rx, 1000, NULL, NULL,
+				 &e));
+	assert_int_equal(e.code, -KVD_EPROTO);
+	assert_false(e.remote);
+	assert_true(kvd_ctl_recv(sp[1], buf, sizeof buf, NULL, NULL) > 0);
+
+	/* an answer to another request does not decode */
+	rq.id = 4;
+	assert_int_equal(kvd_ctl_send_ok(sp[1], 99), 0);
+	assert_null(kvd_ctl_call(sp[0], &rq, 0, rx, 1000, NULL, NULL, &e));
+	assert_int_equal(e.code, -KVD_EPROTO);
+	assert_non_null(strstr(e.msg, "does not decode"));
+	assert_true(kvd_ctl_recv(sp[1], buf, sizeof buf, NULL, NULL) > 0);
+
+	/* no answer */
+	rq.id = 5;
+	assert_null(kvd_ctl_call(sp[0], &rq, 0, rx, 10, NULL, NULL, &e));
+	assert_int_equal(e.code, -ETIMEDOUT);
+	assert_true(kvd_ctl_recv(sp[1], buf, sizeof buf, NULL, NULL) > 0);
+
+	/* kvd's reason, queued before it closed, even though the send fails */
+	assert_int_equal(kvd_ctl_send_error(sp[1], 0, -EDQUOT, "connections_per_uid"), 0);
+	close(sp[1]);
+	sp[1] = -1;
+	rq.id = 6;
+	assert_null(kvd_ctl_call(sp[0], &rq, KVD__RESPONSE__BODY_SERVER_STATS, rx, 1000, NULL, NULL,
+				 &e));
+	assert_int_equal(e.code, -EDQUOT);
+	assert_true(e.remote);
+	assert_int_equal(e.id, 0);
+
+	/* then nothing: closed */
+	rq.id = 7;
+	assert_null(kvd_ctl_call(sp[0], &rq, 0, rx, 1000, NULL, NULL, &e));
+	assert_int_equal(e.code, -EPIPE);
+}
+
 /* Every prefix of every valid message decodes validly or is refused with a
  * code and a message; libFuzzer does the rest (tests/fuzz/fuzz_ctl.c). */
 static void test_prefixes(void **state)
@@ -1271,6 +1396,8 @@ int main(void)
 		cmocka_unit_test(test_profile_fields),
 		cmocka_unit_test(test_dense_layers),
 		cmocka_unit_test(test_profile_helpers),
+		cmocka_unit_test(test_profile_convert),
+		cmocka_unit_test_setup_teardown(test_call, sock_setup, sock_teardown),
 		cmocka_unit_test(test_prefixes),
 		cmocka_unit_test(test_admin_requests),
 		cmocka_unit_test(test_admin_responses),
