@@ -749,24 +749,14 @@ static void test_profile_convert(void **state)
 	a.segment_tokens = 4096;
 	a.seal_tokens = 512;
 	a.chunk_tokens = 128;
+	/* every field of a differs from its default, and m starts as garbage:
+	 * a field that either direction drops makes b differ from a */
 	memset(&m, 0xa5, sizeof m);
 	assert_int_equal(kvd_ctl_profile_get(&a, &m), 0);
 	assert_string_equal(m.name, "llama-3-8b");
-	assert_int_equal(m.g.q_heads, 32);
-	assert_int_equal(m.g.kv_heads, 8);
-	assert_int_equal(m.g.d, 128);
-	assert_int_equal(m.g.K, 10);
-	assert_int_equal(m.g.L, 150);
-	assert_int_equal(m.g.c, 2);
-	assert_int_equal(m.g.kv_dtype, KVD_KV_INT8);
-	assert_int_equal(m.layers, 32);
 	assert_int_equal(m.sink, 4);
 	assert_int_equal(m.window, 64);
-	assert_int_equal(m.seg_tokens, 4096);
-	assert_int_equal(m.seal_tokens, 512);
-	assert_int_equal(m.chunk_tokens, 128);
-	assert_int_equal(m.seed, 42);
-	assert_int_equal(m.estimator, KVD_EST_ADAPTIVE);
+	assert_int_equal(m.g.d, 128);
 	kvd_ctl_profile_put(&m, dense2, 2, &b);
 	assert_true(kvd_ctl_profile_equal(&a, &b));
 	assert_int_equal(b.chunk_tokens, 128);
