@@ -2,7 +2,7 @@
  * against a real kvd over the shared-memory rings.
  *
  *   kvbench decode [--json] [--seqs B] [--ctx N] [--layers S] [--steps T]
- *                  [--measure M] [--estimator NAME] [--kv-dtype bf16|int8]
+ *                  [--measure M] [--estimator NAME|default] [--kv-dtype bf16|int8]
  *                  [--kl KxL] [--threads N]
  *
  * B sequences of N prompt tokens (kvd_synth, sequence b of workload b mod 3,
@@ -13,8 +13,9 @@
  * answer is back: what a worker's forward pass does.  Two configurations run
  * in the same kvd on the same rows and queries, each with its own connection,
  * profile and sequences, alternated step by step (the first of a step
- * swaps every step): the candidate the flags ask for, and MagicPIG K10 L150
- * bf16, the baseline, always.  The last M steps are measured: wall time,
+ * swaps every step): the candidate the flags ask for (`--estimator default`:
+ * KVD_EST_CFG_DEFAULT, whatever --kl and --kv-dtype say), and MagicPIG K10
+ * L150 bf16 (KVD_EST_CFG_MAGICPIG), the baseline, always.  The last M steps are measured: wall time,
  * kvd's CPU time (/proc/<kvd>/stat, around each configuration's layers) and
  * the error of the merged answer against exact attention over every token,
  * computed here in double between steps, off the timed path.
@@ -42,7 +43,8 @@
 
 struct dec_opts {
 	int json;
-	uint32_t seqs, ctx, layers, steps, measure, K, L, est, kv_dtype, threads;
+	uint32_t seqs, ctx, layers, steps, measure, K, L, c, est, kv_dtype, threads;
+	int est_default;                /* --estimator default: KVD_EST_CFG_DEFAULT */
 	int ctx_given;
 };
 
@@ -64,7 +66,7 @@ static int usage(void)
 {
 	fprintf(stderr,
 		"usage: kvbench decode [--json] [--seqs B<=64] [--ctx N] [--layers S] [--steps T]\n"
-		"                      [--measure M<=T] [--estimator magicpig|hybrid|adaptive]\n"
+		"                      [--measure M<=T] [--estimator magicpig|hybrid|adaptive|default]\n"
 		"                      [--kv-dtype bf16|int8] [--kl KxL] [--threads N]\n"
 		"  defaults: 4 sequences, 98304 tokens (less where RAM is short), 4 layers,\n"
 		"  64 steps, the last 16 measured, magicpig, bf16, 10x150, kvd's threads\n");
@@ -356,11 +358,18 @@ static int run(const struct dec_opts *op, uint64_t phys)
 	cf[0].m.name = "decode-candidate";
 	cf[0].m.K = op->K;
 	cf[0].m.L = op->L;
+	cf[0].m.c = op->c;
 	cf[0].m.estimator = op->est;
 	cf[0].m.kv_dtype = op->kv_dtype;
 	cf[1].m = llama(S);
 	cf[1].m.name = "decode-magicpig";
-	if (cfg_open(&cf[0], srv.sock, "candidate", B) || cfg_open(&cf[1], srv.sock, "magicpig", B))
+	cf[1].m.K = KVD_EST_CFG_MAGICPIG.K;
+	cf[1].m.L = KVD_EST_CFG_MAGICPIG.L;
+	cf[1].m.c = KVD_EST_CFG_MAGICPIG.c;
+	cf[1].m.estimator = KVD_EST_CFG_MAGICPIG.est;
+	cf[1].m.kv_dtype = KVD_EST_CFG_MAGICPIG.kv_dtype;
+	if (cfg_open(&cf[0], srv.sock, op->est_default ? "default" : "candidate", B) ||
+	    cfg_open(&cf[1], srv.sock, "magicpig", B))
 		goto out;
 
 	/* Prefill: every layer of a sequence gets the same prompt (the data
@@ -467,7 +476,7 @@ out:
 int bench_decode_main(int argc, char **argv)
 {
 	struct dec_opts op = { .seqs = 4, .layers = 4, .steps = 64, .measure = 16, .K = 10,
-			       .L = 150, .est = KVD_EST_MAGICPIG, .kv_dtype = KVD_KV_BF16 };
+			       .L = 150, .c = 2, .est = KVD_EST_MAGICPIG, .kv_dtype = KVD_KV_BF16 };
 	uint64_t phys;
 
 	for (int i = 0; i < argc; i++) {
@@ -481,8 +490,17 @@ int bench_decode_main(int argc, char **argv)
 			return usage();
 		i++;
 		if (!strcmp(a, "--estimator")) {
-			if (kvd_estimator_parse(v, &op.est))
+			if ((op.est_default = !strcmp(v, "default"))) {
+				struct kvd_est_cfg d = KVD_EST_CFG_DEFAULT;
+
+				op.est = d.est;
+				op.K = d.K;
+				op.L = d.L;
+				op.c = d.c;
+				op.kv_dtype = d.kv_dtype;
+			} else if (kvd_estimator_parse(v, &op.est)) {
 				return usage();
+			}
 		} else if (!strcmp(a, "--kv-dtype")) {
 			if (kvd_kv_dtype_parse(v, &op.kv_dtype))
 				return usage();

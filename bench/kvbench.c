@@ -64,6 +64,7 @@ struct opts {
 	int warm;                       /* --warm: no sweep before the reps */
 	uint32_t dt[KVD_KV_DTYPE_MAX + 1], ndt;
 	uint32_t est[KVD_EST_MAX + 1], nest;
+	int est_default;                /* --estimator default: KVD_EST_CFG_DEFAULT vs magicpig */
 	uint32_t steps;                 /* decode steps of a synthetic workload */
 	uint32_t measure;               /* accuracy over the last `measure` steps */
 };
@@ -233,6 +234,7 @@ struct result {
 	double sampled_warm_ms, dense_warm_ms;
 	double bytes_touched, rel_err, topk_rel_err, bytes_per_token;
 	double gather_gbps;             /* the floor's probe, for this row's dtype */
+	int is_default;                 /* KVD_EST_CFG_DEFAULT's row (--estimator default) */
 };
 
 /* One layer's attention, sampled or dense, as a callable for time_reps. */
@@ -566,9 +568,10 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 	if (mp && op->json)
 		snprintf(vm, sizeof vm,
 			 "\"sampled_vs_magicpig\":%.3f,\"rel_err_vs_magicpig\":%.3f,"
-			 "\"bytes_vs_magicpig\":%.3f,",
+			 "\"bytes_vs_magicpig\":%.3f,\"core_ms_vs_magicpig\":%.3f,",
 			 r->sampled_ms / mp->sampled_ms, r->rel_err / mp->rel_err,
-			 r->bytes_touched / mp->bytes_touched);
+			 r->bytes_touched / mp->bytes_touched,
+			 r->sampled_ms / mp->sampled_ms);
 
 	/* TopK is exact on needle (its error is ~1e-10): no ratio then. */
 	char vs_topk[32] = "null";
@@ -580,8 +583,8 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 		       "\"K\":%u,\"L\":%u,\"c\":%u,\"threads\":%u,\"isa\":\"%s\",\"workload\":\"%s\","
 		       "\"segments\":%u,\"cand_frac\":%.5f,\"rows_frac\":%.5f,\"build_ms\":%.2f,\"seg_build_ms\":%.2f,"
 		       "\"hash_ms\":%.1f,\"timing\":\"%s\",\"llc_bytes\":%zu,\"kv_dtype\":\"%s\",%s"
-		       "\"estimator\":\"%s\",\"steps\":%u,\"measured_steps\":%u,%s"
-		       "\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"sampled_warm_ms\":%.3f,"
+		       "\"estimator\":\"%s\",%s\"steps\":%u,\"measured_steps\":%u,%s"
+		       "\"core_ms\":%.3f,\"sampled_ms\":%.3f,\"dense_ms\":%.3f,\"sampled_warm_ms\":%.3f,"
 		       "\"dense_warm_ms\":%.3f,\"speedup_vs_dense\":%.2f,"
 		       "\"bytes_touched\":%.0f,\"gather_floor_ms\":%.3f,\"mem_read_gbps\":%.2f,"
 		       "\"gather_gbps\":%.2f,\"dense_gbps\":%.2f,\"dense_vs_stream\":%.3f,"
@@ -590,8 +593,8 @@ static void print_result(const struct opts *op, const struct layer_in *in, unsig
 		       r->ctx, in->q_heads, in->kv_heads, in->d, r->K, r->L, r->c, threads, r->isa,
 		       r->workload, r->nseg, r->cand_frac, r->rows_frac, r->build_ms, r->seg_build_ms, r->hash_ms,
 		       pr->sw ? "cold" : "warm", pr->llc, kvd_kv_dtype_name(r->kv_dtype), vs,
-		       kvd_estimator_name(r->est), in->steps, r->measured, vm,
-		       r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
+		       kvd_estimator_name(r->est), r->is_default ? "\"default\":true," : "",
+		       in->steps, r->measured, vm, r->sampled_ms * threads, r->sampled_ms, r->dense_ms, r->sampled_warm_ms,
 		       r->dense_warm_ms, r->dense_ms / r->sampled_ms, r->bytes_touched,
 		       floor_ms, pr->mem_read_gbps, r->gather_gbps,
 		       dense_gbps, dense_gbps / pr->mem_read_gbps, r->sampled_ms / floor_ms, r->rel_err,
@@ -768,6 +771,11 @@ static void parse(int argc, char **argv, struct opts *op)
 
 			snprintf(buf, sizeof buf, "%s", v);
 			op->nest = 0;
+			op->est_default = !strcmp(buf, "default");
+			if (op->est_default) {
+				op->est[op->nest++] = KVD_EST_CFG_DEFAULT.est;
+				continue;
+			}
 			if (!strcmp(buf, "all")) {
 				for (uint32_t e = 0; e <= KVD_EST_MAX; e++)
 					op->est[op->nest++] = e;
@@ -908,6 +916,59 @@ static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struc
 	free(cf);
 }
 
+/* --estimator default: KVD_EST_CFG_DEFAULT and MagicPIG's own configuration
+ * (KVD_EST_CFG_MAGICPIG) on the same data, each its own layer (their K, L,
+ * c and row format differ), their cold reps interleaved as run_dtypes does
+ * so that core_ms_vs_magicpig compares the same minutes of the machine.
+ * Both rows are printed; the magicpig row always, whatever the flags. */
+static void run_default(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
+			const struct probes *pr, int *header)
+{
+	const struct kvd_est_cfg want[2] = { KVD_EST_CFG_MAGICPIG, KVD_EST_CFG_DEFAULT };
+	struct opts o[2] = { *op, *op };
+	struct cfg *cf = calloc(2, sizeof *cf);
+	struct result r[2];
+	struct layer_call sc[2], dc[2];
+	double ms[2], gbps[2] = { pr->gather_gbps, pr->gather8_gbps };
+	struct refs rf = { 0 };
+
+	if (!cf)
+		die("buffers", -ENOMEM);
+	memset(r, 0, sizeof r);
+	for (int i = 0; i < 2; i++) {
+		o[i].est[0] = want[i].est;
+		o[i].nest = 1;
+		o[i].c = want[i].c;
+		cfg_setup(&o[i], pool, in, want[i].K, want[i].L, want[i].kv_dtype, &cf[i]);
+		sc[i] = cf[i].sc[0];
+		dc[i] = cf[i].dc;
+	}
+	time_reps(sc, 2, op->reps, NULL, ms, NULL, 0, NULL);
+	for (int i = 0; i < 2; i++)
+		r[i].sampled_warm_ms = ms[i];
+	if (pr->sw)
+		time_reps(sc, 2, op->reps, pr->sw, ms, pr->g, 2, gbps);
+	for (int i = 0; i < 2; i++) {
+		r[i].sampled_ms = ms[i];
+		r[i].gather_gbps = want[i].kv_dtype == KVD_KV_INT8 ? gbps[1] : gbps[0];
+	}
+	time_reps(dc, 2, op->reps, NULL, ms, NULL, 0, NULL);
+	for (int i = 0; i < 2; i++)
+		r[i].dense_ms = r[i].dense_warm_ms = ms[i];
+	if (pr->sw)
+		time_reps(dc, 2, op->reps, pr->sw, ms, NULL, 0, NULL);
+	for (int i = 0; i < 2; i++)
+		r[i].dense_ms = ms[i];
+	for (int i = 0; i < 2; i++) {
+		cfg_finish(&o[i], in, &cf[i], &rf, &r[i]);
+		r[i].is_default = i == 1;
+	}
+	print_result(&o[0], in, kvd_pool_size(pool), pr, &r[0], NULL, NULL, header);
+	print_result(&o[1], in, kvd_pool_size(pool), pr, &r[1], NULL, &r[0], header);
+	refs_free(&rf);
+	free(cf);
+}
+
 static int cmd_attn(struct opts *op)
 {
 	struct kvd_pool *pool;
@@ -943,8 +1004,10 @@ static int cmd_attn(struct opts *op)
 		float *bufs[3];
 
 		load_trace(op->trace, &in, bufs);
-		for (uint32_t c = 0; c < op->nkl; c++)
+		for (uint32_t c = 0; c < op->nkl && !op->est_default; c++)
 			run_dtypes(op, pool, &in, &pr, op->K[c], op->L[c], &header);
+		if (op->est_default)
+			run_default(op, pool, &in, &pr, &header);
 		for (int i = 0; i < 3; i++)
 			free(bufs[i]);
 	}
@@ -966,8 +1029,10 @@ static int cmd_attn(struct opts *op)
 						w.k, w.v,
 						qs + (size_t)(op->steps - 1) * w.q_heads * w.d,
 						op->steps, qs };
-			for (uint32_t c = 0; c < op->nkl; c++)
+			for (uint32_t c = 0; c < op->nkl && !op->est_default; c++)
 				run_dtypes(op, pool, &in, &pr, op->K[c], op->L[c], &header);
+			if (op->est_default)
+				run_default(op, pool, &in, &pr, &header);
 			free(qs);
 			kvd_synth_free(&w);
 		}

@@ -122,6 +122,19 @@ int kvd_estimator_parse(const char *s, uint32_t *out);
 /* Words of one layer's state (q_heads * (1 + KVD_HEAVY_MAX)). */
 size_t kvd_heavy_words(const struct kvd_geom *g);
 
+/* What a profile chooses for its sparse layers: estimator, bits per table,
+ * tables, collisions needed and row format.  KVD_EST_CFG_MAGICPIG is
+ * MagicPIG's own choice, the yardstick of every _vs_magicpig figure.
+ * KVD_EST_CFG_DEFAULT is what kvd recommends and kvbench's `--estimator
+ * default` measures against it: still MagicPIG's own, since no cheaper
+ * configuration has yet met its accuracy on every workload
+ * (docs/ARCHITECTURE.md, "The default"). */
+struct kvd_est_cfg {
+	uint32_t est, K, L, c, kv_dtype;
+};
+#define KVD_EST_CFG_MAGICPIG ((struct kvd_est_cfg){ KVD_EST_MAGICPIG, 10, 150, 2, KVD_KV_BF16 })
+#define KVD_EST_CFG_DEFAULT  KVD_EST_CFG_MAGICPIG
+
 /* Several layers' requests (of any sequences and profiles) in one pool job,
  * so requests from different clients share one pass over the workers.
  * Each result is bit-identical to kvd_attn_layer() on the same request: its
