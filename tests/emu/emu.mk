@@ -3,7 +3,10 @@
 #
 #   make check-emu      build into build/emu/ (ASan+UBSan, -O1) the CUDA backend
 #                       against the fake runtime of tests/emu, kvg_kern.cu as host
-#                       C++, a kvd of the same variant, and run the emulator's
+#                       C++; link it with the ASan+UBSan build's libraries and kvd
+#                       (build/san-address-undefined, made first if need be: the
+#                       core has no CUDA code, so a second ASan build of it was
+#                       only time); and run the emulator's
 #                       self-test, the two device tests and test_gpu_plan in the
 #                       three thread schedules (EMU_ORDER=fwd, rev, rand;
 #                       EMU_SEED=N), with two emulated devices (EMU_DEVICES=2);
@@ -16,13 +19,14 @@
 EMU_B     := build/emu
 EMU_SEED  ?= 1
 EMU_SAN   := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
-EMU_INC   := -Itests/emu -I. -I. -I$(EMU_B)/proto
+EMU_INC   := -Itests/emu -I. -I$(EMU_B)/proto
 EMU_DEFS  := -D_GNU_SOURCE -DKVC_CUDA=1 -DKVG_EMU
 EMU_CFLAGS   := -O1 -g -std=c11 $(EMU_DEFS) $(WARN) -MMD -MP -pthread $(EMU_SAN) $(EMU_INC)
 EMU_CXXFLAGS := -O1 -g -std=c++17 $(EMU_DEFS) -Wall -Wextra -Wno-unused-parameter \
 		-Wno-unknown-pragmas -Werror -MMD -MP -pthread $(EMU_SAN) $(EMU_INC)
 
-EMU_CORE_OBJ   := $(CORE_SRC:%.c=$(EMU_B)/obj/%.o) $(EMU_B)/proto/kvd.pb-c.o
+EMU_SAN_B      := build/san-address-undefined
+EMU_CORE_LIBS  := $(EMU_SAN_B)/libkvdcore.a $(EMU_SAN_B)/libkvabi.a $(EMU_SAN_B)/libkvengine.a
 EMU_CLIENT_SRC := $(filter-out gpu-client/kvg_nocuda.c,$(wildcard gpu-client/*.c))
 EMU_RT_OBJ     := $(EMU_B)/obj/tests/emu/emu_runtime.o
 EMU_CLIENT_OBJ := $(EMU_CLIENT_SRC:%.c=$(EMU_B)/obj/%.o) $(EMU_B)/obj/gpu-client/kvg_kern.o \
@@ -31,24 +35,23 @@ EMU_TESTS      := $(EMU_B)/tests/test_emu $(EMU_B)/tests/test_cuda_kern $(EMU_B)
 		  $(EMU_B)/tests/test_gpu_plan
 EMU_TEST_OBJ   := $(EMU_TESTS:$(EMU_B)/tests/%=$(EMU_B)/tests/obj/%.o)
 
-.PHONY: check-emu
+.PHONY: check-emu emu-core
+
+emu-core:
+	$(Q)$(MAKE) --no-print-directory SAN=address,undefined $(EMU_CORE_LIBS) $(EMU_SAN_B)/kvd
+# In the ASan make itself these are its own targets, with their recipes.
+ifneq ($(B),$(EMU_SAN_B))
+$(EMU_CORE_LIBS) $(EMU_SAN_B)/kvd: emu-core ;
+endif
 
 $(EMU_B)/proto/kvd.pb-c.c $(EMU_B)/proto/kvd.pb-c.h &: proto/kvd.proto
 	$(call msg,PROTOC,$<)
 	$(Q)mkdir -p $(EMU_B)/proto
 	$(Q)protoc-c --c_out=$(EMU_B)/proto -Iproto $<
 
-$(EMU_CORE_OBJ) $(EMU_CLIENT_OBJ) $(EMU_TEST_OBJ) $(EMU_B)/obj/kvd/main.o: | $(EMU_B)/proto/kvd.pb-c.h
+$(EMU_CLIENT_OBJ) $(EMU_TEST_OBJ): | $(EMU_B)/proto/kvd.pb-c.h
 
-$(EMU_B)/proto/kvd.pb-c.o: $(EMU_B)/proto/kvd.pb-c.c
-	$(call msg,EMUCC,$<)
-	$(Q)$(CC) $(filter-out -Wshadow -Wstrict-prototypes,$(EMU_CFLAGS)) -c $< -o $@
-
-$(EMU_B)/obj/engine/kern_avx2.o: EMU_ISA := $(ISA_avx2)
 $(EMU_B)/obj/gpu-client/kvg_cuda.o: EMU_ISA := -O0
-$(EMU_B)/obj/engine/kern_avx512.o: EMU_ISA := $(ISA_avx512)
-$(EMU_B)/obj/engine/kern_avx512vnni.o: EMU_ISA := $(ISA_avx512) -mavx512vnni
-$(EMU_B)/obj/engine/kern_amx.o: EMU_ISA := $(ISA_avx512) -mamx-tile -mamx-int8
 
 $(EMU_B)/obj/%.o: %.c
 	$(call msg,EMUCC,$<)
@@ -70,14 +73,10 @@ $(EMU_B)/obj/%.o: %.cc
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
 
-$(EMU_B)/libkvdcore.a: $(EMU_CORE_OBJ)
-	$(call msg,AR,$@)
-	$(Q)rm -f $@ && ar rcs $@ $^
-
-# test_cuda_kvc starts <dir of the test>/../kvd: this variant's.
-$(EMU_B)/kvd: $(EMU_B)/obj/kvd/main.o $(EMU_B)/libkvdcore.a
-	$(call msg,LD,$@)
-	$(Q)$(CC) $(EMU_SAN) $^ $(LDLIBS) -o $@
+# test_cuda_kvc starts <dir of the test>/../kvd: the ASan+UBSan one.
+$(EMU_B)/kvd: $(EMU_SAN_B)/kvd
+	$(Q)mkdir -p $(dir $@)
+	$(Q)cp $< $@
 
 $(EMU_B)/tests/obj/%.o: tests/cuda/%.c
 	$(call msg,EMUCC,$<)
@@ -101,7 +100,7 @@ $(EMU_B)/tests/test_emu: $(EMU_B)/tests/obj/test_emu.o $(EMU_RT_OBJ)
 	$(call msg,LD,$@)
 	$(Q)$(CXX) $(EMU_SAN) $^ -lcmocka -o $@
 
-$(EMU_B)/tests/%: $(EMU_B)/tests/obj/%.o $(EMU_CLIENT_OBJ) $(EMU_B)/libkvdcore.a
+$(EMU_B)/tests/%: $(EMU_B)/tests/obj/%.o $(EMU_CLIENT_OBJ) $(EMU_CORE_LIBS)
 	$(call msg,LD,$@)
 	$(Q)mkdir -p $(dir $@)
 	$(Q)$(CXX) $(EMU_SAN) $^ -lcmocka $(LDLIBS) -o $@
@@ -119,5 +118,4 @@ check-emu: $(EMU_B)/kvd $(EMU_TESTS)
 		EMU_DEVICES=2 EMU_ORDER=$$o EMU_SEED=$(EMU_SEED) sh tests/run.sh emu-$$o $$t || rc=1; \
 	done; exit $$rc
 
--include $(EMU_CORE_OBJ:.o=.d) $(EMU_CLIENT_OBJ:.o=.d) $(EMU_TEST_OBJ:.o=.d) \
-	$(EMU_B)/obj/kvd/main.d
+-include $(EMU_CLIENT_OBJ:.o=.d) $(EMU_TEST_OBJ:.o=.d)
