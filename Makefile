@@ -124,7 +124,7 @@ Q :=
 msg :=
 endif
 
-.PHONY: all deps test check check-unit check-exports check-modmap bench demo fuzz fuzz-smoke clean
+.PHONY: all deps test check check-unit check-exports check-modmap check-layers bench demo fuzz fuzz-smoke clean
 .PHONY: install check-install
 .DEFAULT_GOAL := all
 .SECONDARY:
@@ -327,7 +327,7 @@ test: deps
 	$(Q)sh tests/run.sh --stage fuzz-smoke $(MAKE) $(TEST_J) --no-print-directory fuzz-smoke
 	$(Q)sh tests/run.sh --stage check-emu $(MAKE) $(TEST_J) --no-print-directory check-emu
 	$(Q)sh tests/run.sh --stage check-avx512-emu $(MAKE) $(TEST_J) --no-print-directory check-avx512-emu
-	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) $(TEST_J) --no-print-directory check-unit check-exports check-modmap
+	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) $(TEST_J) --no-print-directory check-unit check-exports check-modmap check-layers
 	$(Q)sh tests/run.sh --stage check-install $(MAKE) $(TEST_J) --no-print-directory check-install
 	$(Q)sh tests/run.sh --stage check-python $(MAKE) $(TEST_J) --no-print-directory check-python
 	$(Q)sh tests/run.sh --total
@@ -361,6 +361,12 @@ check-exports: $(B)/libkvclient.so
 check-modmap: $(CORE_OBJ) $(B)/obj/kvd/main.o
 	$(Q)python3 tools/check-modmap.py --doc docs/ARCHITECTURE.md --obj $(B)/obj && \
 		echo "1 0 0" >>build/test-tally || { echo "0 1 0" >>build/test-tally; exit 1; }
+
+# The store and the engine include no daemon header, libkvabi nothing above
+# it (tools/check-layers.sh).
+check-layers:
+	$(Q)sh tools/check-layers.sh && echo "1 0 0" >>build/test-tally || \
+		{ echo "0 1 0" >>build/test-tally; exit 1; }
 
 # The Python package (python/, python/README.md): pytest against this
 # build's libkvclient.so and a real kvd, the example decode included.
