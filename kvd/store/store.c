@@ -1,5 +1,4 @@
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,20 +10,11 @@
 #include "engine/mem.h"
 #include "engine/pool.h"
 #include "engine/rng.h"
+#include "profile.h"
 #include "store_int.h"
 
 #define SEQ_BUCKET_BITS 12
 #define SEQ_BUCKETS (1u << SEQ_BUCKET_BITS)     /* chains stay short for thousands of sequences */
-#define PROF_BUCKETS 1024
-#define MAX_PROFILES 256        /* old API without limits: the cap it always had */
-
-/* A profile and the store's bookkeeping; callers see &p. */
-struct prof {
-	struct kvd_profile p;
-	uint32_t refs;
-	size_t bytes;                   /* charged to p.uid */
-	struct prof *next_id, *next_name;
-};
 
 struct kvd_store {
 	struct kvd_pool *pool[KVD_STORE_NODES];
@@ -32,10 +22,7 @@ struct kvd_store {
 	uint64_t node_bytes[KVD_STORE_NODES];
 	unsigned nnodes;
 	uint64_t picks;
-	struct prof *by_id[PROF_BUCKETS], *by_name[PROF_BUCKETS];
-	uint32_t nprof, nglobal;
-	uint32_t next_pid;              /* last profile id handed out */
-	uint64_t prof_bytes;
+	struct kvd_profiles prof;
 	uint64_t fixed;                 /* sequences' structs and layer arrays */
 	size_t seq_extra;               /* kvd_store_set_seq_extra: in every q->fixed */
 	uint64_t local_bytes;           /* kvd_local blobs, each once */
@@ -80,7 +67,7 @@ int kvd_store_create(struct kvd_pool *pool, struct kvd_store **out)
 
 int kvd_store_set_limits(struct kvd_store *s, struct kvd_limits *l)
 {
-	if (s->nseq || s->nprof)
+	if (s->nseq || s->prof.n)
 		return -EBUSY;
 	s->lim = l;
 	return 0;
@@ -171,6 +158,21 @@ static void uncharge(struct kvd_store *s, uint32_t uid, size_t n)
 		kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, n);
 }
 
+int kvd_store_mem_charge(struct kvd_store *s, uint32_t uid, uint64_t n, char *msg, size_t msglen)
+{
+	return mem_charge(s, uid, n, msg, msglen);
+}
+
+void kvd_store_mem_uncharge(struct kvd_store *s, uint32_t uid, size_t n)
+{
+	uncharge(s, uid, n);
+}
+
+struct kvd_profiles *kvd_store_profiles(struct kvd_store *s)
+{
+	return &s->prof;
+}
+
 static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
 {
 	q->bytes += (size_t)delta;
@@ -250,16 +252,6 @@ static void seg_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_seg *seg
 	kvd_seg_free(seg);
 }
 
-static void profile_free(struct prof *x)
-{
-	if (!x)
-		return;
-	free(x->p.dense);
-	free(x->p.W);
-	free(x->p.tab);
-	free(x);
-}
-
 /* Row buffers of `cap` tokens: K and V [H][cap][d], codes [H][L][cap]. */
 static size_t kv_bytes(const struct kvd_profile *p, uint32_t cap)
 {
@@ -320,7 +312,6 @@ static size_t heavy_bytes(const struct kvd_profile *p)
 	return kvd_heavy_words(&p->g) * sizeof(uint32_t);
 }
 
-static void prof_unlink(struct kvd_store *s, struct prof *x);
 static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct kvd_local *b);
 
 /* Frees q, gives back everything charged for it and its profile reference. */
@@ -352,14 +343,7 @@ void kvd_store_destroy(struct kvd_store *s)
 			seq_destroy(s, q);
 		}
 	}
-	for (uint32_t b = 0; b < PROF_BUCKETS; b++) {
-		while (s->by_id[b]) {
-			struct prof *x = s->by_id[b];
-
-			prof_unlink(s, x);
-			profile_free(x);
-		}
-	}
+	kvd_store_profiles_free(s);
 	free(s);
 }
 
@@ -384,229 +368,6 @@ struct kvd_pool *kvd_store_pool(const struct kvd_store *s, const struct kvd_seqn
 int kvd_store_mem_node(const struct kvd_store *s, const struct kvd_seqn *q)
 {
 	return s->mem[q->node];
-}
-
-/* ---- profiles ---------------------------------------------------------- */
-
-static int same_profile(const struct kvd_profile *a, const struct kvd_profile *b)
-{
-	return !memcmp(&a->g, &b->g, sizeof a->g) && a->layers == b->layers &&
-	       a->sink == b->sink && a->window == b->window && a->seg_tokens == b->seg_tokens &&
-	       a->seal_tokens == b->seal_tokens && a->seed == b->seed &&
-	       a->estimator == b->estimator && !memcmp(a->dense, b->dense, a->layers);
-}
-
-static uint32_t pid_bucket(uint32_t id)
-{
-	return (uint32_t)(kvd_mix64(id) & (PROF_BUCKETS - 1));
-}
-
-static uint32_t pname_bucket(uint32_t ns, const char *name)
-{
-	uint64_t h = kvd_mix64(ns);
-
-	for (; *name; name++)
-		h = kvd_mix64(h ^ (unsigned char)*name);
-	return (uint32_t)(h & (PROF_BUCKETS - 1));
-}
-
-static struct prof *prof_of(const struct kvd_profile *p)
-{
-	/* Every profile callers see is the first member of a struct prof. */
-	return (struct prof *)(uintptr_t)p;
-}
-
-static void prof_unlink(struct kvd_store *s, struct prof *x)
-{
-	struct prof **pp = &s->by_id[pid_bucket(x->p.id)];
-
-	while (*pp && *pp != x)
-		pp = &(*pp)->next_id;
-	if (*pp)
-		*pp = x->next_id;
-	pp = &s->by_name[pname_bucket(x->p.ns, x->p.name)];
-	while (*pp && *pp != x)
-		pp = &(*pp)->next_name;
-	if (*pp)
-		*pp = x->next_name;
-	s->nprof--;
-	s->nglobal -= x->p.ns == KVD_STORE_NS_GLOBAL;
-	s->prof_bytes -= x->bytes;
-	uncharge(s, x->p.uid, x->bytes);
-	if (s->lim)
-		kvd_limits_uncharge(s->lim, x->p.uid, KVD_RES_PROFILES, 1);
-}
-
-size_t kvd_store_profile_bytes(const struct kvd_profile *p)
-{
-	return sizeof(struct prof) + p->layers + (size_t)p->g.d * p->g.K * p->g.L * sizeof(float) +
-	       sizeof(struct kvd_logp_tab);
-}
-
-const struct kvd_profile *kvd_store_profile_find(struct kvd_store *s, uint32_t ns, const char *name)
-{
-	for (struct prof *x = s->by_name[pname_bucket(ns, name)]; x; x = x->next_name)
-		if (x->p.ns == ns && !strcmp(x->p.name, name))
-			return &x->p;
-	return NULL;
-}
-
-const struct kvd_profile *kvd_store_profile_get(struct kvd_store *s, uint32_t ns, uint32_t id)
-{
-	const struct kvd_profile *p = kvd_store_profile_by_id(s, id);
-
-	return p && p->ns == ns ? p : NULL;
-}
-
-void kvd_store_profile_ref(struct kvd_store *s, const struct kvd_profile *p)
-{
-	prof_of(p)->refs++;
-}
-
-void kvd_store_profile_unref(struct kvd_store *s, const struct kvd_profile *p)
-{
-	struct prof *x = prof_of(p);
-
-	if (!x->refs || --x->refs)
-		return;
-	prof_unlink(s, x);
-	profile_free(x);
-}
-
-__attribute__((format(printf, 3, 4)))
-static int say(char *msg, size_t msglen, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (msg && msglen) {
-		va_start(ap, fmt);
-		vsnprintf(msg, msglen, fmt, ap);
-		va_end(ap);
-	}
-	return 0;
-}
-
-/* A new profile in ns, charged to uid, with one reference. */
-static int profile_new(struct kvd_store *s, uint32_t ns, uint32_t uid,
-		       const struct kvd_profile *want, struct prof **out, char *msg, size_t msglen)
-{
-	size_t wn = (size_t)want->g.d * want->g.K * want->g.L;
-	size_t bytes = kvd_store_profile_bytes(want);
-	struct prof *x;
-	int rc;
-
-	if (s->next_pid == UINT32_MAX) {
-		say(msg, msglen, "profile ids used up (restart kvd)");
-		return -EOVERFLOW;
-	}
-	if (s->lim) {
-		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_PROFILES, 1, msg, msglen)))
-			return rc;
-		if ((rc = mem_charge(s, uid, bytes, msg, msglen))) {
-			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
-			return rc;
-		}
-	}
-	x = calloc(1, sizeof *x);
-	if (x) {
-		x->p = *want;
-		x->p.dense = malloc(want->layers);
-		x->p.W = malloc(wn * sizeof *x->p.W);
-		x->p.tab = malloc(sizeof *x->p.tab);
-	}
-	if (!x || !x->p.dense || !x->p.W || !x->p.tab) {
-		profile_free(x);
-		if (s->lim) {
-			kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, bytes);
-			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
-		}
-		say(msg, msglen, "out of memory");
-		return -ENOMEM;
-	}
-	x->p.id = ++s->next_pid;        /* never reused: the counter only grows */
-	x->p.ns = ns;
-	x->p.uid = uid;
-	x->bytes = bytes;
-	x->refs = 1;
-	memcpy(x->p.dense, want->dense, want->layers);
-	if (want->W)                    /* made by the caller from the same seed */
-		memcpy(x->p.W, want->W, wn * sizeof *x->p.W);
-	else
-		kvd_lsh_make_w(x->p.seed, (int)x->p.g.d, (int)x->p.g.K, (int)x->p.g.L, x->p.W);
-	kvd_logp_tab_init(x->p.tab, (int)x->p.g.K, (int)x->p.g.L, (int)x->p.g.c);
-	x->next_id = s->by_id[pid_bucket(x->p.id)];
-	s->by_id[pid_bucket(x->p.id)] = x;
-	x->next_name = s->by_name[pname_bucket(ns, x->p.name)];
-	s->by_name[pname_bucket(ns, x->p.name)] = x;
-	s->nprof++;
-	s->nglobal += ns == KVD_STORE_NS_GLOBAL;
-	s->prof_bytes += bytes;
-	*out = x;
-	return 0;
-}
-
-int kvd_store_profile_ns(struct kvd_store *s, uint32_t ns, uint32_t uid,
-			 const struct kvd_profile *want, const struct kvd_profile **out, char *msg,
-			 size_t msglen)
-{
-	const struct kvd_profile *old;
-	struct prof *x;
-	int rc;
-
-	if (ns == KVD_NS_NONE) {
-		say(msg, msglen, "uid %u is outside the uids kvd serves (below %u)", uid,
-		    KVD_NS_GROUP);
-		return -EACCES;
-	}
-	if ((old = kvd_store_profile_find(s, ns, want->name))) {
-		if (!same_profile(old, want)) {
-			say(msg, msglen, "profile '%s' exists with other fields", want->name);
-			return -EEXIST;
-		}
-		kvd_store_profile_ref(s, old);
-		*out = old;
-		return 0;
-	}
-	if ((rc = profile_new(s, ns, uid, want, &x, msg, msglen)))
-		return rc;
-	*out = &x->p;
-	return 0;
-}
-
-int kvd_store_profile(struct kvd_store *s, const struct kvd_profile *want,
-		      const struct kvd_profile **out)
-{
-	const struct kvd_profile *old = kvd_store_profile_by_name(s, want->name);
-	struct prof *x;
-	int rc;
-
-	if (old) {
-		if (!same_profile(old, want))
-			return -EEXIST;
-		*out = old;
-		return 0;
-	}
-	if (!s->lim && s->nglobal == MAX_PROFILES)
-		return -ENOSPC;
-	/* The reference profile_new gives is never dropped: old-API profiles
-	 * live as long as the store, as they always did. */
-	if ((rc = profile_new(s, KVD_STORE_NS_GLOBAL, 0, want, &x, NULL, 0)))
-		return rc;
-	*out = &x->p;
-	return 0;
-}
-
-const struct kvd_profile *kvd_store_profile_by_id(struct kvd_store *s, uint32_t id)
-{
-	for (struct prof *x = s->by_id[pid_bucket(id)]; x; x = x->next_id)
-		if (x->p.id == id)
-			return &x->p;
-	return NULL;
-}
-
-const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const char *name)
-{
-	return kvd_store_profile_find(s, KVD_STORE_NS_GLOBAL, name);
 }
 
 /* ---- sequences --------------------------------------------------------- */
@@ -734,15 +495,6 @@ struct kvd_seqn *kvd_store_seq_any(struct kvd_store *s, uint64_t id)
 	/* kvd_tier_free empties the tenant of one it frees later.  A published
 	 * snapshot belongs to the share table: not even an admin frees it. */
 	return q && q->tenant[0] && !q->hidden ? q : NULL;
-}
-
-void kvd_store_profile_each(struct kvd_store *s,
-			    void (*fn)(void *arg, const struct kvd_profile *p, uint32_t refs),
-			    void *arg)
-{
-	for (uint32_t b = 0; b < PROF_BUCKETS; b++)
-		for (struct prof *x = s->by_id[b]; x; x = x->next_id)
-			fn(arg, &x->p, x->refs);
 }
 
 void kvd_store_each(struct kvd_store *s, void (*fn)(void *arg, struct kvd_seqn *q), void *arg)
@@ -1833,9 +1585,9 @@ uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_
 void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st)
 {
 	st->sequences = s->nseq;
-	st->profiles = s->nprof;
+	st->profiles = s->prof.n;
 	st->bytes = s->bytes;
-	st->profile_bytes = s->prof_bytes;
+	st->profile_bytes = s->prof.bytes;
 	st->fixed_bytes = s->fixed;
 	st->local_bytes = s->local_bytes;
 }
