@@ -54,6 +54,10 @@ struct kvd_model;
 #define KVD_CTL_W_INLINE_MAX (128u << 10)
 #define KVD_CTL_MAX_FDS     4           /* fds one message may carry (HelloReply: 2) */
 
+/* A profile's limits here and below are the store's too (kvd/store/store.h,
+ * KVD_NAME_MAX and KVD_PROFILE_*, which tests/unit/test_sfmt.c holds equal
+ * to these): the store checks a profile read back from disk without the
+ * codec. */
 #define KVD_CTL_NAME_MAX    64          /* tenant, client_name, profile name */
 #define KVD_CTL_KEY_MAX     64          /* SeqCreate.content_key */
 #define KVD_CTL_MSG_MAX     256         /* Error.message, NUL included */

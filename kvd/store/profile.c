@@ -10,6 +10,15 @@
 
 #define MAX_PROFILES 256        /* old API without limits: the cap it always had */
 
+uint32_t kvd_store_chunk_default(uint32_t seal)
+{
+	uint32_t c = seal < KVD_PROFILE_CHUNK_DEFAULT ? seal : KVD_PROFILE_CHUNK_DEFAULT;
+
+	while (c > 1 && seal % c)
+		c--;
+	return c ? c : 1;
+}
+
 /* A profile and the store's bookkeeping; callers see &p. */
 struct kvd_prof {
 	struct kvd_profile p;

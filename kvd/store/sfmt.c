@@ -10,7 +10,6 @@
 #define XXH_STATIC_LINKING_ONLY         /* XXH3_state_t on the stack: no malloc, no failure */
 #include <xxhash.h>
 
-#include "proto/ctl.h"
 #include "engine/err.h"
 #include "sfmt.h"
 
@@ -50,8 +49,7 @@ static_assert(offsetof(struct kvd_sfmt_profile_rec, estimator) == 128, "layout")
 static_assert(offsetof(struct kvd_sfmt_profile_rec, chunk_tokens) == 132 &&
 	      offsetof(struct kvd_sfmt_profile_rec, reserved) == 136, "layout");
 static_assert(sizeof(struct kvd_sfmt_profile_rec) == KVD_SFMT_PROFILE_REC, "record size");
-static_assert(sizeof(((struct kvd_sfmt_profile_rec *)0)->name) > KVD_CTL_NAME_MAX, "name + NUL");
-static_assert(KVD_CTL_NAME_MAX == KVD_NAME_MAX, "one name limit");
+static_assert(sizeof(((struct kvd_sfmt_profile_rec *)0)->name) > KVD_NAME_MAX, "name + NUL");
 
 /* A segment's io buffer is its extent. */
 static_assert(KVD_SFMT_PAGE == KVD_SEG_IO_PAGE, "segment header page");
@@ -150,7 +148,7 @@ static void rec_make(const struct kvd_profile *p, struct kvd_sfmt_profile_rec *r
 	r->estimator = p->estimator;
 	/* The default is written as 0, so a profile's record (and fingerprint)
 	 * is what it was before the field existed. */
-	r->chunk_tokens = p->chunk_tokens == kvd_ctl_chunk_default(p->seal_tokens) ? 0 :
+	r->chunk_tokens = p->chunk_tokens == kvd_store_chunk_default(p->seal_tokens) ? 0 :
 			  p->chunk_tokens;
 }
 
@@ -223,7 +221,7 @@ static int pow2(uint32_t x)
 }
 
 /* Every check of kvd_sfmt_profile_get, without allocating: the limits are
- * kvd_ctl_check_profile's (a profile on disk was once a valid request), the
+ * the store's (KVD_PROFILE_*: a profile on disk was once a valid request), the
  * form canonical (what kvd_sfmt_profile_put writes) so that the
  * fingerprint of the bytes is the fingerprint of the profile.  Fills *r. */
 static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_rec *r,
@@ -237,9 +235,9 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 	const char *nul = memchr(r->name, 0, sizeof r->name);
 	size_t len = nul ? (size_t)(nul - r->name) : 0;
 
-	if (!nul || len < 1 || len > KVD_CTL_NAME_MAX)
+	if (!nul || len < 1 || len > KVD_NAME_MAX)
 		return fail(msg, msglen, "PROFILE name is not 1..%d characters and a NUL",
-			    KVD_CTL_NAME_MAX);
+			    KVD_NAME_MAX);
 	for (size_t i = 0; i < len; i++)
 		if (r->name[i] < 0x20 || r->name[i] > 0x7e)
 			return fail(msg, msglen, "PROFILE name has a non-printable byte 0x%02x at %zu",
@@ -256,23 +254,24 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 		return fail(msg, msglen,
 			    "PROFILE geometry q_heads %u kv_heads %u head_dim %u K %u L %u c %u kv_dtype %u refused by kvd_geom_check",
 			    r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c, r->kv_dtype);
-	if (r->layers < 1 || r->layers > KVD_CTL_LAYERS_MAX)
+	if (r->layers < 1 || r->layers > KVD_PROFILE_LAYERS_MAX)
 		return fail(msg, msglen, "PROFILE layers %u out of range [1, %d]", r->layers,
-			    KVD_CTL_LAYERS_MAX);
-	if (r->sink > KVD_CTL_TOKENS_MAX || r->window > KVD_CTL_TOKENS_MAX)
+			    KVD_PROFILE_LAYERS_MAX);
+	if (r->sink > KVD_PROFILE_TOKENS_MAX || r->window > KVD_PROFILE_TOKENS_MAX)
 		return fail(msg, msglen, "PROFILE sink %u / window %u above %u", r->sink, r->window,
-			    KVD_CTL_TOKENS_MAX);
-	if (!pow2(r->seg_tokens) || r->seg_tokens < KVD_CTL_SEG_MIN || r->seg_tokens > KVD_SEG_MAX)
+			    KVD_PROFILE_TOKENS_MAX);
+	if (!pow2(r->seg_tokens) || r->seg_tokens < KVD_PROFILE_SEG_MIN ||
+	    r->seg_tokens > KVD_SEG_MAX)
 		return fail(msg, msglen, "PROFILE seg_tokens %u is not a power of two in [%u, %u]",
-			    r->seg_tokens, KVD_CTL_SEG_MIN, KVD_SEG_MAX);
-	if (r->seal_tokens < KVD_CTL_SEAL_MIN || r->seal_tokens > r->seg_tokens)
+			    r->seg_tokens, KVD_PROFILE_SEG_MIN, KVD_SEG_MAX);
+	if (r->seal_tokens < KVD_PROFILE_SEAL_MIN || r->seal_tokens > r->seg_tokens)
 		return fail(msg, msglen, "PROFILE seal_tokens %u out of range [%u, seg_tokens %u]",
-			    r->seal_tokens, KVD_CTL_SEAL_MIN, r->seg_tokens);
+			    r->seal_tokens, KVD_PROFILE_SEAL_MIN, r->seg_tokens);
 	if (r->chunk_tokens && r->seal_tokens % r->chunk_tokens)
 		return fail(msg, msglen, "PROFILE chunk_tokens %u does not divide seal_tokens %u",
 			    r->chunk_tokens, r->seal_tokens);
 	/* Canonical: the default is written as 0, never as its value. */
-	if (r->chunk_tokens && r->chunk_tokens == kvd_ctl_chunk_default(r->seal_tokens))
+	if (r->chunk_tokens && r->chunk_tokens == kvd_store_chunk_default(r->seal_tokens))
 		return fail(msg, msglen, "PROFILE chunk_tokens %u is the default, written as 0",
 			    r->chunk_tokens);
 
@@ -329,7 +328,8 @@ int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile
 	out->seal_tokens = r.seal_tokens;
 	out->seed = r.seed;
 	out->estimator = r.estimator;
-	out->chunk_tokens = r.chunk_tokens ? r.chunk_tokens : kvd_ctl_chunk_default(r.seal_tokens);
+	out->chunk_tokens = r.chunk_tokens ? r.chunk_tokens :
+			    kvd_store_chunk_default(r.seal_tokens);
 	out->dense = malloc(r.layers);
 	out->W = malloc(w_bytes(r.d, r.K, r.L));
 	if (!out->dense || !out->W) {
@@ -490,20 +490,20 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 	switch (h->kind) {
 	case KVD_SFMT_PROFILE: {
 		/* The record says how many layers, so only the range is known
-		 * here: dense[] takes 64 to A64(KVD_CTL_LAYERS_MAX) bytes. */
+		 * here: dense[] takes 64 to A64(KVD_PROFILE_LAYERS_MAX) bytes. */
 		uint64_t fixed = KVD_SFMT_PROFILE_REC + w_bytes(h->d, h->K, h->L);
 		uint64_t pad = h->payload_bytes - fixed;
 
 		if (h->index != 0)
 			return fail(msg, msglen, "PROFILE extent at index %u, not first", h->index);
-		if (h->payload_bytes < fixed || pad < 64 || pad > A64(KVD_CTL_LAYERS_MAX) || pad % 64)
+		if (h->payload_bytes < fixed || pad < 64 || pad > A64(KVD_PROFILE_LAYERS_MAX) || pad % 64)
 			return fail(msg, msglen,
 				    "PROFILE extent: payload_bytes %llu impossible for head_dim %u K %u L %u",
 				    (unsigned long long)h->payload_bytes, h->d, h->K, h->L);
 		break;
 	}
 	case KVD_SFMT_LAYER:
-		if (h->layer >= KVD_CTL_LAYERS_MAX || h->n > KVD_SEG_MAX || !tok_ok(h))
+		if (h->layer >= KVD_PROFILE_LAYERS_MAX || h->n > KVD_SEG_MAX || !tok_ok(h))
 			return fail(msg, msglen,
 				    "LAYER extent %u: layer %u, tail of %u rows, tokens [%llu, %llu) out of range",
 				    h->index, h->layer, h->n, (unsigned long long)h->tok_begin,
@@ -520,7 +520,8 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 				    (unsigned long long)want);
 		break;
 	case KVD_SFMT_SEG:
-		if (h->layer >= KVD_CTL_LAYERS_MAX || h->n < 1 || h->n > KVD_SEG_MAX || !tok_ok(h))
+		if (h->layer >= KVD_PROFILE_LAYERS_MAX || h->n < 1 || h->n > KVD_SEG_MAX ||
+		    !tok_ok(h))
 			return fail(msg, msglen,
 				    "SEG extent %u: layer %u, %u tokens, tokens [%llu, %llu) out of range",
 				    h->index, h->layer, h->n, (unsigned long long)h->tok_begin,
@@ -537,7 +538,7 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 				    (unsigned long long)want);
 		break;
 	case KVD_SFMT_LOCAL:
-		if (h->layer >= KVD_CTL_LAYERS_MAX || h->n < 1 || h->n > KVD_SFMT_LOCAL_MAX ||
+		if (h->layer >= KVD_PROFILE_LAYERS_MAX || h->n < 1 || h->n > KVD_SFMT_LOCAL_MAX ||
 		    h->tok_begin || h->tok_end)
 			return fail(msg, msglen, "LOCAL extent %u: layer %u, %u rows out of range",
 				    h->index, h->layer, h->n);

@@ -34,9 +34,9 @@
  *            tenant NUL-terminated, printable ASCII.
  *   PROFILE  index 0; payload_bytes within what a profile of that geometry
  *            can take (exact only once the record is read).
- *   LAYER    layer < KVD_CTL_LAYERS_MAX; n <= KVD_SEG_MAX tail rows and
+ *   LAYER    layer < KVD_PROFILE_LAYERS_MAX; n <= KVD_SEG_MAX tail rows and
  *            tok_end - tok_begin == n; flags within KVD_SFMT_LF_*.
- *   SEG      layer < KVD_CTL_LAYERS_MAX; n in 1..KVD_SEG_MAX and
+ *   SEG      layer < KVD_PROFILE_LAYERS_MAX; n in 1..KVD_SEG_MAX and
  *            tok_end - tok_begin == n; flags within KVD_SFMT_SF_* (none in
  *            a version 1 file).
  *
@@ -52,7 +52,7 @@
  * what their profiles were.  A profile's estimator state (the heavy lists of
  * hybrid and adaptive) is scratch and is never written: a sequence comes
  * back from a file with empty lists.
- *   LOCAL    version >= 3; layer < KVD_CTL_LAYERS_MAX; n in
+ *   LOCAL    version >= 3; layer < KVD_PROFILE_LAYERS_MAX; n in
  *            1..KVD_SFMT_LOCAL_MAX rows; payload K then V, bf16
  *            [kv_heads][n][d] each, each part 64-byte aligned
  *            (kvd_sfmt_local_bytes).
@@ -141,14 +141,14 @@ uint64_t kvd_sfmt_profile_fp(const struct kvd_profile *p);
 /* The PROFILE record.  Canonical: the name is zero-padded, reserved bytes
  * are zero, so equal profiles give equal bytes (and equal fingerprints). */
 struct kvd_sfmt_profile_rec {
-	char name[72];                  /* 1..KVD_CTL_NAME_MAX printable chars, NUL-padded */
+	char name[72];                  /* 1..KVD_NAME_MAX printable chars, NUL-padded */
 	uint32_t q_heads, kv_heads, d, K, L, c;
 	uint32_t layers, sink, window, seg_tokens, seal_tokens;
 	uint32_t kv_dtype;              /* enum kvd_kv_dtype (0 before version 2) */
 	uint64_t seed;
 	uint32_t estimator;             /* enum kvd_estimator (0, magicpig, in files
 					 * written before it: it was reserved) */
-	uint32_t chunk_tokens;          /* 0: kvd_ctl_chunk_default(seal_tokens), as in
+	uint32_t chunk_tokens;          /* 0: kvd_store_chunk_default(seal_tokens), as in
 					 * files written before it (reserved then) */
 	uint8_t reserved[120];          /* 0 */
 };
@@ -158,8 +158,8 @@ uint64_t kvd_sfmt_profile_bytes(const struct kvd_profile *p);
  * payload needs no alignment. */
 void kvd_sfmt_profile_put(const struct kvd_profile *p, void *payload);
 /* Fills *out from a PROFILE payload, validating every field (kvd_geom_check
- * and the limits of proto/ctl.h: name, layers, sink/window, seg/seal tokens,
- * as kvd_ctl_check_profile), the record's canonical form, dense[] of 0/1
+ * and a profile's limits in store.h, KVD_PROFILE_*: name, layers,
+ * sink/window, seg/seal tokens, as a request's), the record's canonical form, dense[] of 0/1
  * with zero padding, bytes exactly kvd_sfmt_profile_bytes(), and W finite;
  * out->dense and out->W are malloc'd, out->tab is NULL and out->id is 0.
  * payload needs no alignment.  0 or -KVD_EFORMAT / -ENOMEM. */

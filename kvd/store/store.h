@@ -54,13 +54,28 @@ struct kvd_pool;
 
 #define KVD_NAME_MAX KVD_MODEL_NAME_MAX
 
+/* A profile's limits, kept by the store (a profile read back from a spill
+ * file is checked against them, kvd/store/sfmt.c) and by the control
+ * codec for a request (proto/ctl.h's KVD_CTL_*, which tests/unit/test_sfmt.c
+ * holds equal to these): a profile on disk was once a valid request. */
+#define KVD_PROFILE_LAYERS_MAX 1024
+#define KVD_PROFILE_TOKENS_MAX 65536u   /* sink, window */
+#define KVD_PROFILE_SEG_MIN    256u     /* seg_tokens: a power of two in [MIN, KVD_SEG_MAX] */
+#define KVD_PROFILE_SEAL_MIN   16u      /* seal_tokens in [MIN, seg_tokens] */
+/* The content-key chunk of a profile that names none: KVD_PROFILE_CHUNK_DEFAULT
+ * tokens when that divides seal, else the largest divisor of seal below it
+ * (kvd_store_chunk_default).  A chunk_tokens that is not 0 divides
+ * seal_tokens. */
+#define KVD_PROFILE_CHUNK_DEFAULT 256u
+uint32_t kvd_store_chunk_default(uint32_t seal);
+
 struct kvd_profile {
 	uint32_t id;                    /* unique in a daemon's life, never 0 */
 	uint32_t ns;                    /* namespace (KVD_STORE_NS_GLOBAL: old API) */
 	uint32_t uid;                   /* its creator: charged for its bytes */
 	/* name, g, layers, sink, window, seg_tokens, seal_tokens, chunk_tokens
-	 * (content-key chunk, divides seal_tokens; 0: 256 or seal_tokens when
-	 * smaller), seed, estimator (part of equality): engine/model.h, by
+	 * (content-key chunk, divides seal_tokens; 0:
+	 * kvd_store_chunk_default(seal_tokens)), seed, estimator (part of equality): engine/model.h, by
 	 * name or as p->model for the control codec */
 	union {
 		struct { KVD_MODEL_FIELDS };

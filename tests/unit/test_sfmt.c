@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -33,6 +34,15 @@
 #include "testutil.h"
 
 #define PAGE KVD_SFMT_PAGE
+
+/* A profile on disk was once a valid request: the store's limits (which
+ * sfmt checks) are the wire's. */
+static_assert(KVD_NAME_MAX == KVD_CTL_NAME_MAX, "one name limit");
+static_assert(KVD_PROFILE_LAYERS_MAX == KVD_CTL_LAYERS_MAX, "one layers limit");
+static_assert(KVD_PROFILE_TOKENS_MAX == KVD_CTL_TOKENS_MAX, "one sink/window limit");
+static_assert(KVD_PROFILE_SEG_MIN == KVD_CTL_SEG_MIN, "one seg_tokens minimum");
+static_assert(KVD_PROFILE_SEAL_MIN == KVD_CTL_SEAL_MIN, "one seal_tokens minimum");
+static_assert(KVD_PROFILE_CHUNK_DEFAULT == KVD_CTL_CHUNK_DEFAULT, "one chunk default");
 
 static const struct kvd_kern *kv[8];
 static int nkv;
@@ -124,13 +134,19 @@ static void test_constants(void **state)
 	memset(&h, 0, sizeof h);
 	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h - 1, NULL, msg, sizeof msg), -KVD_EFORMAT);
 	assert_int_equal(kvd_sfmt_check_hdr(NULL, 0, NULL, NULL, 0), -KVD_EFORMAT);
+	/* The store's chunk default (what a file writes as 0) is the wire's
+	 * for every seal_tokens a profile may have. */
+	for (uint32_t seal = 1; seal <= KVD_SEG_MAX; seal++)
+		if (kvd_store_chunk_default(seal) != kvd_ctl_chunk_default(seal))
+			fail_msg("seal %u: store's chunk %u, ctl's %u", seal,
+				 kvd_store_chunk_default(seal), kvd_ctl_chunk_default(seal));
 }
 
 /* ---- profiles ----------------------------------------------------------- */
 
 struct prof {
 	struct kvd_profile p;
-	uint8_t dense[KVD_CTL_LAYERS_MAX];
+	uint8_t dense[KVD_PROFILE_LAYERS_MAX];
 	float *W;
 };
 
@@ -249,8 +265,8 @@ static void test_profile_rejects(void **state)
 		case GEOM_D: r.d = 24; break;
 		case GEOM_G: r.kv_heads = 3; break;
 		case LAYERS0: r.layers = 0; break;
-		case LAYERS_BIG: r.layers = KVD_CTL_LAYERS_MAX + 1; break;
-		case SINK: r.sink = KVD_CTL_TOKENS_MAX + 1; break;
+		case LAYERS_BIG: r.layers = KVD_PROFILE_LAYERS_MAX + 1; break;
+		case SINK: r.sink = KVD_PROFILE_TOKENS_MAX + 1; break;
 		case SEG_POW2: r.seg_tokens = 3000; break;
 		case SEG_SMALL: r.seg_tokens = 128; break;
 		case SEAL_BIG: r.seal_tokens = 8192; break;
@@ -620,7 +636,7 @@ static void test_header_semantics(void **state)
 		case 10: h.payload_bytes += 64; break;
 		case 11: h.payload_bytes -= 1; break;
 		case 12: h.flags = KVD_SFMT_LF_MEAN; break;
-		case 13: h.layer = KVD_CTL_LAYERS_MAX; break;
+		case 13: h.layer = KVD_PROFILE_LAYERS_MAX; break;
 		case 14: memset(h.tenant, 'a', sizeof h.tenant); break;
 		case 15: h.tenant[0] = 0x7f; break;
 		case 16: h.flags = 0x4; break;                  /* LAYER */
