@@ -423,7 +423,7 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 	struct job *j = &c->job;
 	const struct kvd_sqe *e = &j->e;
 	uint32_t i = j->next;
-	struct kvd_seqn *q;
+	struct kvd_store_attend_view v;
 	char msg[160], m[128];
 	int rc;
 
@@ -433,18 +433,12 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		finish(s, c, -EINVAL, "batch: no record left");
 		return -1;
 	}
-	q = kvd_store_seq_get(s->store, j->ids[i], c->tenant);
-	if (!q || kvd_store_seq_profile(q)->id != j->pid) {
-		snprintf(msg, sizeof msg, "batch[%u]: sequence %llu is gone", i,
-			 (unsigned long long)j->ids[i]);
-		finish(s, c, -ENOENT, msg);
-		return -1;
-	}
-	if (*pool && kvd_store_pool(s->store, q) != *pool)
+	rc = kvd_store_attend_view(s->store, j->ids[i], c->tenant, j->pid, e->layer, *pool, &v, m,
+				   sizeof m);
+	if (rc == 1)
 		return 1;       /* another node's pool: a later pass */
-	rc = kvd_tier_want(s->tier, q, e->layer, m, sizeof m);
 	if (rc == -EINPROGRESS) {
-		c->parked = 1;
+		c->parked = 1;  /* the tier restores the layer */
 		return 1;
 	}
 	if (rc) {
@@ -452,13 +446,8 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		finish(s, c, rc, msg);
 		return -1;
 	}
-	if ((rc = kvd_store_attend_ready(q, e->layer))) {
-		snprintf(msg, sizeof msg, "batch[%u]: layer %u is still being prefilled", i, e->layer);
-		finish(s, c, rc, msg);
-		return -1;
-	}
 
-	const struct kvd_profile *p = kvd_store_seq_profile(q);
+	const struct kvd_profile *p = v.p;
 	size_t qb = (size_t)p->g.q_heads * p->g.d * sizeof(float);
 	size_t cb = (size_t)p->g.q_heads * p->g.L * sizeof(uint16_t);
 	const struct kvd_attend_layout lay = kvd_attend_layout(p->g.q_heads, p->g.d, p->g.L);
@@ -478,7 +467,7 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 	memcpy((char *)xb->qc + k * xb->cb, rec + lay.codes_off, cb);
 	u->c = c;
 	u->rec = i;
-	u->lv = kvd_store_view(q, e->layer);
+	u->lv = v.lv;
 	u->tasks = (u->lv.nseg + (u->lv.tail_n ? 1 : 0)) * p->g.kv_heads;
 	*r = (struct kvd_attn_req){
 		.g = &p->g, .tab = p->tab, .lv = &u->lv,
@@ -487,10 +476,10 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		.o = (float *)((char *)xb->o + k * xb->ob),
 		.lse = (float *)((char *)xb->lse + k * xb->lb),
 		.est = p->estimator,
-		/* Here, on the loop, not in the pool job: the store is the
-		 * loop's.  NULL (magicpig, dense, no room for it) attends the
-		 * layer without state. */
-		.heavy = kvd_store_layer_heavy(s->store, q, e->layer),
+		/* Taken on the loop (kvd_store_attend_view), not in the pool
+		 * job: the store is the loop's.  NULL (magicpig, dense, no room
+		 * for it) attends the layer without state. */
+		.heavy = v.heavy,
 	};
 	/* The engine rewrites the state after the step: two records of one
 	 * pass on the same (sequence, layer) -- two connections of a tenant --
@@ -498,8 +487,8 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 	for (unsigned o = 0; r->heavy && o < k; o++)
 		if (xb->req[o].heavy == r->heavy)
 			r->heavy = NULL;
-	*pool = kvd_store_pool(s->store, q);
-	*node = kvd_store_seq_node(q);
+	*pool = v.pool;
+	*node = v.node;
 	return 0;
 }
 

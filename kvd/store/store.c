@@ -29,6 +29,8 @@ struct kvd_store {
 	struct kvd_limits *lim;
 	kvd_store_room_fn room;         /* the tier's policy before the wall */
 	void *room_arg;
+	kvd_store_want_fn want;         /* the tier's residency, for records */
+	void *want_arg;
 	kvd_store_reclaim_fn reclaim;   /* caches that give way at the wall */
 	void *reclaim_arg;
 	int exact;                      /* this rows call grows staging exactly */
@@ -82,6 +84,12 @@ void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg)
 {
 	s->room = fn;
 	s->room_arg = arg;
+}
+
+void kvd_store_set_want(struct kvd_store *s, kvd_store_want_fn fn, void *arg)
+{
+	s->want = fn;
+	s->want_arg = arg;
 }
 
 void kvd_store_set_reclaim(struct kvd_store *s, kvd_store_reclaim_fn fn, void *arg)
@@ -1357,6 +1365,31 @@ int kvd_store_attend_ready(const struct kvd_seqn *q, uint32_t layer)
 	const struct kvd_layer_state *l = &q->ly[layer];
 
 	return l->mean && !l->sealed ? -EBUSY : 0;
+}
+
+int kvd_store_attend_view(struct kvd_store *s, uint64_t id, const char *tenant, uint32_t pid,
+			  uint32_t layer, const struct kvd_pool *pool,
+			  struct kvd_store_attend_view *v, char *msg, size_t msglen)
+{
+	struct kvd_seqn *q = kvd_store_seq_get(s, id, tenant);
+	int rc;
+
+	if (!q || q->p->id != pid)
+		return say(msg, msglen, "sequence %llu is gone", (unsigned long long)id), -ENOENT;
+	if (pool && s->pool[q->node] != pool)
+		return 1;
+	if (NEVER(layer >= q->p->layers))
+		return say(msg, msglen, "layer %u of %u", layer, q->p->layers), -EINVAL;
+	if (s->want && (rc = s->want(s->want_arg, q, layer, msg, msglen)))
+		return rc;
+	if ((rc = kvd_store_attend_ready(q, layer)))
+		return say(msg, msglen, "layer %u is still being prefilled", layer), rc;
+	*v = (struct kvd_store_attend_view){
+		.q = q, .p = q->p, .lv = kvd_store_view(q, layer),
+		.heavy = kvd_store_layer_heavy(s, q, layer),
+		.pool = s->pool[q->node], .node = q->node,
+	};
+	return 0;
 }
 
 uint64_t kvd_store_seq_id(const struct kvd_seqn *q)

@@ -120,6 +120,14 @@ struct kvd_limits *kvd_store_limits(const struct kvd_store *s);
 typedef int (*kvd_store_room_fn)(void *arg, uint32_t uid, uint64_t bytes, char *msg,
 				 size_t msglen);
 void kvd_store_set_room(struct kvd_store *s, kvd_store_room_fn fn, void *arg);
+/* The tier's residency policy (kvd_tier_want), asked by
+ * kvd_store_attend_view for the layer a record attends: 0 when it is
+ * resident, -EINPROGRESS while it is being restored (nothing changed: ask
+ * again later), or another negative code with msg (-KVD_ELOST, -ENOMEM).
+ * kvd_tier_create sets it; without one every sequence is resident. */
+typedef int (*kvd_store_want_fn)(void *arg, struct kvd_seqn *q, uint32_t layer, char *msg,
+				 size_t msglen);
+void kvd_store_set_want(struct kvd_store *s, kvd_store_want_fn fn, void *arg);
 /* A cache's policy under pressure (kvd_share: published snapshots, which
  * kvd_share_create sets): free at least `need` bytes of memory, of uid's
  * (any 0: under its per-uid limit) or of anyone's (any 1: under the global
@@ -294,6 +302,31 @@ struct kvd_layer_view kvd_store_view(const struct kvd_seqn *q, uint32_t layer);
  * would silently leave them out; 0 otherwise.  Residency is the tier's
  * question (kvd_tier_want), asked first. */
 int kvd_store_attend_ready(const struct kvd_seqn *q, uint32_t layer);
+
+/* Everything one ATTEND record reads of a sequence's layer, valid until the
+ * sequence next changes. */
+struct kvd_store_attend_view {
+	struct kvd_seqn *q;
+	const struct kvd_profile *p;
+	struct kvd_layer_view lv;       /* segments and tail (kvd_store_view) */
+	uint32_t *heavy;                /* estimator state (kvd_store_layer_heavy), or NULL */
+	struct kvd_pool *pool;          /* the pool of the sequence's node (kvd_store_pool) */
+	uint32_t node;                  /* kvd_store_seq_node */
+};
+/* The executor's one call per ATTEND record: sequence id of tenant, attended
+ * at layer with profile pid, checked in the order the answers need.
+ * -ENOENT unless it exists, is tenant's and has profile pid (an id the
+ * client freed, or reused for another profile, since the entry was
+ * checked); 1 when pool is not NULL and the sequence's pool is another
+ * (its node's pass comes later; nothing was asked of the tier); else the
+ * want hook's answer for the layer unless 0 (-EINPROGRESS while it is
+ * restored); -EBUSY while its prefill is under way (kvd_store_attend_ready);
+ * 0 with *v filled, the estimator state allocated on first use.  msg says
+ * why on a negative code.  layer is below the profile's layers (the entry
+ * was checked against pid's). */
+int kvd_store_attend_view(struct kvd_store *s, uint64_t id, const char *tenant, uint32_t pid,
+			  uint32_t layer, const struct kvd_pool *pool,
+			  struct kvd_store_attend_view *v, char *msg, size_t msglen);
 
 /* A sequence's identity and state, read-only.  ready_layers: how many
  * layers, from 0, can be used now (all when resident, those restored so

@@ -604,6 +604,12 @@ static int room_cb(void *arg, uint32_t uid, uint64_t bytes, char *msg, size_t ms
 	return kvd_tier_room_uid(arg, uid, bytes, msg, msglen);
 }
 
+/* And before a record attends a layer (see kvd_store_set_want). */
+static int want_cb(void *arg, struct kvd_seqn *q, uint32_t layer, char *msg, size_t msglen)
+{
+	return kvd_tier_want(arg, q, layer, msg, msglen);
+}
+
 int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct kvd_tier **out)
 {
 	struct kvd_tier *t = calloc(1, sizeof *t);
@@ -621,6 +627,7 @@ int kvd_tier_create(const struct kvd_tier_cfg *cfg, struct kvd_store *st, struct
 		return rc;
 	}
 	kvd_store_set_room(st, room_cb, t);
+	kvd_store_set_want(st, want_cb, t);
 	*out = t;
 	return 0;
 }
@@ -660,6 +667,7 @@ void kvd_tier_destroy(struct kvd_tier *t)
 		kvd_tier_unl_done(t, t->unls);
 	kvd_store_each(t->st, free_all, t);
 	kvd_store_set_room(t->st, NULL, NULL);
+	kvd_store_set_want(t->st, NULL, NULL);
 	if (t->cfg.spill && !t->cfg.persist) {
 		/* Nothing outlives kvd without persist: empty the directories
 		 * now rather than at the next start. */

@@ -21,6 +21,7 @@
 
 #include <cmocka.h>
 
+#include "engine/err.h"
 #include "engine/pool.h"
 #include "engine/rng.h"
 #include "kvd/store/store.h"
@@ -687,6 +688,93 @@ static void test_attend_ready(void **state)
 	kvd_store_destroy(s);
 }
 
+/* The want hook of test_attend_view: records what it was asked and answers
+ * want_rc. */
+static int want_rc, want_calls;
+static uint32_t want_layer;
+
+static int want(void *arg, struct kvd_seqn *q, uint32_t layer, char *msg, size_t msglen)
+{
+	want_calls++;
+	want_layer = layer;
+	if (want_rc)
+		snprintf(msg, msglen, "the hook says no");
+	return want_rc;
+}
+
+/* kvd_store_attend_view: one record's whole view, its checks in order --
+ * the sequence (tenant, profile), the pool, the tier's residency (the want
+ * hook's answer passed on, message and all), the prefill -- and then what
+ * the separate calls give: the view, the estimator state, pool and node. */
+static void test_attend_view(void **state)
+{
+	struct kvd_store *s = store(NULL);
+	struct kvd_profile want_p = profile("av", 3);
+	const struct kvd_profile *p;
+	struct kvd_store_attend_view v;
+	struct kvd_layer_view lv;
+	struct kvd_seqn *q;
+	uint64_t id;
+	char msg[256];
+
+	want_p.estimator = KVD_EST_HYBRID;
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want_p, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	id = kvd_store_seq_id(q);
+	kvd_store_set_want(s, want, NULL);
+	want_rc = want_calls = 0;
+
+	assert_int_equal(kvd_store_attend_view(s, id, "9:u", p->id, 0, NULL, &v, msg, sizeof msg),
+			 -ENOENT);
+	assert_non_null(strstr(msg, "is gone"));
+	assert_int_equal(kvd_store_attend_view(s, id, "9:t", p->id + 1, 0, NULL, &v, msg,
+					       sizeof msg), -ENOENT);
+	assert_int_equal(kvd_store_attend_view(s, id, "9:t", p->id, 0, (struct kvd_pool *)&v, &v,
+					       msg, sizeof msg), 1);
+	assert_int_equal(want_calls, 0);
+
+	want_rc = -EINPROGRESS;
+	assert_int_equal(kvd_store_attend_view(s, id, "9:t", p->id, 1, NULL, &v, msg, sizeof msg),
+			 -EINPROGRESS);
+	assert_int_equal(want_calls, 1);
+	assert_int_equal(want_layer, 1);
+	want_rc = -KVD_ELOST;
+	assert_int_equal(kvd_store_attend_view(s, id, "9:t", p->id, 1, NULL, &v, msg, sizeof msg),
+			 -KVD_ELOST);
+	assert_string_equal(msg, "the hook says no");
+	want_rc = 0;
+
+	assert_int_equal(rows(s, q, 0, 0, 0, 1, 0, 300, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_attend_view(s, id, "9:t", p->id, 0, NULL, &v, msg, sizeof msg),
+			 -EBUSY);
+	assert_string_equal(msg, "layer 0 is still being prefilled");
+	assert_int_equal(rows(s, q, 0, 0, 1, 0, 300, 10, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 0, 1, 0, 0, 310, 5, msg, sizeof msg), 0);
+
+	assert_int_equal(kvd_store_attend_view(s, id, "9:t", p->id, 0, kvd_store_pool(s, q), &v,
+					       msg, sizeof msg), 0);
+	lv = kvd_store_view(q, 0);
+	assert_ptr_equal(v.q, q);
+	assert_ptr_equal(v.p, p);
+	assert_ptr_equal(v.lv.seg, lv.seg);
+	assert_int_equal(v.lv.nseg, lv.nseg);
+	assert_ptr_equal(v.lv.tail_k, lv.tail_k);
+	assert_ptr_equal(v.lv.tail_v, lv.tail_v);
+	assert_int_equal(v.lv.tail_n, lv.tail_n);
+	assert_int_equal(v.lv.tail_cap, lv.tail_cap);
+	assert_int_equal(v.lv.nseg, 2);          /* 256 sealed full, 54 at the LAST */
+	assert_int_equal(v.lv.tail_n, 5);
+	assert_non_null(v.heavy);
+	assert_ptr_equal(v.heavy, kvd_store_layer_heavy(s, q, 0));
+	assert_ptr_equal(v.pool, kvd_store_pool(s, q));
+	assert_int_equal(v.node, kvd_store_seq_node(q));
+
+	kvd_store_set_want(s, NULL, NULL);
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	kvd_store_destroy(s);
+}
+
 /* APPEND fills the tail and seals it into a segment at seal_tokens (64
  * here), then starts over at the tail's row 0, also within one call. */
 static void test_append_tail_seals(void **state)
@@ -1313,6 +1401,7 @@ int main(void)
 		cmocka_unit_test(test_prefill_staging_seals),
 		cmocka_unit_test(test_append_tail_seals),
 		cmocka_unit_test(test_attend_ready),
+		cmocka_unit_test(test_attend_view),
 		cmocka_unit_test(test_row_order_refused),
 		cmocka_unit_test(test_heavy_state),
 		cmocka_unit_test(test_fork),
