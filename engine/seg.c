@@ -10,6 +10,7 @@
 #include "seg.h"
 #include "bf16.h"
 #include "err.h"
+#include "invariant.h"
 #include "mem.h"
 #include "pool.h"
 
@@ -571,7 +572,9 @@ int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
 
 void kvd_seg_free(struct kvd_seg *s)
 {
-	if (!s || --s->refs)
+	/* Each holder drops the one reference it took (kvd_seg_ref, or the
+	 * build's): none left is a second drop, and the segment is gone. */
+	if (!s || NEVER(s->refs == 0) || --s->refs)
 		return;
 	kvd_seg_io_free(s->io, s->bytes);
 	free(s);

@@ -162,8 +162,17 @@ static int charge(struct kvd_store *s, uint32_t uid, size_t n, int force)
 
 static void uncharge(struct kvd_store *s, uint32_t uid, size_t n)
 {
-	if (s->lim)
-		kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, n);
+	struct kvd_limits_usage u;
+
+	if (!s->lim)
+		return;
+	/* The store gives back only what it charged, to whom it charged it:
+	 * a uid's memory never goes below 0 (kvd_limits clamps, which would
+	 * hide the broken count and let the uid past its cap later). */
+	kvd_limits_uid_usage(s->lim, uid, &u);
+	if (NEVER(u.n[KVD_RES_MEMORY] < n))
+		n = u.n[KVD_RES_MEMORY];
+	kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, n);
 }
 
 int kvd_store_mem_charge(struct kvd_store *s, uint32_t uid, uint64_t n, char *msg, size_t msglen)
@@ -250,6 +259,12 @@ static struct kvd_seg *seg_hold(struct kvd_seqn *q, struct kvd_seg *seg)
 
 static void seg_put(struct kvd_store *s, struct kvd_seqn *q, struct kvd_seg *seg)
 {
+	/* q holds a reference (seg_new or seg_hold) and counts the segment
+	 * in its bytes and segb; the store's total counts it once until the
+	 * last holder lets go.  Else the counts would wrap: leak it instead. */
+	if (NEVER(seg->refs == 0 || q->segb < seg->bytes || q->bytes < seg->bytes) ||
+	    NEVER(seg->refs == 1 && s->bytes < seg->bytes))
+		return;
 	q->bytes -= seg->bytes;
 	q->segb -= seg->bytes;
 	if (seg->refs == 1) {
@@ -1109,6 +1124,13 @@ int kvd_store_rows(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer, int 
 			 layer >= p->layers ? "out of range" : "dense (stays on the GPU)");
 		return -EINVAL;
 	}
+	/* The executor asked the tier for the layer first (kvd_tier_want):
+	 * rows go only into a layer in RAM, never into one on disk, lost or
+	 * still being restored. */
+	if (NEVER(layer >= kvd_store_seq_ready_layers(q))) {
+		snprintf(msg, msglen, "layer %u is not resident", layer);
+		return -EAGAIN;
+	}
 	l = &q->ly[layer];
 	s->why[0] = 0;
 	/* Every check before any change, so that a refusal (or a wait for
@@ -1214,6 +1236,10 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 	const struct kvd_profile *p = q->p;
 	struct kvd_layer_state *l = &q->ly[layer];
 
+	/* Only a restore installs (the tier's read_progress), into a sequence
+	 * it set RESTORING and whose dropped layers are empty. */
+	if (NEVER(q->state != KVD_SEQ_RESTORING))
+		return -EINVAL;
 	if (layer >= p->layers || tn > p->seal_tokens || (tn && !sealed) || l->mean || l->tail_k ||
 	    l->nseg)
 		return -EINVAL;
@@ -1246,6 +1272,10 @@ int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t laye
 	struct kvd_layer_state *l = &q->ly[layer];
 	int rc;
 
+	/* A restore's (see kvd_store_install_layer), and the segment is the
+	 * one kvd_seg_adopt just made: nobody else holds it yet. */
+	if (NEVER(q->state != KVD_SEQ_RESTORING || seg->refs != 1))
+		return -EINVAL;
 	if ((rc = seg_room(s, q, l, 1)) || (rc = charge(s, q->uid, seg->bytes, 1)))
 		return rc;
 	seg_new(s, q, seg);
@@ -1382,6 +1412,10 @@ int kvd_store_attend_view(struct kvd_store *s, uint64_t id, const char *tenant, 
 		return say(msg, msglen, "layer %u of %u", layer, q->p->layers), -EINVAL;
 	if (s->want && (rc = s->want(s->want_arg, q, layer, msg, msglen)))
 		return rc;
+	/* The tier said the layer is in RAM (without a tier, all is):
+	 * attending one that is not would silently answer from nothing. */
+	if (NEVER(layer >= kvd_store_seq_ready_layers(q)))
+		return say(msg, msglen, "layer %u is not resident", layer), -EAGAIN;
 	if ((rc = kvd_store_attend_ready(q, layer)))
 		return say(msg, msglen, "layer %u is still being prefilled", layer), rc;
 	*v = (struct kvd_store_attend_view){
@@ -1644,7 +1678,7 @@ static size_t local_layer_bytes(const struct kvd_profile *p, uint32_t cap)
 
 static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct kvd_local *b)
 {
-	if (!b || --b->refs)
+	if (!b || NEVER(b->refs == 0) || --b->refs)
 		return;
 	for (uint32_t l = 0; l < p->layers; l++) {
 		free(b->ly[l].k);
@@ -1695,6 +1729,8 @@ int kvd_store_local_put(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 int kvd_store_install_local(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 			    const uint16_t *k, const uint16_t *v, uint32_t n)
 {
+	if (NEVER(q->state != KVD_SEQ_RESTORING))
+		return -EINVAL;
 	if (layer >= q->p->layers || (q->loc && q->loc->ly[layer].n))
 		return -EINVAL;
 	return local_put(s, q, layer, 0, k, v, n, 1, NULL, 0);

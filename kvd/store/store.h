@@ -399,11 +399,6 @@ int kvd_store_local_get(const struct kvd_seqn *q, uint32_t layer, uint32_t row0,
  * has rows already. */
 int kvd_store_install_local(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 			    const uint16_t *k, const uint16_t *v, uint32_t n);
-/* A layer's rows read back from a spill file (LOCAL extent): charged
- * without a check (the tier reserved the room).  -EINVAL when the layer
- * has rows already. */
-int kvd_store_install_local(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
-			    const uint16_t *k, const uint16_t *v, uint32_t n);
 /* to takes from's rows: moved (from keeps none) or shared (a reference). */
 void kvd_store_local_give(struct kvd_store *s, struct kvd_seqn *from, struct kvd_seqn *to,
 			  int move);

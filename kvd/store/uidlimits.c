@@ -169,6 +169,11 @@ int kvd_limits_force(struct kvd_limits *l, uint32_t uid, enum kvd_res r, uint64_
 		return 0;
 	if (!(e = get(l, uid)))
 		return -ENOMEM;
+	/* Counts and bytes of what exists fit 64 bits with room to spare;
+	 * the total is the sum over the uids, so it holds at least each
+	 * uid's part.  A wrap would let every uid past every cap. */
+	if (NEVER(e->u.n[r] + n < n || l->total.n[r] + n < n || l->total.n[r] < e->u.n[r]))
+		return -EOVERFLOW;
 	e->u.n[r] += n;
 	l->total.n[r] += n;
 	return 0;
