@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/invariant.h"
 #include "engine/rng.h"
 #include "profile.h"
 
@@ -120,7 +121,9 @@ void kvd_store_profile_unref(struct kvd_store *s, const struct kvd_profile *p)
 {
 	struct kvd_prof *x = prof_of(p);
 
-	if (!x->refs || --x->refs)
+	/* A profile in the table has a reference (profile_new gives one, the
+	 * last unref frees): none is an unref too many. */
+	if (NEVER(x->refs == 0) || --x->refs)
 		return;
 	prof_unlink(s, x);
 	profile_free(x);
