@@ -1,15 +1,16 @@
 /* The store's profile table (kvd/store/profile.c): profiles by id and by
- * (namespace, name), their references and what they cost.  Internal to the
- * store: store.c embeds one table in each struct kvd_store and frees it
- * last; everyone else uses the kvd_store_profile_* functions of store.h.
- * A profile is charged to its creator like any other memory of the store,
- * through the store's own charge, so that the caches give way for it too.
+ * (namespace, name), their reference counts, each profile's copy of dense,
+ * W and its logp table.  Internal to the store, below it: store.c embeds
+ * one table in each struct kvd_store and is its only caller, and charges
+ * (kvd_limits) around these calls, so the table knows nothing of uids'
+ * budgets; everyone else uses the kvd_store_profile_* functions of
+ * store.h.  Ids are never reused in a table's life.
  */
 #ifndef KVD_PROFILE_H
 #define KVD_PROFILE_H
 
-#include <stdarg.h>
-#include <stdio.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #include "store.h"
 
@@ -21,32 +22,30 @@ struct kvd_profiles {
 	struct kvd_prof *by_id[KVD_PROF_BUCKETS], *by_name[KVD_PROF_BUCKETS];
 	uint32_t n, nglobal;            /* all; of them in KVD_STORE_NS_GLOBAL */
 	uint32_t next_id;               /* last profile id handed out */
-	uint64_t bytes;                 /* all profiles, charged to their creators */
+	uint64_t bytes;                 /* kvd_store_profile_bytes of all */
 };
 
-/* store.c's side: s's table, and the memory charge of kvd_limits (s has
- * limits: kvd_store_limits) with the caches asked to give way once. */
-struct kvd_profiles *kvd_store_profiles(struct kvd_store *s);
-int kvd_store_mem_charge(struct kvd_store *s, uint32_t uid, uint64_t n, char *msg, size_t msglen);
-void kvd_store_mem_uncharge(struct kvd_store *s, uint32_t uid, size_t n);
-
-/* profile.c's side: every profile freed and uncharged, references or not
- * (kvd_store_destroy, once no sequence holds one). */
-void kvd_store_profiles_free(struct kvd_store *s);
-
-/* A message into msg (which may be NULL); 0, so that a caller can
- * `return say(...), -EINVAL`. */
-__attribute__((format(printf, 3, 4)))
-static inline int say(char *msg, size_t msglen, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (msg && msglen) {
-		va_start(ap, fmt);
-		vsnprintf(msg, msglen, fmt, ap);
-		va_end(ap);
-	}
-	return 0;
-}
+/* NULL unless a profile of that name / id is in the table (any namespace by
+ * id).  No reference taken. */
+const struct kvd_profile *kvd_profiles_find(const struct kvd_profiles *t, uint32_t ns,
+					    const char *name);
+const struct kvd_profile *kvd_profiles_by_id(const struct kvd_profiles *t, uint32_t id);
+/* 1 when a and b have the same fields (name, ids and uid aside). */
+int kvd_profiles_same(const struct kvd_profile *a, const struct kvd_profile *b);
+/* A copy of want in ns, made by uid, with one reference and the next id:
+ * 0, -EOVERFLOW when 2^32-1 ids are used up, -ENOMEM.  W is want's or, when
+ * want has none, made from the seed. */
+int kvd_profiles_add(struct kvd_profiles *t, uint32_t ns, uint32_t uid,
+		     const struct kvd_profile *want, const struct kvd_profile **out);
+void kvd_profiles_ref(const struct kvd_profile *p);
+/* Drops a reference: 1 when it was the last (p is then freed), else 0. */
+int kvd_profiles_unref(struct kvd_profiles *t, const struct kvd_profile *p);
+/* Any profile in the table, or NULL when it is empty. */
+const struct kvd_profile *kvd_profiles_any(const struct kvd_profiles *t);
+/* Frees p whatever its references (a store being destroyed). */
+void kvd_profiles_remove(struct kvd_profiles *t, const struct kvd_profile *p);
+void kvd_profiles_each(const struct kvd_profiles *t,
+		       void (*fn)(void *arg, const struct kvd_profile *p, uint32_t refs),
+		       void *arg);
 
 #endif

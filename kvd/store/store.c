@@ -1,4 +1,5 @@
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -175,21 +176,6 @@ static void uncharge(struct kvd_store *s, uint32_t uid, size_t n)
 	kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, n);
 }
 
-int kvd_store_mem_charge(struct kvd_store *s, uint32_t uid, uint64_t n, char *msg, size_t msglen)
-{
-	return mem_charge(s, uid, n, msg, msglen);
-}
-
-void kvd_store_mem_uncharge(struct kvd_store *s, uint32_t uid, size_t n)
-{
-	uncharge(s, uid, n);
-}
-
-struct kvd_profiles *kvd_store_profiles(struct kvd_store *s)
-{
-	return &s->prof;
-}
-
 static void account(struct kvd_store *s, struct kvd_seqn *q, ptrdiff_t delta)
 {
 	q->bytes += (size_t)delta;
@@ -336,6 +322,7 @@ static size_t heavy_bytes(const struct kvd_profile *p)
 }
 
 static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct kvd_local *b);
+static void profile_uncharge(struct kvd_store *s, uint32_t uid, size_t bytes);
 
 /* Frees q, gives back everything charged for it and its profile reference. */
 static void seq_destroy(struct kvd_store *s, struct kvd_seqn *q)
@@ -366,7 +353,11 @@ void kvd_store_destroy(struct kvd_store *s)
 			seq_destroy(s, q);
 		}
 	}
-	kvd_store_profiles_free(s);
+	/* Old-API profiles keep their reference to the end. */
+	for (const struct kvd_profile *p; (p = kvd_profiles_any(&s->prof));) {
+		profile_uncharge(s, p->uid, kvd_store_profile_bytes(p));
+		kvd_profiles_remove(&s->prof, p);
+	}
 	free(s);
 }
 
@@ -391,6 +382,147 @@ struct kvd_pool *kvd_store_pool(const struct kvd_store *s, const struct kvd_seqn
 int kvd_store_mem_node(const struct kvd_store *s, const struct kvd_seqn *q)
 {
 	return s->mem[q->node];
+}
+
+__attribute__((format(printf, 3, 4)))
+static int say(char *msg, size_t msglen, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (msg && msglen) {
+		va_start(ap, fmt);
+		vsnprintf(msg, msglen, fmt, ap);
+		va_end(ap);
+	}
+	return 0;
+}
+
+/* ---- profiles (the table: profile.c; here the namespaces and charges) -- */
+
+#define MAX_PROFILES 256        /* old API without limits: the cap it always had */
+
+static void profile_uncharge(struct kvd_store *s, uint32_t uid, size_t bytes)
+{
+	uncharge(s, uid, bytes);
+	if (s->lim)
+		kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
+}
+
+/* A new profile in ns, charged to uid, with one reference. */
+static int profile_new(struct kvd_store *s, uint32_t ns, uint32_t uid,
+		       const struct kvd_profile *want, const struct kvd_profile **out, char *msg,
+		       size_t msglen)
+{
+	size_t bytes = kvd_store_profile_bytes(want);
+	int rc;
+
+	if (s->prof.next_id == UINT32_MAX) {
+		say(msg, msglen, "profile ids used up (restart kvd)");
+		return -EOVERFLOW;
+	}
+	if (s->lim) {
+		if ((rc = kvd_limits_charge(s->lim, uid, KVD_RES_PROFILES, 1, msg, msglen)))
+			return rc;
+		if ((rc = mem_charge(s, uid, bytes, msg, msglen))) {
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
+			return rc;
+		}
+	}
+	if ((rc = kvd_profiles_add(&s->prof, ns, uid, want, out))) {
+		if (s->lim) {
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, bytes);
+			kvd_limits_uncharge(s->lim, uid, KVD_RES_PROFILES, 1);
+		}
+		say(msg, msglen, "out of memory");
+		return rc;
+	}
+	return 0;
+}
+
+const struct kvd_profile *kvd_store_profile_find(struct kvd_store *s, uint32_t ns, const char *name)
+{
+	return kvd_profiles_find(&s->prof, ns, name);
+}
+
+const struct kvd_profile *kvd_store_profile_get(struct kvd_store *s, uint32_t ns, uint32_t id)
+{
+	const struct kvd_profile *p = kvd_profiles_by_id(&s->prof, id);
+
+	return p && p->ns == ns ? p : NULL;
+}
+
+void kvd_store_profile_ref(struct kvd_store *s, const struct kvd_profile *p)
+{
+	kvd_profiles_ref(p);
+}
+
+void kvd_store_profile_unref(struct kvd_store *s, const struct kvd_profile *p)
+{
+	uint32_t uid = p->uid;
+	size_t bytes = kvd_store_profile_bytes(p);
+
+	/* The last reference frees p: its creator gets back what profile_new
+	 * charged. */
+	if (kvd_profiles_unref(&s->prof, p))
+		profile_uncharge(s, uid, bytes);
+}
+
+int kvd_store_profile_ns(struct kvd_store *s, uint32_t ns, uint32_t uid,
+			 const struct kvd_profile *want, const struct kvd_profile **out, char *msg,
+			 size_t msglen)
+{
+	const struct kvd_profile *old;
+
+	if (ns == KVD_NS_NONE) {
+		say(msg, msglen, "uid %u is outside the uids kvd serves (below %u)", uid,
+		    KVD_NS_GROUP);
+		return -EACCES;
+	}
+	if ((old = kvd_profiles_find(&s->prof, ns, want->name))) {
+		if (!kvd_profiles_same(old, want)) {
+			say(msg, msglen, "profile '%s' exists with other fields", want->name);
+			return -EEXIST;
+		}
+		kvd_profiles_ref(old);
+		*out = old;
+		return 0;
+	}
+	return profile_new(s, ns, uid, want, out, msg, msglen);
+}
+
+int kvd_store_profile(struct kvd_store *s, const struct kvd_profile *want,
+		      const struct kvd_profile **out)
+{
+	const struct kvd_profile *old = kvd_store_profile_by_name(s, want->name);
+
+	if (old) {
+		if (!kvd_profiles_same(old, want))
+			return -EEXIST;
+		*out = old;
+		return 0;
+	}
+	if (!s->lim && s->prof.nglobal == MAX_PROFILES)
+		return -ENOSPC;
+	/* The reference profile_new gives is never dropped: old-API profiles
+	 * live as long as the store, as they always did. */
+	return profile_new(s, KVD_STORE_NS_GLOBAL, 0, want, out, NULL, 0);
+}
+
+const struct kvd_profile *kvd_store_profile_by_id(struct kvd_store *s, uint32_t id)
+{
+	return kvd_profiles_by_id(&s->prof, id);
+}
+
+const struct kvd_profile *kvd_store_profile_by_name(struct kvd_store *s, const char *name)
+{
+	return kvd_profiles_find(&s->prof, KVD_STORE_NS_GLOBAL, name);
+}
+
+void kvd_store_profile_each(struct kvd_store *s,
+			    void (*fn)(void *arg, const struct kvd_profile *p, uint32_t refs),
+			    void *arg)
+{
+	kvd_profiles_each(&s->prof, fn, arg);
 }
 
 /* ---- sequences --------------------------------------------------------- */
