@@ -74,9 +74,9 @@ struct kvd_profile {
 	uint32_t ns;                    /* namespace (KVD_STORE_NS_GLOBAL: old API) */
 	uint32_t uid;                   /* its creator: charged for its bytes */
 	/* name, g, layers, sink, window, seg_tokens, seal_tokens, chunk_tokens
-	 * (content-key chunk, divides seal_tokens; 0:
-	 * kvd_store_chunk_default(seal_tokens)), seed, estimator (part of equality): engine/model.h, by
-	 * name or as p->model for the control codec */
+	 * (content-key chunk, divides seal_tokens; 0: kvd_store_chunk_default
+	 * (seal_tokens)), seed, estimator (part of equality): engine/model.h,
+	 * by name or as p->model for the control codec */
 	union {
 		struct { KVD_MODEL_FIELDS };
 		struct kvd_model model;
