@@ -319,6 +319,9 @@ void shm_ring_commit(struct shm_ring *r, uint32_t n)
 		return;
 	r->local += n;
 	r->pending -= n;
+	/* reserve() handed out only what fits before the consumer's head
+	 * as last read: what is published stays within one ring of it. */
+	(void)ALWAYS(r->local - r->peer <= r->mask + 1);
 	/* R0: pairs with A0. */
 	atomic_store_explicit(&r->ctl->tail, r->local, memory_order_release);
 }
@@ -358,6 +361,9 @@ void shm_ring_release(struct shm_ring *r, uint32_t n)
 	if (!n)
 		return;
 	r->local += n;
+	/* The consumer never passes the tail it read (checked then against
+	 * the ring's size), so a release can hand no entry back twice. */
+	(void)ALWAYS(r->peer - r->local <= r->mask + 1);
 	/* R1: pairs with A1. */
 	atomic_store_explicit(&r->ctl->head, r->local, memory_order_release);
 }
