@@ -202,33 +202,6 @@ static int by_client_id(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
-struct owned {
-	struct client **sel;
-	Kvd__ClientInfo *row;
-	uint32_t n;
-};
-
-/* Counts the sequences each listed client owns (sel is sorted by id). */
-static void count_owned(void *arg, struct kvd_seqn *q)
-{
-	struct owned *o = arg;
-	uint32_t lo = 0, hi = o->n;
-	uint64_t owner = kvd_store_seq_owner(q);
-
-	if (!owner || !kvd_store_seq_tenant(q)[0])
-		return;
-	while (lo < hi) {
-		uint32_t mid = lo + (hi - lo) / 2;
-
-		if (o->sel[mid]->id < owner)
-			lo = mid + 1;
-		else
-			hi = mid;
-	}
-	if (lo < o->n && o->sel[lo]->id == owner)
-		o->row[lo].sequences++;
-}
-
 static int do_clients(struct kvd_server *s, struct client *c, uint64_t id, const Kvd__ClientsReq *m)
 {
 	uint32_t lim = kvd_admin_page(m->limit), total = 0, n = 0;
@@ -274,12 +247,9 @@ static int do_clients(struct kvd_server *s, struct client *c, uint64_t id, const
 		}
 		ci->shm_bytes = x->shm_bytes;
 		ci->profiles = x->nprof;
+		/* A sequence being freed has no owner any more. */
+		ci->sequences = kvd_store_owner_count(s->store, x->id);
 		ptr[i] = ci;
-	}
-	{
-		struct owned o = { sel, row, n };
-
-		kvd_store_each(s->store, count_owned, &o);
 	}
 	cl.n_clients = n;
 	cl.clients = ptr;

@@ -429,13 +429,15 @@ static int do_seq_open(struct kvd_server *s, struct client *c, uint64_t id, uint
 	Kvd__SeqReply sr = KVD__SEQ_REPLY__INIT;
 	Kvd__Response r = KVD__RESPONSE__INIT;
 	uint32_t segs;
+	int rc;
 
 	if (!q)
 		return kvd_ctl_send_error(c->fd, id, -ENOENT, "no sequence %llu",
 					  (unsigned long long)seq);
-	if (kvd_store_seq_claim(q, c->id))
-		return kvd_ctl_send_error(c->fd, id, -EBUSY, "sequence %llu belongs to another client",
-					  (unsigned long long)seq);
+	if ((rc = kvd_store_seq_claim(s->store, q, c->id)))
+		return kvd_ctl_send_error(c->fd, id, rc, rc == -EBUSY ?
+					  "sequence %llu belongs to another client" :
+					  "sequence %llu: out of memory", (unsigned long long)seq);
 	c->owns = 1;
 	sr.seq = kvd_store_seq_id(q);
 	sr.profile_id = kvd_store_seq_profile(q)->id;

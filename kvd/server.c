@@ -93,7 +93,7 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 	if (*pp)
 		*pp = c->next;
 	s->nclients--;
-	/* A walk of every sequence: only for a client that may own one. */
+	/* Its own sequences only (the store keeps them per owner). */
 	nseq = c->owns ? kvd_tier_free_owner(s->tier, c->id) : 0;
 	kvd_control_release(s, c);
 	kvd_limits_uncharge(s->limits, c->uid, KVD_RES_CONNECTIONS, 1);

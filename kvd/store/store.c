@@ -16,6 +16,17 @@
 
 #define SEQ_BUCKET_BITS 12
 #define SEQ_BUCKETS (1u << SEQ_BUCKET_BITS)     /* chains stay short for thousands of sequences */
+#define OWNER_BUCKETS 256u                      /* by client id, which counts up */
+
+/* The sequences one client owns, so that what concerns a client (a listing
+ * of clients with their counts, its sequences freed when it goes) costs
+ * what it owns, not a walk of every sequence. */
+struct kvd_owner {
+	uint64_t id;
+	uint32_t n;
+	struct kvd_seqn *head;
+	struct kvd_owner *next;
+};
 
 struct kvd_store {
 	struct kvd_pool *pool[KVD_STORE_NODES];
@@ -44,6 +55,7 @@ struct kvd_store {
 	uint64_t resv;
 	char why[192];                  /* the last refused charge's message */
 	struct kvd_seqn *bucket[SEQ_BUCKETS];
+	struct kvd_owner *owners[OWNER_BUCKETS];
 	uint32_t nseq;
 	uint64_t bytes;
 	uint64_t next_id;
@@ -325,10 +337,99 @@ static void local_unref(struct kvd_store *s, const struct kvd_profile *p, struct
 static void profile_uncharge(struct kvd_store *s, uint32_t uid, size_t bytes);
 
 /* Frees q, gives back everything charged for it and its profile reference. */
+static struct kvd_owner **owner_slot(struct kvd_store *s, uint64_t id)
+{
+	struct kvd_owner **pp = &s->owners[id % OWNER_BUCKETS];
+
+	while (*pp && (*pp)->id != id)
+		pp = &(*pp)->next;
+	return pp;
+}
+
+/* q, which has no owner, goes to `owner` (0: stays without).  0 or -ENOMEM
+ * (a client's first sequence makes its entry). */
+static int own(struct kvd_store *s, struct kvd_seqn *q, uint64_t owner)
+{
+	struct kvd_owner **pp, *o;
+
+	if (NEVER(q->owner) || !owner)
+		return 0;
+	pp = owner_slot(s, owner);
+	if (!(o = *pp)) {
+		if (!(o = calloc(1, sizeof *o)))
+			return -ENOMEM;
+		o->id = owner;
+		*pp = o;
+	}
+	q->oprev = NULL;
+	q->onext = o->head;
+	if (o->head)
+		o->head->oprev = q;
+	o->head = q;
+	o->n++;
+	q->owner = owner;
+	return 0;
+}
+
+static void disown(struct kvd_store *s, struct kvd_seqn *q)
+{
+	struct kvd_owner **pp, *o;
+
+	if (!q->owner)
+		return;
+	pp = owner_slot(s, q->owner);
+	o = *pp;
+	q->owner = 0;
+	/* own() put it on this list; an owner with none has no entry. */
+	if (NEVER(!o || !o->n))
+		return;
+	if (q->oprev)
+		q->oprev->onext = q->onext;
+	else
+		o->head = q->onext;
+	if (q->onext)
+		q->onext->oprev = q->oprev;
+	q->onext = q->oprev = NULL;
+	if (--o->n == 0) {
+		(void)ALWAYS(!o->head);
+		*pp = o->next;
+		free(o);
+	}
+}
+
+uint32_t kvd_store_owner_count(struct kvd_store *s, uint64_t owner)
+{
+	const struct kvd_owner *o = owner ? *owner_slot(s, owner) : NULL;
+
+	return o ? o->n : 0;
+}
+
+unsigned kvd_store_each_owned(struct kvd_store *s, uint64_t owner,
+			      void (*fn)(void *arg, struct kvd_seqn *q), void *arg)
+{
+	const struct kvd_owner *o = owner ? *owner_slot(s, owner) : NULL;
+	unsigned n = 0;
+
+	/* fn may disown or free q (and with the last one, the entry): take
+	 * the next first. */
+	for (struct kvd_seqn *q = o ? o->head : NULL, *nx; q; q = nx) {
+		nx = q->onext;
+		fn(arg, q);
+		n++;
+	}
+	return n;
+}
+
+void kvd_store_seq_disown(struct kvd_store *s, struct kvd_seqn *q)
+{
+	disown(s, q);
+}
+
 static void seq_destroy(struct kvd_store *s, struct kvd_seqn *q)
 {
 	const struct kvd_profile *p = q->p;
 
+	disown(s, q);
 	local_unref(s, p, q->loc);
 	for (uint32_t i = 0; i < p->layers; i++)
 		layer_free(s, q, &q->ly[i]);
@@ -576,6 +677,11 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, uint32_t ui
 		free(q);
 		q = NULL;
 	}
+	if (q && own(s, q, owner)) {
+		free(q->ly);
+		free(q);
+		q = NULL;
+	}
 	if (!q) {
 		if (s->lim) {
 			kvd_limits_uncharge(s->lim, uid, KVD_RES_MEMORY, fixed);
@@ -587,7 +693,6 @@ static int seq_new(struct kvd_store *s, const struct kvd_profile *p, uint32_t ui
 	q->uid = uid;
 	q->fixed = fixed;
 	q->id = id;
-	q->owner = owner;
 	/* The node with the fewest resident bytes; ties go round robin. */
 	q->node = (uint32_t)(s->picks++ % s->nnodes);
 	for (unsigned i = 0; i < s->nnodes; i++)
@@ -1736,12 +1841,11 @@ uint32_t kvd_store_seq_node(const struct kvd_seqn *q)
 	return q->node;
 }
 
-int kvd_store_seq_claim(struct kvd_seqn *q, uint64_t owner)
+int kvd_store_seq_claim(struct kvd_store *s, struct kvd_seqn *q, uint64_t owner)
 {
 	if (q->hidden || (q->owner && q->owner != owner))
 		return -EBUSY;
-	q->owner = owner;
-	return 0;
+	return q->owner == owner ? 0 : own(s, q, owner);
 }
 
 const float *kvd_store_layer_mean(const struct kvd_seqn *q, uint32_t layer)

@@ -348,9 +348,17 @@ uint64_t kvd_store_seq_gen(const struct kvd_seqn *q);
 enum kvd_seq_state kvd_store_seq_state(const struct kvd_seqn *q);
 uint32_t kvd_store_seq_ready_layers(const struct kvd_seqn *q);
 uint32_t kvd_store_seq_node(const struct kvd_seqn *q);
-/* Gives q to client `owner` (SEQ_OPEN): 0, or -EBUSY when another client
- * owns it.  A sequence whose owner left (owner 0) can be taken. */
-int kvd_store_seq_claim(struct kvd_seqn *q, uint64_t owner);
+/* Gives q to client `owner` (SEQ_OPEN): 0, -EBUSY when another client
+ * owns it, or -ENOMEM.  A sequence whose owner left (owner 0) can be taken. */
+int kvd_store_seq_claim(struct kvd_store *s, struct kvd_seqn *q, uint64_t owner);
+/* q has no owner from now on (it is being freed). */
+void kvd_store_seq_disown(struct kvd_store *s, struct kvd_seqn *q);
+/* How many sequences client `owner` holds, and each of them to fn (which
+ * may free it), in no particular order: kept per owner, so both cost what
+ * the client owns, not a walk of every sequence. */
+uint32_t kvd_store_owner_count(struct kvd_store *s, uint64_t owner);
+unsigned kvd_store_each_owned(struct kvd_store *s, uint64_t owner,
+			      void (*fn)(void *arg, struct kvd_seqn *q), void *arg);
 
 /* One layer's parts, read-only, valid until q next changes: the centering
  * mean ([kv][d], NULL before the first PREFILL), the tokens kvd holds, and

@@ -96,6 +96,7 @@ struct kvd_seqn {
 	uint8_t pubkey[16];             /* hidden: the key it is published under, */
 	uint64_t pubtok;                /* and its tokens (written in its file: PUB) */
 	struct kvd_seqn *next;          /* hash chain */
+	struct kvd_seqn *onext, *oprev; /* its owner's list (owner != 0) */
 };
 
 #endif

@@ -901,7 +901,7 @@ void kvd_tier_free(struct kvd_tier *t, struct kvd_seqn *q)
 		if (!r->freeing) {
 			r->freeing = 1;
 			q->tenant[0] = 0;
-			q->owner = 0;
+			kvd_store_seq_disown(t->st, q);
 			lru_del(t, r);
 			kvd_spill_cancel(t->sp, &r->job);
 		}
@@ -935,7 +935,7 @@ unsigned kvd_tier_free_owner(struct kvd_tier *t, uint64_t owner)
 {
 	struct owner_arg a = { t, owner, 0 };
 
-	kvd_store_each(t->st, free_if_owner, &a);
+	kvd_store_each_owned(t->st, owner, free_if_owner, &a);
 	return a.n;
 }
 

@@ -567,6 +567,20 @@ static void test_clients(void **state)
 	expect_out("\"tenant\":\"t\"", "clients --json");
 	expect_out("\"profiles\":1", "clients --json");
 	assert_int_equal(count_of(R.out, "\"id\":"), 2);
+	/* each client's own sequences, counted as they come and go */
+	struct kvc_seq *s[3];
+
+	for (int i = 0; i < 3; i++)
+		assert_int_equal(kvc_seq_create(c, &s[i]), 0);
+	kvctl("-j", "clients");
+	expect(0, "clients --json");
+	expect_out("\"sequences\":3", "clients --json");
+	assert_int_equal(kvc_seq_free(c, s[1]), 0);
+	kvctl("-j", "clients");
+	expect(0, "clients --json");
+	expect_out("\"sequences\":2", "clients --json");
+	assert_int_equal(kvc_seq_free(c, s[0]), 0);
+	assert_int_equal(kvc_seq_free(c, s[2]), 0);
 	kvc_close(c);
 }
 

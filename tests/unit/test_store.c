@@ -433,6 +433,93 @@ static void test_each_after(void **state)
 	kvd_store_destroy(s);
 }
 
+/* Each client's sequences are kept per owner: counted and walked without
+ * a walk of every sequence, and right through creates, frees in any order,
+ * claims and disowning. */
+struct owned_walk {
+	struct kvd_store *s;
+	uint64_t owner;
+	unsigned n, freed;
+};
+
+static void owned_free_odd(void *arg, struct kvd_seqn *q)
+{
+	struct owned_walk *w = arg;
+
+	assert_int_equal(kvd_store_seq_owner(q), w->owner);
+	if (w->n++ % 2) {
+		kvd_store_seq_free(w->s, q);
+		w->freed++;
+	}
+}
+
+static void owned_count(void *arg, struct kvd_seqn *q)
+{
+	struct owned_walk *w = arg;
+
+	assert_int_equal(kvd_store_seq_owner(q), w->owner);
+	w->n++;
+}
+
+static void test_owners(void **state)
+{
+	struct kvd_store *s = store(NULL);
+	struct kvd_profile a = profile("o", 1);
+	const struct kvd_profile *p;
+	struct kvd_seqn *q[40], *orphan;
+	char msg[200];
+
+	assert_int_equal(kvd_store_profile_ns(s, 1, 1, &a, &p, msg, sizeof msg), 0);
+	/* owners 1..3, and 257 in owner 1's hash chain */
+	for (int i = 0; i < 40; i++) {
+		uint64_t owner = i < 20 ? 1 : i < 30 ? 2 : i < 35 ? 3 : 257;
+
+		assert_int_equal(kvd_store_seq_create_uid(s, p, 1, "1:t", owner, &q[i], msg,
+							  sizeof msg), 0);
+	}
+	assert_int_equal(kvd_store_owner_count(s, 1), 20);
+	assert_int_equal(kvd_store_owner_count(s, 2), 10);
+	assert_int_equal(kvd_store_owner_count(s, 257), 5);
+	assert_int_equal(kvd_store_owner_count(s, 4), 0);
+	assert_int_equal(kvd_store_owner_count(s, 0), 0);
+	/* freed from the middle, the head and the tail of owner 2's list */
+	kvd_store_seq_free(s, q[25]);
+	kvd_store_seq_free(s, q[29]);
+	kvd_store_seq_free(s, q[20]);
+	assert_int_equal(kvd_store_owner_count(s, 2), 7);
+	/* a walk that frees every other one as it goes */
+	struct owned_walk w = { s, 1, 0, 0 };
+
+	assert_int_equal(kvd_store_each_owned(s, 1, owned_free_odd, &w), 20);
+	assert_int_equal(w.freed, 10);
+	assert_int_equal(kvd_store_owner_count(s, 1), 10);
+	/* disowned, a sequence can be claimed by another; owned, it cannot */
+	kvd_store_seq_disown(s, q[30]);
+	assert_int_equal(kvd_store_seq_owner(q[30]), 0);
+	assert_int_equal(kvd_store_owner_count(s, 3), 4);
+	assert_int_equal(kvd_store_seq_claim(s, q[30], 2), 0);
+	assert_int_equal(kvd_store_owner_count(s, 2), 8);
+	assert_int_equal(kvd_store_seq_claim(s, q[31], 2), -EBUSY);
+	assert_int_equal(kvd_store_seq_claim(s, q[31], 3), 0);
+	assert_int_equal(kvd_store_owner_count(s, 3), 4);
+	/* no owner: in no list */
+	assert_int_equal(kvd_store_seq_adopt(s, p, "1:t", 12345, 0, &orphan), 0);
+	assert_int_equal(kvd_store_owner_count(s, 0), 0);
+	/* every owner's walk visits exactly its count, all its own */
+	static const uint64_t owners[] = { 1, 2, 3, 257 };
+
+	for (int i = 0; i < 4; i++) {
+		struct owned_walk x = { s, owners[i], 0, 0 };
+
+		assert_int_equal(kvd_store_each_owned(s, owners[i], owned_count, &x),
+				 kvd_store_owner_count(s, owners[i]));
+		assert_int_equal(x.n, kvd_store_owner_count(s, owners[i]));
+	}
+	/* what is left goes with the store (ASan: no entry leaks) */
+	kvd_store_profile_unref(s, p);
+	kvd_store_destroy(s);
+}
+
 /* Without limits everything works as before (old API included). */
 static void test_no_limits(void **state)
 {
@@ -677,9 +764,9 @@ static void test_attend_ready(void **state)
 	assert_int_equal(kvd_store_attend_ready(q, 0), 0);
 
 	assert_int_equal(kvd_store_seq_owner(q), 1);
-	assert_int_equal(kvd_store_seq_claim(q, 2), -EBUSY);
+	assert_int_equal(kvd_store_seq_claim(s, q, 2), -EBUSY);
 	assert_int_equal(kvd_store_seq_owner(q), 1);
-	assert_int_equal(kvd_store_seq_claim(q, 1), 0);
+	assert_int_equal(kvd_store_seq_claim(s, q, 1), 0);
 	assert_int_equal(kvd_store_seq_state(q), KVD_SEQ_RAM);
 	assert_int_equal(kvd_store_seq_ready_layers(q), LAYERS);
 
@@ -1398,6 +1485,7 @@ int main(void)
 		cmocka_unit_test(test_per_uid_caps),
 		cmocka_unit_test(test_no_limits),
 		cmocka_unit_test(test_each_after),
+		cmocka_unit_test(test_owners),
 		cmocka_unit_test(test_prefill_staging_seals),
 		cmocka_unit_test(test_append_tail_seals),
 		cmocka_unit_test(test_attend_ready),
