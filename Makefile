@@ -315,8 +315,10 @@ check: $(TEST_BIN) $(B)/kvd $(B)/kvctl
 	$(Q)sh tests/run.sh $(B)/tests $(TEST_BIN)
 endif
 
-# The stages build with one job per CPU; their tests still run one binary at
-# a time.
+# The stages build with one job per CPU, and tests/run.sh runs one test
+# binary per CPU at once.  The fuzz run and both emulators share a stage:
+# the emulated test_cuda_kvc keeps one CPU busy for minutes, and the fuzz
+# targets and the SIMDe kernels build and run on the other.
 TEST_J ?= -j$(shell nproc 2>/dev/null || echo 2)
 ifeq ($(SAN),)
 test: deps
@@ -324,9 +326,8 @@ test: deps
 	$(Q)sh tests/run.sh --stage plain $(MAKE) $(TEST_J) --no-print-directory check
 	$(Q)sh tests/run.sh --stage asan+ubsan $(MAKE) $(TEST_J) --no-print-directory check SAN=address,undefined
 	$(Q)sh tests/run.sh --stage tsan $(MAKE) $(TEST_J) --no-print-directory check SAN=thread
-	$(Q)sh tests/run.sh --stage fuzz-smoke $(MAKE) $(TEST_J) --no-print-directory fuzz-smoke
-	$(Q)sh tests/run.sh --stage check-emu $(MAKE) $(TEST_J) --no-print-directory check-emu
-	$(Q)sh tests/run.sh --stage check-avx512-emu $(MAKE) $(TEST_J) --no-print-directory check-avx512-emu
+	$(Q)sh tests/run.sh --stage fuzz+emulators $(MAKE) $(TEST_J) --no-print-directory \
+		fuzz-smoke check-emu check-avx512-emu
 	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) $(TEST_J) --no-print-directory check-unit check-exports check-modmap check-layers
 	$(Q)sh tests/run.sh --stage check-install $(MAKE) $(TEST_J) --no-print-directory check-install
 	$(Q)sh tests/run.sh --stage check-python $(MAKE) $(TEST_J) --no-print-directory check-python

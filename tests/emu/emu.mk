@@ -112,10 +112,15 @@ $(EMU_B)/tests/%: $(EMU_B)/tests/obj/%.o $(EMU_CLIENT_OBJ) $(EMU_CORE_LIBS)
 # `make test-long`).
 EMU_KVC_ORDERS ?= rand
 EMU_QUICK := $(filter-out $(EMU_B)/tests/test_cuda_kvc,$(EMU_TESTS))
+#
+# The schedules run at once: test_cuda_kvc keeps about one CPU busy (the
+# client and the emulated devices, then kvd), so the others' tests, and
+# make test's check-avx512-emu beside this, take the rest.
 check-emu: $(EMU_B)/kvd $(EMU_TESTS)
-	$(Q)rc=0; for o in fwd rev rand; do \
+	$(Q)pids=; for o in rand fwd rev; do \
 		case " $(EMU_KVC_ORDERS) " in *" $$o "*) t="$(EMU_TESTS)";; *) t="$(EMU_QUICK)";; esac; \
-		EMU_DEVICES=2 EMU_ORDER=$$o EMU_SEED=$(EMU_SEED) sh tests/run.sh emu-$$o $$t || rc=1; \
-	done; exit $$rc
+		EMU_DEVICES=2 EMU_ORDER=$$o EMU_SEED=$(EMU_SEED) sh tests/run.sh emu-$$o $$t & \
+		pids="$$pids $$!"; \
+	done; rc=0; for p in $$pids; do wait $$p || rc=1; done; exit $$rc
 
 -include $(EMU_CLIENT_OBJ:.o=.d) $(EMU_TEST_OBJ:.o=.d)
