@@ -359,7 +359,8 @@ check-exports: $(B)/libkvclient.so
 	else echo "exports: libkvclient.so also exports: $$bad"; echo "0 1 0" >>build/test-tally; exit 1; fi
 
 # The module map of docs/ARCHITECTURE.md against nm on the objects: every
-# module has a row, and each row's callers are the modules that call it.
+# module has a row, each row's callers are the modules that call it, and no
+# files call each other round a circle.
 check-modmap: $(CORE_OBJ) $(B)/obj/kvd/main.o
 	$(Q)python3 tools/check-modmap.py --doc docs/ARCHITECTURE.md --obj $(B)/obj && \
 		echo "1 0 0" >>build/test-tally || { echo "0 1 0" >>build/test-tally; exit 1; }

@@ -12,7 +12,9 @@ parenthesised notes, and the words in WORDS, which stand for code outside
 these directories and are not checked.  A module named there must call the
 row: its object leaves undefined a symbol that an object of the row defines
 (nm on OBJ/<path>.o, so run make first).  Every module of these directories
-that calls the row must be named, except the row's own modules.
+that calls the row must be named, except the row's own modules.  And no
+two of these files may call each other, directly or round a longer circle
+(the layers, and the files within one, depend one way).
 
 Each problem is printed with the line of the table to fix, and the row as it
 should read where that can be computed, so that a merge that adds a module
@@ -255,14 +257,50 @@ def main():
         problems.append("%s: no row of the module map names %s.c; add one, e.g.\n"
                         "  | `%s` | <what it owns> | %s |" % (doc, p, short(p), col))
 
+    # No two files call each other, directly or round a longer circle: the
+    # layers (and the files within one) depend one way.
+    graph = {c: [m for m in srcs if m != c and uses[c] & defs[m]] for c in srcs}
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in srcs:
+        if v not in index:
+            visit(v)
+    for comp in circles:
+        edges = ["%s -> %s (%s)" % (short(c), short(m), ", ".join(sorted(uses[c] & defs[m])[:3]))
+                 for c in comp for m in graph[c] if m in comp]
+        problems.append("circle of calls among %s:\n  %s"
+                        % (", ".join(c + ".c" for c in comp), "\n  ".join(edges)))
+
     if problems:
         for m in problems:
             print(m)
         print("check-modmap: %d problem%s in %s's module map (callers from nm on %s/)"
               % (len(problems), "" if len(problems) == 1 else "s", doc, a.obj))
         return 1
-    print("modmap: %d rows name all %d modules of %s; every callers column matches nm"
-          % (len(rows), len(srcs), ", ".join(DIRS)))
+    print("modmap: %d rows name all %d modules of %s; every callers column matches nm; "
+          "no circle of calls" % (len(rows), len(srcs), ", ".join(DIRS)))
     return 0
 
 
