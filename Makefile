@@ -318,8 +318,8 @@ endif
 # The stages build with one job per CPU, and tests/run.sh runs one test
 # binary per CPU at once.  The fuzz run and both emulators share a stage:
 # the emulated test_cuda_kvc keeps one CPU busy for minutes, and the fuzz
-# targets and the SIMDe kernels build and run on the other (check-emu comes
-# first, so that make builds what test_cuda_kvc needs first).
+# targets and the SIMDe kernels build and run on the other (what check-emu
+# runs is built first on every CPU, so test_cuda_kvc starts at once).
 TEST_J ?= -j$(shell nproc 2>/dev/null || echo 2)
 ifeq ($(SAN),)
 test: deps
@@ -327,8 +327,8 @@ test: deps
 	$(Q)sh tests/run.sh --stage plain $(MAKE) $(TEST_J) --no-print-directory check
 	$(Q)sh tests/run.sh --stage asan+ubsan $(MAKE) $(TEST_J) --no-print-directory check SAN=address,undefined
 	$(Q)sh tests/run.sh --stage tsan $(MAKE) $(TEST_J) --no-print-directory check SAN=thread
-	$(Q)sh tests/run.sh --stage fuzz+emulators $(MAKE) $(TEST_J) --no-print-directory \
-		check-emu fuzz-smoke check-avx512-emu
+	$(Q)sh tests/run.sh --stage fuzz+emulators sh -c '$(MAKE) $(TEST_J) --no-print-directory emu-build && \
+		$(MAKE) $(TEST_J) --no-print-directory check-emu fuzz-smoke check-avx512-emu'
 	$(Q)sh tests/run.sh --stage unit+exports $(MAKE) $(TEST_J) --no-print-directory check-unit check-exports check-modmap check-layers
 	$(Q)sh tests/run.sh --stage check-install $(MAKE) $(TEST_J) --no-print-directory check-install
 	$(Q)sh tests/run.sh --stage check-python $(MAKE) $(TEST_J) --no-print-directory check-python

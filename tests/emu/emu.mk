@@ -35,7 +35,7 @@ EMU_TESTS      := $(EMU_B)/tests/test_emu $(EMU_B)/tests/test_cuda_kern $(EMU_B)
 		  $(EMU_B)/tests/test_gpu_plan
 EMU_TEST_OBJ   := $(EMU_TESTS:$(EMU_B)/tests/%=$(EMU_B)/tests/obj/%.o)
 
-.PHONY: check-emu emu-core
+.PHONY: check-emu emu-core emu-build
 
 emu-core:
 	$(Q)$(MAKE) --no-print-directory SAN=address,undefined $(EMU_CORE_LIBS) $(EMU_SAN_B)/kvd
@@ -116,6 +116,10 @@ EMU_QUICK := $(filter-out $(EMU_B)/tests/test_cuda_kvc,$(EMU_TESTS))
 # The schedules run at once: test_cuda_kvc keeps about one CPU busy (the
 # client and the emulated devices, then kvd), so the others' tests, and
 # make test's check-avx512-emu beside this, take the rest.
+# What check-emu runs, built (make test builds it on every CPU before the
+# stage that runs it beside the fuzz targets).
+emu-build: $(EMU_B)/kvd $(EMU_TESTS)
+
 check-emu: $(EMU_B)/kvd $(EMU_TESTS)
 	$(Q)pids=; for o in rand fwd rev; do \
 		case " $(EMU_KVC_ORDERS) " in *" $$o "*) t="$(EMU_TESTS)";; *) t="$(EMU_QUICK)";; esac; \
