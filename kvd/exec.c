@@ -9,9 +9,10 @@
  * current clock, so sleeping earns no credit), and runs its next unit; when
  * that is an ATTEND record, the next records of up to PASS_UNITS other ready
  * ATTEND clients whose uids are not ahead join it in the same pool job
- * (continuous batching), each answer bit-identical to running it alone.  The
- * pass's time is charged to its clients and uids in proportion to their
- * tasks.  Long work inside a unit
+ * (continuous batching), and while the job has fewer than FILL_TASKS tasks a
+ * worker, further records of the same clients fill it; each answer is
+ * bit-identical to running it alone.  The pass's time is charged to its
+ * clients and uids in proportion to their tasks.  Long work inside a unit
  * (copying a prefill chunk into staging, sealing a segment) runs as sliced
  * pool jobs, and between slices other clients' records run (slice_yield).
  * So a client's big batch or prefill delays another client's single ATTEND
@@ -413,16 +414,17 @@ static void run_whole(struct kvd_server *s, struct client *c)
 
 /* ---- ATTEND records ----------------------------------------------------- */
 
-/* Looks up and checks record j->next of c and copies its query out into unit
- * slot k.  0 and the unit filled; 1 when c must wait (parked); or the job
- * was finished with an error. */
-static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
+/* Looks up and checks record i of c (j->next, or one after it when the
+ * pass takes several of c's records) and copies its query out into unit
+ * slot k.  0 and the unit filled; 1 when c must wait (parked) or the record
+ * belongs in a later pass (another node's pool, or the estimator state of
+ * a record already in this pass); or the job was finished with an error. */
+static int unit_prepare(struct kvd_server *s, struct client *c, uint32_t i, unsigned k,
 			struct kvd_pool **pool, unsigned *node)
 {
 	struct kvd_exec_buf *xb = s->xb;
 	struct job *j = &c->job;
 	const struct kvd_sqe *e = &j->e;
-	uint32_t i = j->next;
 	struct kvd_store_attend_view v;
 	char msg[160], m[128];
 	int rc;
@@ -482,18 +484,69 @@ static int unit_prepare(struct kvd_server *s, struct client *c, unsigned k,
 		.heavy = v.heavy,
 	};
 	/* The engine rewrites the state after the step: two records of one
-	 * pass on the same (sequence, layer) -- two connections of a tenant --
-	 * must not share it.  The later one goes without. */
-	for (unsigned o = 0; r->heavy && o < k; o++)
-		if (xb->req[o].heavy == r->heavy)
-			r->heavy = NULL;
+	 * pass on the same (sequence, layer) must not share it.  Of two
+	 * connections of a tenant, the later one goes without; a record of
+	 * the same batch waits for the next pass, where it sees the state the
+	 * first one left, as it would have run alone. */
+	for (unsigned o = 0; r->heavy && o < k; o++) {
+		if (xb->req[o].heavy != r->heavy)
+			continue;
+		if (xb->u[o].c == c)
+			return 1;
+		r->heavy = NULL;
+	}
 	*pool = v.pool;
 	*node = v.node;
 	return 0;
 }
 
+/* Adds records of top[0..n) after the one each already has in the pass
+ * (round robin, in turn order) while the pass has fewer than FILL_TASKS
+ * tasks a worker: one client's batch of sequences becomes one pool job
+ * instead of one job, and one barrier, per sequence.  A big pool left most
+ * of its workers waiting on the few tasks of one (sequence, layer); a small
+ * one already has enough, and a pass no longer than one record keeps a
+ * neighbour's wait as short as before.  Returns the units now in the pass. */
+#define FILL_TASKS 8u
+
+static unsigned fill(struct kvd_server *s, struct client **top, unsigned n, unsigned k,
+		     struct kvd_pool **pool, unsigned *node, uint64_t *tasks)
+{
+	struct kvd_exec_buf *xb = s->xb;
+	uint32_t taken[PASS_UNITS] = { 0 };
+	uint64_t cap = (uint64_t)FILL_TASKS * (*pool ? kvd_pool_size(*pool) : 1);
+	int more = 1;
+
+	for (unsigned i = 0; i < k; i++)
+		for (unsigned c = 0; c < n; c++)
+			taken[c] += xb->u[i].c == top[c];
+	while (more && k < PASS_UNITS && *tasks < cap) {
+		more = 0;
+		for (unsigned c = 0; c < n && k < PASS_UNITS && *tasks < cap; c++) {
+			struct job *j = &top[c]->job;
+			uint32_t i = j->next + taken[c];
+
+			/* taken[c] == 0: the client's first record was not
+			 * taken (parked, another pool, finished): none after. */
+			if (!taken[c] || !j->active || top[c]->parked || i >= j->e.nseq)
+				continue;
+			if (unit_prepare(s, top[c], i, k, pool, node) != 0) {
+				/* Parked, or finished with an error: the records
+				 * already in the pass are dropped with the job. */
+				taken[c] = 0;
+				continue;
+			}
+			*tasks += xb->u[k++].tasks;
+			taken[c]++;
+			more = 1;
+		}
+	}
+	return k;
+}
+
 /* One pool job over the next record of each of the n clients in top[]
- * (first the one whose turn it is).  Charges each its share of the time. */
+ * (first the one whose turn it is), and more of theirs while the pool has
+ * few tasks (fill).  Charges each its share of the time. */
 static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 {
 	struct kvd_exec_buf *xb = s->xb;
@@ -507,13 +560,12 @@ static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 		n = PASS_UNITS;
 	kvd_tier_begin(s->tier);
 	for (unsigned i = 0; i < n; i++)
-		if (unit_prepare(s, top[i], k, &pool, &node) == 0)
-			k++;
-	if (k) {
+		if (unit_prepare(s, top[i], top[i]->job.next, k, &pool, &node) == 0)
+			total += xb->u[k++].tasks;
+	if (k)
+		k = fill(s, top, n, k, &pool, &node, &total);
+	if (k)
 		kvd_attn_layers(pool, s->scrs[node], kvd_kern_get(), xb->req, k, NULL);
-		for (unsigned i = 0; i < k; i++)
-			total += xb->u[i].tasks;
-	}
 	uint64_t dt = kvd_now_ns() - t0;
 
 	for (unsigned i = 0; i < k; i++) {
@@ -523,6 +575,11 @@ static void run_records(struct kvd_server *s, struct client **top, unsigned n)
 		const struct kvd_attn_req *r = &xb->req[i];
 
 		charge(c, total ? dt * u->tasks / total : dt / k);
+		/* Finished already: a later record of the pass failed its
+		 * check (fill), or an earlier one failed here.  Its slot is
+		 * the client's again: nothing more is written there. */
+		if (!j->active)
+			continue;
 		if (r->rc) {
 			char msg[160];
 

@@ -978,6 +978,65 @@ static void test_estimator_hybrid(void **state)
 	kvd_synth_free(&w);
 }
 
+/* One ATTEND of a batch answers each record as one ATTEND of that sequence
+ * alone would, bit for bit, whatever pass the executor puts the records in
+ * (several of one client's records share a pool job while the pool has few
+ * tasks): twin sequences, the same rows, attended one at a time in the
+ * batch's order, over decode steps, with a hybrid profile whose lists each
+ * step rewrites.  A sequence twice in a batch answers its second record from
+ * the lists its first record left. */
+static void test_batch_equals_singles(void **state)
+{
+	enum { B = 5, NS = 4, STEPS = 6 };
+	const uint32_t n0 = 2000;
+	static const unsigned order[B] = { 0, 1, 2, 0, 3 };
+	struct kvc *c = connect_model("batch", &model_hybrid);
+	struct kvc_seq *a[NS], *t[NS], *ba[B];
+	float *q = xmalloc((size_t)B * 8 * 128 * 4), *o = xmalloc((size_t)B * 8 * 128 * 4);
+	float lse[B * 8], o1[8 * 128], l1[8];
+	struct kvd_synth w[NS];
+	unsigned differ = 0;
+
+	for (unsigned i = 0; i < NS; i++) {
+		assert_int_equal(kvd_synth_make(&w[i], (enum kvd_wl)(i % KVD_WL_COUNT), n0, 8, 2, 128,
+						70 + i), 0);
+		assert_int_equal(kvc_seq_create(c, &a[i]), 0);
+		assert_int_equal(kvc_seq_create(c, &t[i]), 0);
+		for (uint32_t l = 0; l < LAYERS; l++)
+			if (kvc_prefill(c, a[i], l, w[i].k, w[i].v, n0) ||
+			    kvc_prefill(c, t[i], l, w[i].k, w[i].v, n0))
+				fail_msg("prefill: %s", kvc_last_error(c));
+	}
+	for (unsigned b = 0; b < B; b++)
+		ba[b] = a[order[b]];
+	for (unsigned step = 0; step < STEPS; step++)
+		for (uint32_t l = 1; l < LAYERS; l++) {
+			for (unsigned b = 0; b < B; b++)
+				for (int e = 0; e < 8 * 128; e++)
+					q[(size_t)b * 8 * 128 + e] = w[order[b]].q[e] +
+								     0.02f * (float)((step + b + (unsigned)e) % 5);
+			if (kvc_attend_kvd(c, l, ba, B, q, o, lse))
+				fail_msg("batch: %s", kvc_last_error(c));
+			for (unsigned b = 0; b < B; b++) {
+				if (kvc_attend_kvd(c, l, &t[order[b]], 1, q + (size_t)b * 8 * 128, o1, l1))
+					fail_msg("single: %s", kvc_last_error(c));
+				differ += memcmp(o1, o + (size_t)b * 8 * 128, sizeof o1) != 0 ||
+					  memcmp(l1, lse + b * 8, sizeof l1) != 0;
+			}
+		}
+	print_message("  %u of %u records differ from their twins alone\n", differ,
+		      STEPS * (LAYERS - 1) * B);
+	assert_int_equal(differ, 0);
+	for (unsigned i = 0; i < NS; i++) {
+		assert_int_equal(kvc_seq_free(c, a[i]), 0);
+		assert_int_equal(kvc_seq_free(c, t[i]), 0);
+		kvd_synth_free(&w[i]);
+	}
+	free(q);
+	free(o);
+	kvc_close(c);
+}
+
 /* A bad estimator is refused like any bad field, naming it, and the
  * connection stays usable; an existing name with another estimator is
  * another profile (-EEXIST); ProfileOpen and the profile listing answer
@@ -1126,6 +1185,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_int8_equals_engine, start, stop),
 		cmocka_unit_test_setup_teardown(test_kv_dtype_refusals, start, stop),
 		cmocka_unit_test_setup_teardown(test_estimator_hybrid, start, stop),
+		cmocka_unit_test_setup_teardown(test_batch_equals_singles, start, stop),
 		cmocka_unit_test_setup_teardown(test_estimator_refusals, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_control_messages, start, stop),
 		cmocka_unit_test_setup_teardown(test_bad_ring_entries, start, stop),
