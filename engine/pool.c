@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "invariant.h"
 #include "pool.h"
 
 /* How long a worker waiting for a job, or a submitter waiting for its job
@@ -179,6 +180,14 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 	pthread_mutex_lock(&p->mu);
 	while (atomic_load_explicit(&j.done, memory_order_acquire) != ntasks || j.refs)
 		pthread_cond_wait(&p->fin, &p->mu);
+	/* Every task ran, so the worker back first unlinked the job: one left
+	 * listed would dangle once this frame returns. */
+	if (NEVER(p->head == &j)) {
+		p->head = j.link;
+		if (!p->head)
+			p->tail = NULL;
+		atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
+	}
 	pthread_mutex_unlock(&p->mu);
 }
 
