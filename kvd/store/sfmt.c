@@ -10,6 +10,7 @@
 #define XXH_STATIC_LINKING_ONLY         /* XXH3_state_t on the stack: no malloc, no failure */
 #include <xxhash.h>
 
+#include "engine/attn.h"
 #include "engine/err.h"
 #include "sfmt.h"
 
@@ -80,6 +81,7 @@ static const char *kind_name(uint32_t kind)
 	case KVD_SFMT_END: return "END";
 	case KVD_SFMT_LOCAL: return "LOCAL";
 	case KVD_SFMT_PUB: return "PUB";
+	case KVD_SFMT_HEAVY: return "HEAVY";
 	}
 	return "?";
 }
@@ -378,6 +380,13 @@ void kvd_sfmt_pub_key(const struct kvd_sfmt_hdr *h, uint8_t *key)
 	memcpy(key + 8, &h->tok_end, 8);
 }
 
+uint64_t kvd_sfmt_heavy_bytes(uint32_t q_heads)
+{
+	const struct kvd_geom g = { .q_heads = q_heads };
+
+	return (uint64_t)kvd_heavy_words(&g) * sizeof(uint32_t);
+}
+
 uint64_t kvd_sfmt_local_bytes(const struct kvd_geom *g, uint32_t n)
 {
 	return 2 * A64((uint64_t)g->kv_heads * n * g->d * 2);
@@ -396,6 +405,8 @@ uint64_t kvd_sfmt_ext_payload(const struct kvd_sfmt_file *f, const struct kvd_sf
 		return kvd_seg_bytes(&f->p->g, e->n);
 	case KVD_SFMT_LOCAL:
 		return kvd_sfmt_local_bytes(&f->p->g, e->n);
+	case KVD_SFMT_HEAVY:
+		return kvd_sfmt_heavy_bytes(f->p->g.q_heads);
 	}
 	return 0;
 }
@@ -432,6 +443,10 @@ void kvd_sfmt_hdr_fill(struct kvd_sfmt_hdr *h, const struct kvd_sfmt_file *f,
 	case KVD_SFMT_PUB:
 		h->layer = e->layer;
 		h->n = e->n;
+		break;
+	case KVD_SFMT_HEAVY:
+		h->layer = e->layer;
+		h->n = g->q_heads;      /* the payload's size follows from it */
 		break;
 	case KVD_SFMT_END:
 		h->n = e->index;        /* the extents before it */
@@ -474,8 +489,9 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 	const char *kn = kind_name(h->kind);
 	uint64_t want;
 
-	if (h->kind < KVD_SFMT_PROFILE || h->kind > KVD_SFMT_PUB ||
-	    (h->kind >= KVD_SFMT_LOCAL && h->version < 3))
+	if (h->kind < KVD_SFMT_PROFILE || h->kind > KVD_SFMT_HEAVY ||
+	    (h->kind >= KVD_SFMT_LOCAL && h->version < 3) ||
+	    (h->kind == KVD_SFMT_HEAVY && h->version < 5))
 		return fail(msg, msglen, "extent %u: unknown kind %u for version %u", h->index, h->kind,
 			    h->version);
 	if (kvd_geom_check(&g) &&
@@ -548,6 +564,27 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 				    "LOCAL extent %u: payload_bytes %llu, %u rows take %llu", h->index,
 				    (unsigned long long)h->payload_bytes, h->n, (unsigned long long)want);
 		break;
+	case KVD_SFMT_HEAVY: {
+		/* The header stores no q_heads but n: the group it makes with
+		 * kv_heads must be one kvd_geom_check takes, so that the size
+		 * below is bounded and is a profile's. */
+		struct kvd_geom gq = g;
+
+		gq.q_heads = h->n;
+		if (h->layer >= KVD_PROFILE_LAYERS_MAX || kvd_geom_check(&gq) || h->tok_begin ||
+		    h->tok_end)
+			return fail(msg, msglen,
+				    "HEAVY extent %u: layer %u, %u q heads for %u kv heads, tokens [%llu, %llu) out of range",
+				    h->index, h->layer, h->n, h->kv_heads,
+				    (unsigned long long)h->tok_begin, (unsigned long long)h->tok_end);
+		want = kvd_sfmt_heavy_bytes(h->n);
+		if (h->payload_bytes != want)
+			return fail(msg, msglen,
+				    "HEAVY extent %u: payload_bytes %llu, the state of %u q heads takes %llu",
+				    h->index, (unsigned long long)h->payload_bytes, h->n,
+				    (unsigned long long)want);
+		break;
+	}
 	case KVD_SFMT_PUB:
 		if (h->layer || !h->n || h->payload_bytes)
 			return fail(msg, msglen, "PUB extent %u: layer %u, %u tokens, payload_bytes %llu",

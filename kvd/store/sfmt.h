@@ -8,8 +8,8 @@
  *
  * Extent order in a file: PROFILE (the profile's fields and W, so the file
  * describes itself), then for every sparse layer in layer order one LAYER
- * extent (centering mean and the open tail) followed by that layer's SEG
- * extents, then one LOCAL extent per layer whose client rows kvd keeps (a
+ * extent (centering mean and the open tail), that layer's HEAVY extent (its
+ * estimator state, when it has one) and its SEG extents, then one LOCAL extent per layer whose client rows kvd keeps (a
  * published prefix's sinks, window and dense layers: kvd/store/share.h),
  * a PUB extent when the sequence is a published prefix, and last an END
  * extent.  A file without a valid END is not complete.
@@ -40,18 +40,18 @@
  *            tok_end - tok_begin == n; flags within KVD_SFMT_SF_* (none in
  *            a version 1 file).
  *
- * Versions: 4 put an int8 segment's three per-row floats side by side
+ * Versions: 5 added HEAVY extents (files without them read unchanged: the
+ * sequence comes back with empty lists, as it did then);
+ * 4 put an int8 segment's three per-row floats side by side
  * (struct kvd_row8, in the room of the three arrays before it; older int8
  * segments are rewritten as they are read, bf16 ones read unchanged);
  * 3 added LOCAL extents (files without them read unchanged);
  * 2 added int8 segments (KVD_SFMT_SF_INT8, the PROFILE record's
  * kv_dtype).  Version 1 files, all bf16, read unchanged: their SEG flags and
- * the field that is now kv_dtype were 0.  kvd writes version 4.  The
+ * the field that is now kv_dtype were 0.  kvd writes version 5.  The
  * PROFILE record's estimator took the first 4 of its reserved bytes without
  * a new version: files written before it have 0 there (magicpig), which is
- * what their profiles were.  A profile's estimator state (the heavy lists of
- * hybrid and adaptive) is scratch and is never written: a sequence comes
- * back from a file with empty lists.
+ * what their profiles were.
  *   LOCAL    version >= 3; layer < KVD_PROFILE_LAYERS_MAX; n in
  *            1..KVD_SFMT_LOCAL_MAX rows; payload K then V, bf16
  *            [kv_heads][n][d] each, each part 64-byte aligned
@@ -60,6 +60,13 @@
  *            and the 16-byte content key it is published under in
  *            tok_begin (bytes 0..7) and tok_end (8..15), little-endian
  *            (kvd_sfmt_pub_key), all covered by hdr_crc.
+ *   HEAVY    version >= 5; layer < KVD_PROFILE_LAYERS_MAX; n the q heads, a
+ *            multiple of kv_heads that kvd_geom_check takes; payload_bytes
+ *            exactly kvd_heavy_words() of that geometry * 4; tok_begin and
+ *            tok_end 0.  The payload is the layer's state as the engine
+ *            keeps it (engine/attn.h): only its size and crc are checked,
+ *            since any words there are safe (a count is clamped, an entry
+ *            that names no row is ignored).
  *   END      payload_bytes 0; n == index.
  * Fields a kind does not mention are not checked (seq, gen, profile_fp:
  * the reader compares them with what it expects).
@@ -77,7 +84,7 @@
 #include "store.h"
 
 #define KVD_SFMT_PAGE 4096u
-#define KVD_SFMT_VERSION 4u
+#define KVD_SFMT_VERSION 5u
 #define KVD_SFMT_VERSION_MIN 1u
 #define KVD_SFMT_MAGIC "KVDSPILL"       /* 8 bytes, no NUL on disk */
 
@@ -88,6 +95,7 @@ enum kvd_sfmt_kind {
 	KVD_SFMT_END = 4,
 	KVD_SFMT_LOCAL = 5,             /* version 3: a layer's client rows (prefix sharing) */
 	KVD_SFMT_PUB = 6,               /* version 3: the file is a published prefix */
+	KVD_SFMT_HEAVY = 7,             /* version 5: a layer's estimator state */
 };
 
 #define KVD_SFMT_LF_MEAN 0x1            /* LAYER: the payload starts with the mean */
@@ -107,7 +115,8 @@ struct kvd_sfmt_hdr {
 	uint32_t index;                 /* position of this extent in the file */
 	uint32_t layer;                 /* LAYER, SEG */
 	uint32_t kv_heads, d, K, L;     /* geometry the payload is laid out for */
-	uint32_t n;                     /* SEG: tokens; LAYER: tail rows; END: extents before it */
+	uint32_t n;                     /* SEG: tokens; LAYER: tail rows; HEAVY: q heads;
+					 * END: extents before it */
 	uint32_t flags;                 /* LAYER: KVD_SFMT_LF_* */
 	char tenant[72];                /* NUL-terminated, <= KVD_NAME_MAX chars */
 	uint32_t crc;                   /* CRC32C of payload_bytes of payload */
@@ -135,6 +144,8 @@ uint64_t kvd_sfmt_profile_fp(const struct kvd_profile *p);
  *   bf16, tail V, tail codes [kv][L][n] u16; each part 64-byte aligned.
  * SEG: the segment's memory exactly as kvd_seg_build lays it out
  *   (kvd_seg_bytes(g, n) bytes).
+ * HEAVY: kvd_heavy_words(g) u32, per q head a count then KVD_HEAVY_MAX
+ *   entries (segment << 16 | row), as kvd_store_layer_heavy holds them.
  * END: none. */
 #define KVD_SFMT_PROFILE_REC 256u
 
@@ -170,6 +181,8 @@ uint64_t kvd_sfmt_layer_bytes(const struct kvd_geom *g, uint32_t n, int mean);
 /* A LOCAL payload of n rows: K at 0, V at half of it (each part the same size). */
 #define KVD_SFMT_LOCAL_MAX (1u << 24)
 uint64_t kvd_sfmt_local_bytes(const struct kvd_geom *g, uint32_t n);
+/* A HEAVY payload for q_heads q heads (kvd_heavy_words * 4). */
+uint64_t kvd_sfmt_heavy_bytes(uint32_t q_heads);
 /* A PUB extent's key: to the header's two fields, and back. */
 void kvd_sfmt_pub_key_put(struct kvd_sfmt_hdr *h, const uint8_t *key);
 void kvd_sfmt_pub_key(const struct kvd_sfmt_hdr *h, uint8_t *key);
@@ -185,8 +198,9 @@ void kvd_sfmt_layer_parts(const struct kvd_geom *g, uint32_t n, int mean, void *
  * kvd_sfmt_file: what every extent of one file shares.  profile_fp is
  * kvd_sfmt_profile_fp(p), passed in because it hashes W (once per file,
  * not per extent).  kvd_sfmt_ext: what differs per extent; tok_end is
- * always tok_begin + n, an END's n is its index, a SEG's flags come from
- * p->g.kv_dtype and only a LAYER takes `flags` (KVD_SFMT_LF_*). */
+ * always tok_begin + n, an END's n is its index, a HEAVY's n is
+ * p->g.q_heads (e->n is not read), a SEG's flags come from p->g.kv_dtype
+ * and only a LAYER takes `flags` (KVD_SFMT_LF_*). */
 struct kvd_sfmt_file {
 	const struct kvd_profile *p;
 	uint64_t seq, gen, profile_fp;
@@ -196,15 +210,16 @@ struct kvd_sfmt_file {
 struct kvd_sfmt_ext {
 	uint32_t kind;                  /* enum kvd_sfmt_kind */
 	uint32_t index;                 /* position in the file */
-	uint32_t layer;                 /* LAYER, SEG */
+	uint32_t layer;                 /* LAYER, SEG, HEAVY, LOCAL */
 	uint32_t n;                     /* LAYER: tail rows; SEG: tokens */
 	uint32_t flags;                 /* LAYER: KVD_SFMT_LF_* */
 	uint64_t tok_begin;             /* LAYER, SEG */
 };
 
 /* payload_bytes of extent e: the PROFILE payload of f->p, a LAYER of n
- * tail rows (with the mean when KVD_SFMT_LF_MEAN), a SEG of n tokens, or 0
- * for END.  Size the extent's buffer with kvd_sfmt_extent_bytes() of it. */
+ * tail rows (with the mean when KVD_SFMT_LF_MEAN), a SEG of n tokens, a
+ * HEAVY of f->p's q heads, or 0 for END (PUB too).  Size the extent's
+ * buffer with kvd_sfmt_extent_bytes() of it. */
 uint64_t kvd_sfmt_ext_payload(const struct kvd_sfmt_file *f, const struct kvd_sfmt_ext *e);
 
 /* Zeroes *h and fills every field of extent e of file f except magic,

@@ -14,6 +14,9 @@
  *    profile read hashes to the header's fingerprint, and putting it back
  *    gives the very same bytes;
  *  - LAYER, LOCAL: every part lies inside the payload (read end to end);
+ *  - HEAVY: the payload is exactly the state of n q heads
+ *    (kvd_heavy_words), n a group of kv_heads, read end to end with each
+ *    head's count clamped as the engine clamps it;
  *  - SEG: checked in a buffer of exactly its size (a read past it is an ASan
  *    report), then copied into an io buffer whose header page and padding
  *    are poisoned, adopted, and queried on every kv head with
@@ -97,6 +100,35 @@ static void local(const struct kvd_sfmt_hdr *h, const uint8_t *pl)
 		abort();
 	for (size_t i = 0; i < rows; i++)
 		acc += k[i] ^ v[i];
+	sink = acc;
+	(void)sink;
+}
+
+/* A HEAVY extent as tier_io.c installs it into a layer of a profile with
+ * h->n q heads: words the engine reads per q head, a count and up to
+ * KVD_HEAVY_MAX entries. */
+static void heavy(const struct kvd_sfmt_hdr *h, const uint8_t *pl)
+{
+	const struct kvd_geom g = { .q_heads = h->n, .kv_heads = h->kv_heads, .d = h->d,
+				    .K = h->K, .L = h->L, .c = 1 };
+	volatile uint32_t sink;
+	uint32_t acc = 0;
+
+	if (kvd_geom_check(&g) || h->payload_bytes != kvd_heavy_words(&g) * sizeof(uint32_t))
+		abort();
+	for (uint32_t qh = 0; qh < h->n; qh++) {
+		const uint8_t *e = pl + (size_t)qh * (1 + KVD_HEAVY_MAX) * sizeof(uint32_t);
+		uint32_t cnt;
+
+		memcpy(&cnt, e, sizeof cnt);
+		cnt = cnt < KVD_HEAVY_MAX ? cnt : KVD_HEAVY_MAX;
+		for (uint32_t k = 0; k < cnt; k++) {
+			uint32_t id;
+
+			memcpy(&id, e + (1 + k) * sizeof id, sizeof id);
+			acc += id;
+		}
+	}
 	sink = acc;
 	(void)sink;
 }
@@ -221,6 +253,9 @@ static void one(const uint8_t *buf, size_t len)
 		break;
 	case KVD_SFMT_LOCAL:
 		local(&h, pl);
+		break;
+	case KVD_SFMT_HEAVY:
+		heavy(&h, pl);
 		break;
 	case KVD_SFMT_SEG:
 		if (!rc)

@@ -932,6 +932,91 @@ static void test_local_extent(void **state)
 	expect_hdr_fail(&bad, "PUB with a payload");
 }
 
+/* Version 5 added HEAVY extents: a sparse layer's estimator state, exactly
+ * kvd_heavy_words() of the profile's q heads; refused in an older header,
+ * with a size other than its q heads', with q heads that make no group of
+ * kv_heads, with a token range or flags, and by crc.  The words themselves
+ * are not judged: any are safe to attend with (engine/attn.h). */
+static void test_heavy_extent(void **state)
+{
+	const struct kvd_geom g = { .q_heads = 8, .kv_heads = 2, .d = 16, .K = 4, .L = 3, .c = 1 };
+	struct kvd_profile geo = { .g = g };
+	const struct kvd_sfmt_file f = { .p = &geo, .seq = 1, .gen = 1, .profile_fp = 2,
+					 .tenant = "t" };
+	const struct kvd_sfmt_ext e = { .kind = KVD_SFMT_HEAVY, .index = 2, .layer = 3 };
+	struct kvd_sfmt_hdr h, bad, got;
+	uint64_t bytes = kvd_sfmt_heavy_bytes(8);
+	uint32_t *pl = calloc(1, bytes);
+	char msg[256];
+
+	assert_non_null(pl);
+	assert_int_equal(bytes, kvd_heavy_words(&g) * sizeof(uint32_t));
+	assert_int_equal(bytes, 8 * (1 + KVD_HEAVY_MAX) * 4);
+	for (uint64_t i = 0; i < bytes / 4; i++)
+		pl[i] = (uint32_t)(i * 2654435761u);     /* ids that name nothing: fine */
+	kvd_sfmt_hdr_fill(&h, &f, &e);
+	assert_int_equal(h.payload_bytes, bytes);
+	assert_int_equal(h.n, 8);
+	assert_int_equal(h.layer, 3);
+	assert_int_equal(kvd_sfmt_ext_payload(&f, &e), bytes);
+	seal_and_check(&h, pl);
+	assert_int_equal(h.version, KVD_SFMT_VERSION);
+	assert_int_equal(h.extent_bytes, 2 * PAGE);
+	seed_write("heavy", &h, pl);
+	assert_int_equal(kvd_sfmt_check_hdr(&h, sizeof h, &got, msg, sizeof msg), 0);
+	assert_int_equal(kvd_sfmt_check_payload(&got, pl, msg, sizeof msg), 0);
+
+	bad = h;
+	bad.version = 4;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY in a version 4 file");
+	bad = h;
+	bad.payload_bytes = bytes + 4;  /* extent_bytes still right */
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY a word too long");
+	bad = h;
+	bad.payload_bytes = bytes - 4;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY a word short");
+	bad = h;
+	bad.n = 4;                      /* a valid group, another size */
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY q heads disagree with payload_bytes");
+	bad = h;
+	bad.n = 7;
+	bad.payload_bytes = kvd_sfmt_heavy_bytes(7);
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY q heads not a multiple of kv_heads");
+	bad = h;
+	bad.n = 0;
+	bad.payload_bytes = 0;
+	bad.extent_bytes = PAGE;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY of no q heads");
+	bad = h;
+	bad.n = 2 * (KVD_GMAX + 1);
+	bad.payload_bytes = kvd_sfmt_heavy_bytes(bad.n);
+	bad.extent_bytes = kvd_sfmt_extent_bytes(bad.payload_bytes);
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY of a group too large");
+	bad = h;
+	bad.layer = KVD_PROFILE_LAYERS_MAX;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY layer out of range");
+	bad = h;
+	bad.tok_end = 1;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY with a token range");
+	bad = h;
+	bad.flags = 1;
+	fix_hdr_crc(&bad);
+	expect_hdr_fail(&bad, "HEAVY with flags");
+	((uint8_t *)pl)[bytes - 1] ^= 0x80;
+	assert_int_equal(kvd_sfmt_check_payload(&got, pl, msg, sizeof msg), -KVD_EFORMAT);
+	assert_non_null(strstr(msg, "HEAVY"));
+	free(pl);
+}
+
 /* Version 2 added int8 segments.  A version 1 file (bf16 only: no SEG flags,
  * a zero where the profile record now keeps kv_dtype) still reads; the int8
  * flag is refused in a version 1 header and unknown flags in any; a header
@@ -1387,6 +1472,7 @@ int main(void)
 		cmocka_unit_test(test_seg_restore_attention),
 		cmocka_unit_test(test_versions),
 		cmocka_unit_test(test_local_extent),
+		cmocka_unit_test(test_heavy_extent),
 		cmocka_unit_test(test_seg_corruptions),
 		cmocka_unit_test(test_seg_full_buckets),
 		cmocka_unit_test(test_tiny_extents),
