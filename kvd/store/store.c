@@ -1873,16 +1873,51 @@ uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_
 	    layer >= kvd_store_seq_ready_layers(q))
 		return NULL;
 	l = &q->ly[layer];
-	if (l->heavy)
-		return l->heavy;
-	/* A refused charge is no error: the layer is attended without state. */
-	if (take(s, q, n, 0))
-		return NULL;
-	if (!(l->heavy = calloc(1, n))) {
-		give(s, q, n);
-		return NULL;
+	if (!l->heavy) {
+		/* A refused charge is no error: the layer is attended without
+		 * state. */
+		if (take(s, q, n, 0))
+			return NULL;
+		if (!(l->heavy = calloc(1, n))) {
+			give(s, q, n);
+			return NULL;
+		}
 	}
+	/* The step rewrites it: a file written before holds other lists, and
+	 * a sequence dropped for it would come back answering differently. */
+	q->gen++;
 	return l->heavy;
+}
+
+size_t kvd_store_heavy_bytes(const struct kvd_seqn *q)
+{
+	return heavy_bytes(q->p);
+}
+
+int kvd_store_install_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const uint32_t *words)
+{
+	const struct kvd_profile *p = q->p;
+	struct kvd_layer_state *l;
+	size_t n = heavy_bytes(p);
+
+	/* A restore's (see kvd_store_install_layer). */
+	if (NEVER(q->state != KVD_SEQ_RESTORING))
+		return -EINVAL;
+	if (p->estimator == KVD_EST_MAGICPIG || layer >= p->layers || p->dense[layer] ||
+	    q->ly[layer].heavy)
+		return -EINVAL;
+	l = &q->ly[layer];
+	/* Counted before it exists, as kvd_store_layer_heavy does: the charge
+	 * never falls below what is held. */
+	if (take(s, q, n, 1))
+		return -ENOMEM;
+	if (!(l->heavy = malloc(n))) {
+		give(s, q, n);
+		return -ENOMEM;
+	}
+	memcpy(l->heavy, words, n);
+	return 0;
 }
 
 void kvd_store_stats(const struct kvd_store *s, struct kvd_store_stats *st)

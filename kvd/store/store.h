@@ -374,12 +374,23 @@ const uint16_t *kvd_store_layer_tail_codes(const struct kvd_seqn *q, uint32_t la
  * magicpig profiles, dense layers, layers not resident (on disk, not yet
  * restored), or when the charge or the allocation fails (the layer is then
  * attended by magicpig: an answer is never refused for it).  Freed with the
- * layer's other resident data (kvd_store_seq_drop, seq free).  Scratch
- * state: the tier never writes it to a spill file, so a sequence that was
- * spilled (or dropped) starts again from empty lists.  Changing it does not
- * change the sequence's gen.  Event loop only: the pool job that attends
- * the layer gets the pointer from here. */
+ * layer's other resident data (kvd_store_seq_drop, seq free).  Part of the
+ * sequence like its rows: the tier writes it to the spill file (a HEAVY
+ * extent) and kvd_store_install_heavy puts it back, so a sequence that was
+ * spilled and restored answers as if it never left.  Handing it out bumps
+ * the sequence's gen (the step that gets it rewrites it after), so a file
+ * written before no longer counts as current.  Event loop only: the pool
+ * job that attends the layer gets the pointer from here. */
 uint32_t *kvd_store_layer_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer);
+/* The bytes of one layer's estimator state (kvd_heavy_words * 4). */
+size_t kvd_store_heavy_bytes(const struct kvd_seqn *q);
+/* A layer's state read back from a spill file (HEAVY extent): words are
+ * kvd_store_heavy_bytes(q) bytes, copied; charged without a check (the tier
+ * reserved the room, kvd_store_heavy_bytes).  -EINVAL for a magicpig
+ * profile, a dense layer, a layer out of range or one that has state
+ * already; -ENOMEM. */
+int kvd_store_install_heavy(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
+			    const uint32_t *words);
 
 /* ---- prefix sharing (kvd/store/share.c builds on these) ----------------
  *

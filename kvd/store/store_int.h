@@ -31,7 +31,7 @@ struct kvd_layer_state {
 	uint64_t tokens;                /* tokens kvd holds for this layer */
 	/* The estimator's state (kvd_store_layer_heavy): kvd_heavy_words(g)
 	 * words, counted in q->bytes; NULL until first used (and always for
-	 * magicpig).  Never written to spill files. */
+	 * magicpig).  Written to spill files (HEAVY extents) with the rows. */
 	uint32_t *heavy;
 };
 

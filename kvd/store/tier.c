@@ -514,17 +514,21 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 	int rc;
 
 	/* The budget for the restore: every extent's buffer, and what
-	 * installing a layer allocates besides (mean, tail, segment table). */
+	 * installing a layer allocates besides (mean, tail, segment table,
+	 * estimator state). */
 	for (unsigned i = 0; i < r->next_ext; i++) {
 		const struct ext *e = &r->ext[i];
 		uint32_t nseg = 0;
 
 		need += e->bytes;
+		if (e->kind == KVD_SFMT_HEAVY)
+			need += kvd_store_heavy_bytes(q);
 		if (e->kind != KVD_SFMT_LAYER)
 			continue;
-		for (unsigned k = i + 1; k < r->next_ext && r->ext[k].kind == KVD_SFMT_SEG &&
+		for (unsigned k = i + 1; k < r->next_ext && (r->ext[k].kind == KVD_SFMT_SEG ||
+							      r->ext[k].kind == KVD_SFMT_HEAVY) &&
 					 r->ext[k].layer == e->layer; k++)
-			nseg++;
+			nseg += r->ext[k].kind == KVD_SFMT_SEG;
 		need += kvd_store_install_bytes(q, !!(e->flags & KVD_SFMT_LF_MEAN), e->n, nseg);
 	}
 	if ((rc = kvd_tier_room_uid(t, r->uid, need, msg, msglen)))

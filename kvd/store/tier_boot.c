@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <syslog.h>
 
+#include "engine/attn.h"
 #include "engine/err.h"
 #include "engine/log.h"
 #include "tier_int.h"
@@ -75,7 +76,8 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 
 	for (unsigned i = 0; i < n; i++) {
 		const struct kvd_sfmt_hdr *h = &hdr[i];
-		int data = h->kind == KVD_SFMT_LAYER || h->kind == KVD_SFMT_SEG;
+		int data = h->kind == KVD_SFMT_LAYER || h->kind == KVD_SFMT_SEG ||
+			   h->kind == KVD_SFMT_HEAVY;
 
 		r->ext[i] = (struct ext){ h->kind, h->layer, h->n, h->flags, h->extent_bytes,
 					  h->tok_begin, h->tok_end };
@@ -97,6 +99,17 @@ static int load_one(void *arg, unsigned dir, const struct kvd_sfmt_hdr *hdr, uns
 		if (h->kind == KVD_SFMT_LOCAL && h->layer >= p->layers) {
 			kvd_log(LOG_WARNING, "spill file of %016llx: LOCAL extent %u names layer %u of %u",
 				(unsigned long long)hdr[0].seq, i, h->layer, p->layers);
+			kvd_tier_rec_free(t, r);
+			kvd_store_seq_free(t->st, q);
+			return -KVD_EFORMAT;
+		}
+		/* The state of the profile's estimator and q heads, or the
+		 * file is not this profile's. */
+		if (h->kind == KVD_SFMT_HEAVY &&
+		    (p->estimator == KVD_EST_MAGICPIG || h->n != p->g.q_heads)) {
+			kvd_log(LOG_WARNING, "spill file of %016llx: HEAVY extent %u of %u q heads "
+				"for a %s profile of %u", (unsigned long long)hdr[0].seq, i, h->n,
+				kvd_estimator_name(p->estimator), p->g.q_heads);
 			kvd_tier_rec_free(t, r);
 			kvd_store_seq_free(t->st, q);
 			return -KVD_EFORMAT;

@@ -165,6 +165,8 @@ static unsigned count_extents(const struct kvd_seqn *q)
 
 		if (l->mean || l->tail_n || l->nseg)
 			n += 1 + l->nseg;
+		if (l->heavy)
+			n++;
 		if (q->loc && q->loc->ly[i].n)
 			n++;
 	}
@@ -188,7 +190,8 @@ static int header_ext(struct rec *r, unsigned i, const struct kvd_sfmt_file *f,
 
 /* What build_write allocates for q's file besides the segments' own
  * buffers: the job's arrays for n extents, and the extents it copies
- * (PROFILE, each LAYER's mean and tail, LOCAL rows, PUB and END pages). */
+ * (PROFILE, each LAYER's mean and tail, HEAVY state, LOCAL rows, PUB and
+ * END pages). */
 static uint64_t write_copies(const struct kvd_sfmt_file *f, const struct kvd_seqn *q, unsigned n)
 {
 	const struct kvd_profile *p = q->p;
@@ -205,6 +208,10 @@ static uint64_t write_copies(const struct kvd_sfmt_file *f, const struct kvd_seq
 						   .flags = l->mean ? KVD_SFMT_LF_MEAN : 0 };
 			b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
 		}
+		if (l->heavy) {
+			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_HEAVY };
+			b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
+		}
 		if (q->loc && q->loc->ly[ly].n) {
 			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_LOCAL, .n = q->loc->ly[ly].n };
 			b += kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(f, &e));
@@ -213,15 +220,16 @@ static uint64_t write_copies(const struct kvd_sfmt_file *f, const struct kvd_seq
 	return b + (q->hidden ? 2 : 1) * (uint64_t)PAGE;
 }
 
-/* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER + SEGs,
- * END; -EAGAIN while a segment of q is in another write (forks and
- * attached prefixes share segments, and each file writes its own header
- * into the segment's header page).  Segments are written from their own
- * buffers (their header page);
- * profile, layer and end extents are copies, so later appends do not race
- * the write.  A layer's estimator state (l->heavy, hybrid and adaptive
- * profiles) is not written: it is scratch, dropped with the sequence's
- * RAM, and a restored sequence starts again from empty lists. */
+/* Builds the WRITE job of q's whole data: PROFILE, per layer LAYER, HEAVY
+ * and SEGs, END; -EAGAIN while a segment of q is in another write (forks
+ * and attached prefixes share segments, and each file writes its own
+ * header into the segment's header page).  Segments are written from their
+ * own buffers (their header page); profile, layer, heavy and end extents
+ * are copies, so later appends and steps do not race the write.  A layer's
+ * estimator state (l->heavy, hybrid and adaptive profiles) goes with its
+ * rows: the restored sequence answers its next step as this one would.
+ * Its HEAVY extent comes before the layer's SEGs, so a restore makes the
+ * layer ready (kvd_tier_ready_after) only once its state is back. */
 int kvd_tier_build_write(struct kvd_tier *t, struct rec *r, int evict)
 {
 	struct kvd_seqn *q = r->q;
@@ -283,13 +291,12 @@ int kvd_tier_build_write(struct kvd_tier *t, struct rec *r, int evict)
 
 	for (uint32_t ly = 0; ly < p->layers; ly++) {
 		const struct kvd_layer_state *l = &q->ly[ly];
-
-		if (!(l->mean || l->tail_n || l->nseg))
-			continue;
 		struct kvd_sfmt_hdr *h;
 		float *m;
 		uint16_t *k, *v, *c;
 
+		if (!(l->mean || l->tail_n || l->nseg))
+			goto heavy;
 		e = (struct kvd_sfmt_ext){
 			.kind = KVD_SFMT_LAYER, .index = i, .layer = ly, .n = l->tail_n,
 			.flags = (l->mean ? KVD_SFMT_LF_MEAN : 0) | (l->sealed ? KVD_SFMT_LF_SEALED : 0),
@@ -322,6 +329,21 @@ int kvd_tier_build_write(struct kvd_tier *t, struct rec *r, int evict)
 		r->wext[i] = (struct ext){ KVD_SFMT_LAYER, ly, l->tail_n, h->flags, r->buf[i].bytes,
 					   h->tok_begin, h->tok_end };
 		i++;
+heavy:
+		if (l->heavy) {
+			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_HEAVY, .index = i, .layer = ly };
+			r->buf[i].bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(&f, &e));
+			if (!(r->buf[i].p = kvd_tier_page_alloc(r->buf[i].bytes)))
+				goto nomem;
+			r->mine[i] = 1;
+			h = r->buf[i].p;
+			memset(h, 0, r->buf[i].bytes);
+			kvd_sfmt_hdr_fill(h, &f, &e);
+			memcpy((char *)h + PAGE, l->heavy, h->payload_bytes);
+			r->wext[i] = (struct ext){ .kind = KVD_SFMT_HEAVY, .layer = ly, .n = h->n,
+						   .bytes = r->buf[i].bytes };
+			i++;
+		}
 
 		uint64_t tok = 0;
 
@@ -400,7 +422,8 @@ nomem:
 uint32_t kvd_tier_ready_after(const struct rec *r, unsigned i)
 {
 	for (; i < r->next_ext; i++)
-		if (r->ext[i].kind == KVD_SFMT_LAYER || r->ext[i].kind == KVD_SFMT_SEG)
+		if (r->ext[i].kind == KVD_SFMT_LAYER || r->ext[i].kind == KVD_SFMT_SEG ||
+		    r->ext[i].kind == KVD_SFMT_HEAVY)
 			return r->ext[i].layer;
 	return r->q->p->layers;
 }
@@ -452,6 +475,13 @@ int kvd_tier_install(struct kvd_tier *t, struct rec *r, unsigned i)
 		}
 		break;
 	}
+	case KVD_SFMT_HEAVY:
+		/* The profile's q heads, so the payload is exactly its state;
+		 * what the words say is the engine's to bound (engine/attn.h). */
+		if (e->n != g->q_heads)
+			return -KVD_EFORMAT;
+		rc = kvd_store_install_heavy(t->st, q, e->layer, payload);
+		break;
 	case KVD_SFMT_LOCAL: {
 		uint64_t half = kvd_sfmt_local_bytes(g, e->n) / 2;
 

@@ -4,9 +4,10 @@
  * smaller than the sessions evicts the coldest and brings them back; every
  * injected disk fault (fake I/O backend) keeps kvd serving and never gives
  * a wrong answer — data stays in RAM, or the request fails "sequence lost";
- * --persist finds sequences again after a clean stop and after kill -9 (a
- * hybrid profile with its estimator; its per-layer state is never written,
- * and is made again after a restore). */
+ * --persist finds sequences again after a clean stop and after kill -9; a
+ * hybrid profile's per-layer estimator state goes to disk and comes back
+ * with its sequence (a spilled, restored or restarted sequence answers its
+ * next decode step bit for bit as a twin that never left RAM). */
 #include <dirent.h>
 #include <fcntl.h>
 #include <setjmp.h>
@@ -584,15 +585,56 @@ static int finite_answers(struct kvc *c, struct session *x)
 	return 0;
 }
 
-/* A hybrid profile's estimator state is scratch: it is in the sequence's
- * resident bytes, not in its file (the same rows under magicpig make a file
- * of the same size), gone when the sequence is on disk, and made again,
- * empty, when ATTEND brings the sequence back. */
-static void test_spill_drops_estimator_state(void **state)
+/* Decode step `step` of x: ATTEND of every sparse layer with the layer's
+ * query drifted by the step, as a decoder's queries drift; the answers in
+ * o and lse. */
+static int step(struct kvc *c, struct session *x, int step, float o[LAYERS][8 * 128],
+		float lse[LAYERS][8])
+{
+	float q[8 * 128];
+	int rc;
+
+	for (uint32_t l = 1; l < LAYERS; l++) {
+		for (int i = 0; i < 8 * 128; i++)
+			q[i] = x->w[l].q[i] * (1.0f + 0.02f * (float)step * sinf((float)i));
+		if ((rc = kvc_attend_kvd(c, l, &x->s, 1, q, o[l], lse[l])))
+			return rc;
+	}
+	return 0;
+}
+
+/* Step `s` of x and of its twin y answer bit for bit alike: 0; the error
+ * of a step that failed; 1 when they differ. */
+static int same_step(struct kvc *c, struct session *x, struct session *y, int s)
+{
+	float ox[LAYERS][8 * 128], lx[LAYERS][8], oy[LAYERS][8 * 128], ly[LAYERS][8];
+	int rc;
+
+	if ((rc = step(c, x, s, ox, lx)) || (rc = step(c, y, s, oy, ly)))
+		return rc;
+	for (uint32_t l = 1; l < LAYERS; l++)
+		if (memcmp(ox[l], oy[l], sizeof ox[l]) || memcmp(lx[l], ly[l], sizeof lx[l]))
+			return 1;
+	return 0;
+}
+
+#define WARM 6                  /* decode steps before the eviction */
+
+/* A hybrid profile's estimator state travels with its sequence: x, decoded
+ * WARM steps, is evicted (its file holds each sparse layer's lists: a
+ * HEAVY extent beside what the same rows under magicpig write) and
+ * brought back by ATTEND, and from then answers every step bit for bit as
+ * its twin y (same rows, same steps, never evicted).  A fresh twin z with
+ * empty lists answers that step otherwise, so the lists are what is
+ * compared.  The steps after the restore change the lists: the next
+ * eviction writes the file again (it is no longer current), and after a
+ * PREFETCH x still answers as y. */
+static void test_spill_keeps_estimator_state(void **state)
 {
 	const uint64_t hb = 8 * (1 + 32) * sizeof(uint32_t);
+	float oy[LAYERS][8 * 128], ly[LAYERS][8], oz[LAYERS][8 * 128], lz[LAYERS][8];
 	struct kvc *ch, *cm;
-	struct session x, y;
+	struct session x, y, z, m;
 	struct kvc_seq_stats st, stm;
 
 	assert_int_equal(up(NULL, NULL), 0);
@@ -600,38 +642,62 @@ static void test_spill_drops_estimator_state(void **state)
 	cm = client("spill-magicpig");
 	assert_int_equal(kvc_model_of(ch)->estimator, KVC_EST_HYBRID);
 	assert_int_equal(build(ch, &x, 4), 0);
-	assert_int_equal(build(cm, &y, 4), 0);
-	assert_int_equal(finite_answers(ch, &x), 0);
-	assert_int_equal(finite_answers(cm, &y), 0);
+	assert_int_equal(build(ch, &y, 4), 0);
+	assert_int_equal(build(cm, &m, 4), 0);
+	assert_int_equal(finite_answers(cm, &m), 0);
+	for (int s = 0; s < WARM; s++)
+		assert_int_equal(same_step(ch, &x, &y, s), 0);
 	st = seq_stats(ch, x.s);
-	stm = seq_stats(cm, y.s);
+	stm = seq_stats(cm, m.s);
 	assert_int_equal(st.tokens, stm.tokens);
 	assert_int_equal(st.bytes, stm.bytes + (LAYERS - 1) * hb);
 	uint64_t resident = st.bytes;
 
 	assert_int_equal(kvc_seq_evict(ch, x.s), 0);
-	assert_int_equal(kvc_seq_evict(cm, y.s), 0);
+	assert_int_equal(kvc_seq_evict(cm, m.s), 0);
 	st = wait_spilled(ch, x.s);
-	stm = wait_spilled(cm, y.s);
+	stm = wait_spilled(cm, m.s);
 	assert_int_equal(st.state, KVC_SEQ_DISK);
 	assert_true(st.durable);
 	assert_int_equal(st.bytes, 0);
 	assert_int_equal(stm.state, KVC_SEQ_DISK);
 	print_message("  on disk: hybrid %llu bytes, magicpig %llu\n",
 		      (unsigned long long)st.disk_bytes, (unsigned long long)stm.disk_bytes);
-	assert_int_equal(st.disk_bytes, stm.disk_bytes);
-	assert_int_equal(stats(ch).bytes, 0);
+	assert_int_equal(st.disk_bytes, stm.disk_bytes + (LAYERS - 1) * (KVD_SFMT_PAGE +
+									   KVD_SFMT_PAGE));
 
-	/* back in RAM by ATTEND: the data as before, the state made again */
-	assert_int_equal(finite_answers(ch, &x), 0);
+	/* back in RAM by the next step's ATTEND, layer by layer */
+	assert_int_equal(same_step(ch, &x, &y, WARM), 0);
 	st = wait_restored(ch, x.s);
 	assert_int_equal(st.state, KVC_SEQ_RAM);
 	assert_int_equal(st.bytes, resident);
-	assert_int_equal(finite_answers(ch, &x), 0);
+	assert_int_equal(same_step(ch, &x, &y, WARM + 1), 0);
+	assert_int_equal(build(ch, &z, 4), 0);
+	assert_int_equal(step(ch, &y, WARM + 2, oy, ly), 0);
+	assert_int_equal(step(ch, &z, WARM + 2, oz, lz), 0);
+	assert_true(memcmp(oy[1], oz[1], sizeof oy[1]) || memcmp(oy[2], oz[2], sizeof oy[2]));
+	drop_session(ch, &z);
+	assert_int_equal(step(ch, &x, WARM + 2, oz, lz), 0);
+	assert_memory_equal(oz[1], oy[1], (LAYERS - 1) * sizeof oz[1]);
+	assert_memory_equal(lz[1], ly[1], (LAYERS - 1) * sizeof lz[1]);
+
+	/* changed by those steps: written again (its stale file goes first:
+	 * asked again until it has), and still the twin's */
+	for (int i = 0; i < 300 && kvc_seq_evict(ch, x.s); i++)
+		daemon_sleep_ms(10);
+	assert_int_equal(wait_spilled(ch, x.s).state, KVC_SEQ_DISK);
+	assert_int_equal(stats(ch).spills, 3);
+	assert_int_equal(kvc_prefetch(ch, x.s), 0);
+	for (int i = 0; i < 3000 && seq_stats(ch, x.s).state != KVC_SEQ_RAM; i++)
+		daemon_sleep_ms(1);
+	assert_int_equal(seq_stats(ch, x.s).state, KVC_SEQ_RAM);
+	for (int s = WARM + 3; s < WARM + 5; s++)
+		assert_int_equal(same_step(ch, &x, &y, s), 0);
 	assert_int_equal(seq_stats(ch, x.s).bytes, resident);
 	assert_int_equal(stats(ch).lost, 0);
 	drop_session(ch, &x);
-	drop_session(cm, &y);
+	drop_session(ch, &y);
+	drop_session(cm, &m);
 	assert_int_equal(stats(ch).bytes, 0);
 	kvc_close(ch);
 	kvc_close(cm);
@@ -639,23 +705,30 @@ static void test_spill_drops_estimator_state(void **state)
 
 /* --persist with a hybrid profile: after a restart kvd has recreated the
  * profile from the file with its estimator (the same name as magicpig is
- * another profile), and the sequence answers. */
+ * another profile), and the sequence, decoded WARM steps before, answers
+ * the next one bit for bit as its twin did before the stop: the lists came
+ * back from the file too. */
 static void test_persist_hybrid_restart(void **state)
 {
 	struct kvc_opts o = { .tenant = "t", .name = "persist-hybridb", .slots = 8,
 			      .slot_size = 1 << 20 };
+	float oy[LAYERS][8 * 128], ly[LAYERS][8], ox[LAYERS][8 * 128], lx[LAYERS][8];
 	struct kvc_model as_magicpig = model_hybrid;
 	struct kvc *c, *c2;
-	struct session x;
+	struct session x, y;
 	struct kvc_seq *s2;
 	uint64_t tokens;
 
 	assert_int_equal(up("--persist", NULL), 0);
 	c = client_of("persist-hybrid", &model_hybrid);
 	assert_int_equal(build(c, &x, 25), 0);
-	assert_int_equal(finite_answers(c, &x), 0);
+	assert_int_equal(build(c, &y, 25), 0);
+	for (int s = 0; s < WARM; s++)
+		assert_int_equal(same_step(c, &x, &y, s), 0);
 	assert_int_equal(kvc_seq_evict(c, x.s), 0);
 	assert_true(wait_spilled(c, x.s).durable);
+	assert_int_equal(step(c, &y, WARM, oy, ly), 0);
+	drop_session(c, &y);
 	assert_int_equal(daemon_stop(&D), 0);
 	kvc_seq_free(c, x.s);           /* kvd is gone: this frees our handle only */
 	kvc_close(c);
@@ -671,7 +744,9 @@ static void test_persist_hybrid_restart(void **state)
 	assert_int_equal(kvc_seq_open(c2, x.id, &s2, &tokens), 0);
 	assert_true(tokens > N_TOK - 4 - 64 - 32 && tokens <= N_TOK - 4 - 64);
 	x.s = s2;
-	assert_int_equal(finite_answers(c2, &x), 0);
+	assert_int_equal(step(c2, &x, WARM, ox, lx), 0);
+	assert_memory_equal(ox[1], oy[1], (LAYERS - 1) * sizeof ox[1]);
+	assert_memory_equal(lx[1], ly[1], (LAYERS - 1) * sizeof lx[1]);
 	assert_int_equal(wait_restored(c2, x.s).state, KVC_SEQ_RAM);
 	assert_int_equal(stats(c2).lost, 0);
 	drop_session(c2, &x);
@@ -890,7 +965,7 @@ int main(void)
 		cmocka_unit_test_teardown(test_fault_eio_read, down),
 		cmocka_unit_test_teardown(test_persist_clean_restart, down),
 		cmocka_unit_test_teardown(test_persist_int8_restart, down),
-		cmocka_unit_test_teardown(test_spill_drops_estimator_state, down),
+		cmocka_unit_test_teardown(test_spill_keeps_estimator_state, down),
 		cmocka_unit_test_teardown(test_persist_hybrid_restart, down),
 		cmocka_unit_test_teardown(test_persist_version1_file, down),
 		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),

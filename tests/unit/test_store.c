@@ -25,6 +25,7 @@
 #include "engine/pool.h"
 #include "engine/rng.h"
 #include "kvd/store/store.h"
+#include "kvd/store/store_int.h"       /* q->state: an install is a restore's */
 #include "testutil.h"
 #include "kvd/store/uidlimits.h"
 
@@ -983,8 +984,10 @@ static void test_row_order_refused(void **state)
  * allocated zero-filled on first use, counted in the sequence's bytes and
  * charged to its uid, the same pointer (and contents) until the layer's
  * resident data goes, given back by drop and by free; none for a magicpig
- * profile or a dense layer, and none (no error) when the charge is refused.
- * A profile of the same name with another estimator is another profile. */
+ * profile or a dense layer, and none (no error) when the charge is refused;
+ * a restore puts it back (kvd_store_install_heavy) charged the same, and
+ * handing it out for a step moves the sequence's gen.  A profile of the
+ * same name with another estimator is another profile. */
 static void test_heavy_state(void **state)
 {
 	struct kvd_limits *l = limits(0, 0, 0, 0);
@@ -1047,7 +1050,37 @@ static void test_heavy_state(void **state)
 	assert_int_equal(kvd_store_seq_bytes(q), 0);
 	assert_int_equal(mem_total(l), base);
 	assert_int_equal(store_total(s), mem_total(l));
-	/* scratch: whatever comes back starts from empty lists */
+	/* a restore puts the lists back as they were written (a HEAVY
+	 * extent): a copy, charged as first use charges it */
+	{
+		uint32_t *w = malloc(hb);
+		uint64_t gen;
+
+		assert_non_null(w);
+		for (size_t i = 0; i < words; i++)
+			w[i] = (uint32_t)(i * 40503u + 7);
+		q->state = KVD_SEQ_RESTORING;
+		assert_int_equal(kvd_store_install_heavy(s, q, 1, w), -EINVAL);  /* dense */
+		assert_int_equal(kvd_store_install_heavy(s, q, LAYERS, w), -EINVAL);
+		assert_int_equal(mem_total(l), base);
+		assert_int_equal(kvd_store_install_heavy(s, q, 0, w), 0);
+		assert_int_equal(kvd_store_seq_bytes(q), hb);
+		assert_int_equal(mem_total(l), base + hb);
+		assert_int_equal(kvd_store_install_heavy(s, q, 0, w), -EINVAL);  /* has one */
+		assert_int_equal(mem_total(l), base + hb);
+		q->state = KVD_SEQ_RAM;
+		/* handed out for a step: the same words, and the gen moves (a
+		 * file written before holds other lists) */
+		gen = kvd_store_seq_gen(q);
+		h = kvd_store_layer_heavy(s, q, 0);
+		assert_non_null(h);
+		assert_memory_equal(h, w, hb);
+		assert_true(kvd_store_seq_gen(q) > gen);
+		free(w);
+		kvd_store_seq_drop(s, q);
+		assert_int_equal(mem_total(l), base);
+	}
+	/* dropped with no file to come back from: empty lists again */
 	h = kvd_store_layer_heavy(s, q, 0);
 	assert_non_null(h);
 	for (size_t i = 0; i < words; i++)
@@ -1062,6 +1095,11 @@ static void test_heavy_state(void **state)
 	assert_null(kvd_store_layer_heavy(s, qm, 0));
 	assert_null(kvd_store_layer_heavy(s, qm, 1));
 	assert_int_equal(kvd_store_seq_bytes(qm), 0);
+	assert_int_equal(mem_total(l), seqb);
+	/* and a file that says otherwise does not fit it */
+	qm->state = KVD_SEQ_RESTORING;
+	assert_int_equal(kvd_store_install_heavy(s, qm, 0, h), -EINVAL);
+	qm->state = KVD_SEQ_RAM;
 	assert_int_equal(mem_total(l), seqb);
 	kvd_store_seq_free(s, qm);
 	kvd_store_profile_unref(s, pm);
