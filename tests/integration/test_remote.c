@@ -20,6 +20,10 @@
  *   test_remote_isolation  another uid on B misses uid 0's prefix (its
  *                          lookup names its own namespace); what it
  *                          publishes, uid 0 on A does not find
+ *   test_remote_hybrid     a hybrid profile's prefix, published after a
+ *                          few decode steps, carries its heavy lists: B's
+ *                          sequence attached from the cluster answers the
+ *                          next step bit for bit as A's publisher
  *   test_remote_evicted    [remote] evicted = yes on a daemon whose uid may
  *                          keep two sequences' files on local disk: five
  *                          sequences evicted, the files of the others live
@@ -216,13 +220,14 @@ static void answer_ok(struct kvc *c, struct kvc_seq *s, const struct src *q, str
 
 /* A's sequence of the prompt, published; its answer in *a.  Returns when
  * the prefix's manifest is in the cluster (A sends it in the background). */
+static void wait_manifest(const uint8_t *last_key);
+
 static struct kvc_seq *publish_on_a(struct kvc *c, const struct src *src, struct ans *a,
 				    uint8_t *last_key)
 {
 	uint8_t keys[(NTOT / CHUNK) * KVC_KEY_BYTES];
 	int nk = kvc_content_keys(c, src->tok, P_TOK, keys);
 	struct kvc_seq *s;
-	char stem[160], name[170];
 
 	assert_int_equal(nk, P_TOK / CHUNK);
 	if (kvc_seq_create(c, &s))
@@ -232,6 +237,15 @@ static struct kvc_seq *publish_on_a(struct kvc *c, const struct src *src, struct
 		fail_msg("publish: %s", kvc_last_error(c));
 	answer_ok(c, s, src, a);
 	memcpy(last_key, keys + (size_t)(nk - 1) * KVC_KEY_BYTES, KVC_KEY_BYTES);
+	wait_manifest(last_key);
+	return s;
+}
+
+/* Returns when the manifest of the prefix published under last_key is in
+ * the cluster (the publisher sends it in the background). */
+static void wait_manifest(const uint8_t *last_key)
+{
+	char stem[160], name[170];
 
 	/* The namespace of uid 0 (the tests run as root) is "u<uid>". */
 	assert_true(kvd_remote_stem("kvd", "u0", last_key, stem, sizeof stem) > 0);
@@ -246,13 +260,12 @@ static struct kvc_seq *publish_on_a(struct kvc *c, const struct src *src, struct
 
 		if (kvd_rcl_run(r, &op, 1, msg, sizeof msg) == 0 && op.rc == 0) {
 			kvd_rcl_destroy(r);
-			return s;
+			return;
 		}
 		daemon_sleep_ms(100);
 	}
 	kvd_rcl_destroy(r);
 	fail_msg("the prefix never reached the cluster");
-	return NULL;
 }
 
 static struct kvc_seq *attach_on(struct kvc *c, const struct src *src, uint32_t n,
@@ -345,6 +358,74 @@ static void test_remote_attach(void **state)
 	answer_ok(b, y, &src, &pb);
 	expect_same("B's second attach vs A", &pb, &pa);
 	assert_int_equal(kvc_seq_free(b, y), 0);
+	assert_int_equal(kvc_seq_free(b, x), 0);
+	assert_int_equal(kvc_seq_free(a, s), 0);
+	src_free(&src);
+	kvc_close(a);
+	kvc_close(b);
+}
+
+#define HY_TOK  2048            /* the hybrid prefix: 8 chunks */
+#define HY_WARM 6               /* decode steps before it is published */
+
+static const struct kvc_model model_hybrid = {
+	.name = "remote-hybrid", .layers = LAYERS, .q_heads = HQ, .kv_heads = HKV, .head_dim = D,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .estimator = KVC_EST_HYBRID,
+	.dense_layers = dense_layers, .n_dense = 1, .seed = 7, .segment_tokens = 4096,
+	.seal_tokens = 256,
+};
+
+/* Decode step `step` of s: every layer with its query drifted by the step. */
+static void hy_step(struct kvc *c, struct kvc_seq *s, const struct src *src, int step,
+		    struct ans *a)
+{
+	float q[HQ * D];
+
+	memset(a, 0, sizeof *a);
+	for (uint32_t l = 0; l < LAYERS; l++) {
+		for (int i = 0; i < HQ * D; i++)
+			q[i] = src->w[l].q[i] * (1.0f + 0.02f * (float)step * sinf((float)i));
+		if (kvc_attend(c, l, &s, 1, q, a->o[l], a->lse[l]))
+			fail_msg("attend: %s", kvc_last_error(c));
+	}
+}
+
+static void test_remote_hybrid(void **state)
+{
+	struct kvc_opts o = { .tenant = "t", .slots = 8, .slot_size = 1 << 20 };
+	uint8_t keys[(HY_TOK / CHUNK) * KVC_KEY_BYTES];
+	struct kvc *a, *b;
+	struct kvc_seq *s, *x;
+	struct src src;
+	struct ans pa, pb;
+	uint64_t got;
+
+	o.socket_path = A.sock;
+	o.name = "ha";
+	assert_int_equal(kvc_connect(&o, &a), 0);
+	o.socket_path = B.sock;
+	o.name = "hb";
+	assert_int_equal(kvc_connect(&o, &b), 0);
+	assert_int_equal(kvc_profile(a, &model_hybrid), 0);
+	assert_int_equal(kvc_profile(b, &model_hybrid), 0);
+	src_make_n(&src, 5, HY_TOK);
+	assert_int_equal(kvc_content_keys(a, src.tok, HY_TOK, keys), HY_TOK / CHUNK);
+	assert_int_equal(kvc_seq_create(a, &s), 0);
+	prefill_ok(a, s, &src, HY_TOK);
+	for (int t = 0; t < HY_WARM; t++)
+		hy_step(a, s, &src, t, &pa);
+	if (kvc_seq_publish(a, s, keys + (size_t)(HY_TOK / CHUNK - 1) * KVC_KEY_BYTES))
+		fail_msg("publish: %s", kvc_last_error(a));
+	wait_manifest(keys + (size_t)(HY_TOK / CHUNK - 1) * KVC_KEY_BYTES);
+	if (kvc_seq_attach(b, keys, HY_TOK / CHUNK, &x, &got))
+		fail_msg("attach: %s", kvc_last_error(b));
+	assert_int_equal(got, HY_TOK);
+	/* Both steps after the publish, from the lists the snapshot took. */
+	for (int t = HY_WARM; t < HY_WARM + 2; t++) {
+		hy_step(a, s, &src, t, &pa);
+		hy_step(b, x, &src, t, &pb);
+		expect_same("B attached a hybrid prefix vs A's publisher", &pb, &pa);
+	}
 	assert_int_equal(kvc_seq_free(b, x), 0);
 	assert_int_equal(kvc_seq_free(a, s), 0);
 	src_free(&src);
@@ -980,6 +1061,7 @@ int main(void)
 		cmocka_unit_test(test_remote_corrupt),
 		cmocka_unit_test(test_remote_failover),
 		cmocka_unit_test(test_remote_isolation),
+		cmocka_unit_test(test_remote_hybrid),
 		cmocka_unit_test(test_remote_evicted),
 		cmocka_unit_test(test_remote_quota),
 		cmocka_unit_test(test_remote_down),
