@@ -180,7 +180,8 @@ struct kvd_tier_counters {
 	_Atomic uint64_t lost;          /* a restore, or the fetch of its file, failed */
 };
 const struct kvd_tier_counters *kvd_tier_counters(const struct kvd_tier *t);
-/* durable: a synced file holds exactly q's data; its bytes on disk. */
+/* durable: a synced file holds exactly q's data (its estimator state too:
+ * an ATTEND of a hybrid or adaptive profile ends that); its bytes on disk. */
 void kvd_tier_seq_info(const struct kvd_tier *t, const struct kvd_seqn *q, int *durable,
 		       uint64_t *disk_bytes);
 
