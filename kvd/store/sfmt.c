@@ -576,7 +576,8 @@ static int check_kind(const struct kvd_sfmt_hdr *h, char *msg, size_t msglen)
 			return fail(msg, msglen,
 				    "HEAVY extent %u: layer %u, %u q heads for %u kv heads, tokens [%llu, %llu) out of range",
 				    h->index, h->layer, h->n, h->kv_heads,
-				    (unsigned long long)h->tok_begin, (unsigned long long)h->tok_end);
+				    (unsigned long long)h->tok_begin,
+				    (unsigned long long)h->tok_end);
 		want = kvd_sfmt_heavy_bytes(h->n);
 		if (h->payload_bytes != want)
 			return fail(msg, msglen,

@@ -9,10 +9,11 @@
  * Extent order in a file: PROFILE (the profile's fields and W, so the file
  * describes itself), then for every sparse layer in layer order one LAYER
  * extent (centering mean and the open tail), that layer's HEAVY extent (its
- * estimator state, when it has one) and its SEG extents, then one LOCAL extent per layer whose client rows kvd keeps (a
- * published prefix's sinks, window and dense layers: kvd/store/share.h),
- * a PUB extent when the sequence is a published prefix, and last an END
- * extent.  A file without a valid END is not complete.
+ * estimator state, when it has one) and its SEG extents, then one LOCAL
+ * extent per layer whose client rows kvd keeps (a published prefix's sinks,
+ * window and dense layers: kvd/store/share.h), a PUB extent when the
+ * sequence is a published prefix, and last an END extent.  A file without
+ * a valid END is not complete.
  *
  * Integrity: `crc` is CRC32C (ISA-L) of the payload; `hdr_crc` is CRC32C of
  * the header struct with hdr_crc zero, so it covers `crc` too and the two

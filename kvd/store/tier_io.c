@@ -331,7 +331,8 @@ int kvd_tier_build_write(struct kvd_tier *t, struct rec *r, int evict)
 		i++;
 heavy:
 		if (l->heavy) {
-			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_HEAVY, .index = i, .layer = ly };
+			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_HEAVY, .index = i,
+						   .layer = ly };
 			r->buf[i].bytes = kvd_sfmt_extent_bytes(kvd_sfmt_ext_payload(&f, &e));
 			if (!(r->buf[i].p = kvd_tier_page_alloc(r->buf[i].bytes)))
 				goto nomem;

@@ -626,9 +626,9 @@ static int same_step(struct kvc *c, struct session *x, struct session *y, int s)
  * brought back by ATTEND, and from then answers every step bit for bit as
  * its twin y (same rows, same steps, never evicted).  The same rows under
  * magicpig (m: what hybrid answers with empty lists, bit for bit) answer
- * that step otherwise, so the lists are what is compared.  The steps after the restore change the lists: the next
- * eviction writes the file again (it is no longer current), and after a
- * PREFETCH x still answers as y. */
+ * that step otherwise, so the lists are what is compared.  The steps after
+ * the restore change the lists: the next eviction writes the file again
+ * (it is no longer current), and after a PREFETCH x still answers as y. */
 static void test_spill_keeps_estimator_state(void **state)
 {
 	const uint64_t hb = 8 * (1 + 32) * sizeof(uint32_t);
