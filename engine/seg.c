@@ -61,25 +61,35 @@ struct head_parts {
 	size_t bytes;
 };
 
+/* Offsets are summed as numbers and added to p only when there is one:
+ * head_bytes() asks with p NULL, and an offset added to a null pointer is
+ * undefined (UBSan's fuzz build reported it). */
 static struct head_parts head_parts_at(const struct kvd_geom *g, uint32_t n, char *p)
 {
 	int i8 = g->kv_dtype == KVD_KV_INT8;
 	size_t rows = ALIGN64((size_t)n * g->d * (i8 ? 1 : sizeof(uint16_t)));
 	size_t vec = ALIGN64((size_t)n * sizeof(float));
-	struct head_parts hp = { .k = p, .v = p + rows };
+	size_t o = 2 * rows, kscale = 0, r8 = 0, kinv = 0;
+	struct head_parts hp = { 0 };
 
-	p += 2 * rows;
 	if (i8) {
-		hp.kscale = p;
-		p += ALIGN64((size_t)g->d * sizeof(float));
-		hp.r8 = p;
-		p += 3 * vec;
+		kscale = o;
+		o += ALIGN64((size_t)g->d * sizeof(float));
+		r8 = o;
+		o += 3 * vec;
 	} else {
-		hp.kinv = p;
-		p += vec;
+		kinv = o;
+		o += vec;
 	}
-	hp.tab = p;
-	hp.bytes = (size_t)(hp.tab - hp.k) + kvd_lsh_tables_bytes(n, (int)g->K, (int)g->L);
+	hp.bytes = o + kvd_lsh_tables_bytes(n, (int)g->K, (int)g->L);
+	if (p) {
+		hp.k = p;
+		hp.v = p + rows;
+		hp.kscale = i8 ? p + kscale : NULL;
+		hp.r8 = i8 ? p + r8 : NULL;
+		hp.kinv = i8 ? NULL : p + kinv;
+		hp.tab = p + o;
+	}
 	return hp;
 }
 
