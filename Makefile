@@ -260,7 +260,8 @@ $(B)/tests/obj/%.o: tests/cuda/%.c
 # flags, as in every other build, so a fuzz target runs on any x86-64 and
 # dispatch picks the kernels the CPU has.
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -O1 -g -I. -Ibuild/proto \
-	-fsanitize=fuzzer-no-link,address,undefined -DKVD_INVARIANTS
+	-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined \
+	-DKVD_INVARIANTS
 FUZZ_OBJ := $(CORE_SRC:%.c=build/fuzz/obj/%.o) build/fuzz/obj/kvd.pb-c.o
 FUZZ_LIBS := -lhiredis -lprotobuf-c -linih -lsystemd -luring -lnuma -lisal -lxxhash -lmicrohttpd -lm -pthread
 
