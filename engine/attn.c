@@ -42,27 +42,20 @@ size_t kvd_heavy_words(const struct kvd_geom *g)
 
 int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 {
-	size_t words = (cap + 63) / 64;
-
 	memset(s, 0, sizeof *s);
 	if (cap < 1 || cap > KVD_SEG_MAX)
 		return -EINVAL;
 	s->cap = cap;
-	s->bits = calloc(words, sizeof *s->bits);
-	s->mask = calloc(cap, sizeof *s->mask);
-	s->hmask = calloc(cap, sizeof *s->hmask);
 	s->cand = malloc(cap * sizeof *s->cand);
 	s->rows = malloc(cap * sizeof *s->rows);
 	s->kinv = malloc(cap * sizeof *s->kinv);
-	s->vsc = calloc(cap, sizeof *s->vsc);      /* bf16 leaves it 0; sampled() copies it */
-	s->own = malloc(cap * sizeof *s->own);
+	s->vsc = malloc(cap * sizeof *s->vsc);
 	s->w16 = malloc(cap * sizeof *s->w16);
-	s->okinv = malloc(cap * sizeof *s->okinv);
-	s->ovsc = malloc(cap * sizeof *s->ovsc);
-	/* Dense attention reuses s in blocks of DENSE_BLOCK rows. */
-	s->s = aligned_alloc(64, ALIGN64((size_t)KVD_GMAX * (cap > 256 ? cap : 256) * sizeof(float)));
-	if (!s->bits || !s->mask || !s->hmask || !s->cand || !s->rows || !s->kinv || !s->vsc ||
-	    !s->own || !s->w16 || !s->okinv || !s->ovsc || !s->s ||
+	/* One q head's scores at a time; dense attention reuses s in blocks of
+	 * DENSE_BLOCK rows for the G heads of a group. */
+	s->s = aligned_alloc(64, ALIGN64((size_t)(cap > KVD_ATTN_DENSE_SCRATCH ?
+						  cap : KVD_ATTN_DENSE_SCRATCH) * sizeof(float)));
+	if (!s->cand || !s->rows || !s->kinv || !s->vsc || !s->w16 || !s->s ||
 	    kvd_lsh_scratch_init(&s->lsh, cap)) {
 		kvd_attn_scratch_free(s);
 		return -ENOMEM;
@@ -73,17 +66,11 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 {
 	kvd_lsh_scratch_free(&s->lsh);
-	free(s->bits);
-	free(s->mask);
-	free(s->hmask);
 	free(s->cand);
 	free(s->rows);
 	free(s->kinv);
 	free(s->vsc);
-	free(s->own);
 	free(s->w16);
-	free(s->okinv);
-	free(s->ovsc);
 	free(s->s);
 	memset(s, 0, sizeof *s);
 }
@@ -98,17 +85,19 @@ static void empty_result(int G, int d, float *o, float *lse)
 }
 
 /* The heavy keys of one segment-head for the G q heads of its group: ids
- * (rows of the segment) and how many per q head. */
+ * (segment << 16 | row, rows ascending and distinct) and how many per q
+ * head. */
 struct heavy_in {
 	const uint32_t *id[KVD_GMAX];           /* packed (segment << 16 | row) */
 	uint32_t n[KVD_GMAX];
 	uint32_t seg;
 };
 
-/* What a task reports for the next step's heavy lists: per q head gi of the
- * group, the KVD_HEAVY_MAX rows of its union with the largest exact score,
- * s[gi * KVD_HEAVY_MAX + k] and id[...] (packed segment << 16 | row), n[gi]
- * of them. */
+/* What a (segment, kv head) pair reports for the next step's heavy lists:
+ * per q head gi of the group, the KVD_HEAVY_MAX rows with the largest exact
+ * score among those it gathered, s[gi * KVD_HEAVY_MAX + k] and id[...]
+ * (packed segment << 16 | row), n[gi] of them.  Each head's slot is written
+ * by the one task that attends it. */
 struct heavy_top {
 	float *s;
 	uint32_t *id;
@@ -162,29 +151,9 @@ static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s,
 	hid[i] = id;
 }
 
-/* The ids set in bits[0..words), ascending, into rows; clears the bits.
- * Returns how many. */
-static uint32_t bits_drain(uint64_t *bits, uint32_t words, uint32_t *rows)
-{
-	uint32_t m = 0;
-
-	for (uint32_t w = 0; w < words; w++) {
-		uint64_t x = bits[w];
-
-		if (!x)
-			continue;
-		bits[w] = 0;
-		do {
-			rows[m++] = w * 64 + (uint32_t)__builtin_ctzll(x);
-			x &= x - 1;
-		} while (x);
-	}
-	return m;
-}
-
 /* A sampled row's 1/|k| (and int8's kfac and vscale) is a random read as
  * its K and V rows are.  rows_consts reads them once, after the scores, into
- * kinv, (int8) vsc and the G score rows of sc (stride m), prefetching
+ * kinv, (int8) vsc and the scores sc, prefetching
  * CONSTS_AHEAD rows ahead.  Prefetching every row's line as soon as the row
  * list existed, as this did before, issued ~500 prefetches at once, and the
  * int8 loop after the kernels still stalled on a miss a row (the lines had
@@ -194,7 +163,7 @@ static uint32_t bits_drain(uint64_t *bits, uint32_t words, uint32_t *rows)
 #define CONSTS_AHEAD 32
 
 static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh,
-			const uint32_t *rows, uint32_t m, int G, float *sc, float *kinv, float *vsc)
+			const uint32_t *rows, uint32_t m, float *sc, float *kinv, float *vsc)
 {
 	if (seg->kv_dtype != KVD_KV_INT8) {
 		for (uint32_t i = 0; i < m; i++) {
@@ -211,8 +180,7 @@ static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh
 			__builtin_prefetch(&sh->r8[rows[i + CONSTS_AHEAD]]);
 		kinv[i] = r->kinv;
 		vsc[i] = r->vscale;
-		for (int gi = 0; gi < G; gi++)
-			sc[(size_t)gi * m + i] *= r->kfac;
+		sc[i] *= r->kfac;
 	}
 }
 
@@ -248,177 +216,92 @@ static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 	return mx + logf(sum);
 }
 
-/* Sampled attention of one segment-head; with hv, the heavy keys of each q
- * head are attended exactly (weight 1) and left out of the sampled part; with
- * top, each q head's best rows of the union are reported. */
+/* The rows one q head attends in a segment: its sample cand[0..nc), ascending
+ * as kvd_lsh_candidates leaves it, and its heavy keys hid[0..hn) (segment
+ * << 16 | row, rows ascending and distinct as heavy_of leaves them), merged
+ * into rows in ascending order.  A heavy key the head also sampled is one
+ * row, attended as heavy.  hidx gets the heavy rows' positions in rows, *nh
+ * how many; returns the rows' count. */
+static uint32_t own_rows(const uint16_t *cand, uint32_t nc, const uint32_t *hid, uint32_t hn,
+			 uint32_t *rows, uint32_t *hidx, uint32_t *nh)
+{
+	uint32_t i = 0, j = 0, m = 0;
+
+	*nh = 0;
+	while (j < hn) {
+		uint32_t hr = hid[j++] & 0xffff;
+
+		while (i < nc && cand[i] < hr)
+			rows[m++] = cand[i++];
+		if (i < nc && cand[i] == hr)
+			i++;
+		hidx[(*nh)++] = m;
+		rows[m++] = hr;
+	}
+	while (i < nc)
+		rows[m++] = cand[i++];
+	return m;
+}
+
+/* Head gi's KVD_HEAVY_MAX rows of largest exact score among its m scored
+ * rows (raw dot products in sc), into top's slot gi.  A row below
+ * 2^-KVD_HEAVY_SHARE_LOG2 of the best weight here is below that share of
+ * the head's mass too.  The heap holds dot products (scaled once at the
+ * end), so the test against its root is exact and most rows cost one
+ * compare: ascending rows make the earlier of equal scores win, as top_less
+ * does. */
+static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *rows, uint32_t m,
+		   uint32_t seg, float scale, struct heavy_top *top, int gi)
+{
+	float *hs = top->s + gi * KVD_HEAVY_MAX;
+	uint32_t *hid = top->id + gi * KVD_HEAVY_MAX, hn = 0;
+	float floor = kk->max(sc, m) - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2) / scale;
+	float root = -INFINITY;
+
+	for (uint32_t i = 0; i < m; i++) {
+		if (!(sc[i] >= floor) || sc[i] <= root)
+			continue;
+		top_push(hs, hid, &hn, KVD_HEAVY_MAX, sc[i], seg << 16 | rows[i]);
+		if (hn == KVD_HEAVY_MAX)
+			root = hs[0];
+	}
+	for (uint32_t k = 0; k < hn; k++)
+		hs[k] *= scale;
+	top->n[gi] = hn;
+}
+
+/* Sampled attention of one segment-head.  Each q head gathers, scores,
+ * weighs and sums only its own rows: its sample and, with hv, its heavy
+ * keys, attended exactly (weight 1, their raw dot products kept across the
+ * sampling correction) and left out of the sampled part; with top, it
+ * reports its best rows among those for the next step's list.  A group's
+ * samples barely overlap (98k tokens, K10 L150, G = 4: the union holds 3.8
+ * heads' worth), so a walk over the union for every head of the group, as
+ * the hybrid estimators did to find heavy candidates among their siblings'
+ * samples too, spent ~G times the kernel work on rows whose weight is zero
+ * (1.2-2.0x magicpig's time at the same L).  Rows shared by two heads are
+ * gathered twice.  Only q heads g0, g0 + gstep, ... are attended, the
+ * others get the empty result and no report: the layer driver spreads a
+ * group over several tasks. */
 static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		    const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
 		    const float *q, const uint16_t *qc, struct kvd_attn_scratch *s, float *o,
 		    float *lse, struct kvd_attn_stats *st, const struct heavy_in *hv,
-		    struct heavy_top *top)
-{
-	const struct kvd_seg_head *sh = &seg->h[h];
-	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
-	const uint32_t n = seg->n, words = (n + 63) / 64;
-	uint64_t cand = 0, walked = 0;
-	uint32_t m = 0, nheavy = 0;
-
-	/* Union of the group's candidates: a bit per id for the ascending scan,
-	 * and per id the set of q heads that sampled it (and, for the hybrid
-	 * estimators, the set that holds it as heavy).  All are reset from the
-	 * union itself, so the cost follows the sample, not n. */
-	for (int gi = 0; gi < G; gi++) {
-		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
-						 &s->lsh, s->cand);
-
-		cand += nc;
-		for (uint32_t i = 0; i < nc; i++) {
-			uint32_t id = s->cand[i];
-
-			s->bits[id >> 6] |= 1ull << (id & 63);
-			s->mask[id] |= (uint16_t)(1u << gi);
-		}
-		if (st) {
-			const uint16_t *ids;
-
-			for (int t = 0; t < L; t++)
-				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
-							 qc[(size_t)gi * L + t], &ids);
-		}
-		for (uint32_t i = 0; hv && i < hv->n[gi]; i++) {
-			uint32_t id = hv->id[gi][i] & 0xffff;
-
-			s->bits[id >> 6] |= 1ull << (id & 63);
-			s->hmask[id] |= (uint16_t)(1u << gi);
-			nheavy++;
-		}
-	}
-	m = bits_drain(s->bits, words, s->rows);
-	if (st) {
-		st->cand += cand;
-		st->rows += m;
-		st->bucket_ids += walked;
-	}
-	if (top)
-		for (int gi = 0; gi < G; gi++)
-			top->n[gi] = 0;
-	if (m == 0) {
-		empty_result(G, d, o, lse);
-		return;
-	}
-
-	float *sc = s->s;
-	const float scale = 1.0f / sqrtf((float)d);
-
-	if (seg->kv_dtype == KVD_KV_INT8) {
-		/* q . (kscale * k8) = (q * kscale) . k8 */
-		float qs[KVD_GMAX * KVD_DMAX], qsc[KVD_GMAX];
-		int16_t q16[KVD_GMAX * KVD_DMAX];
-
-		for (int gi = 0; gi < G; gi++)
-			for (int e = 0; e < d; e++)
-				qs[gi * d + e] = q[(size_t)gi * d + e] * sh->kscale[e];
-		kvd_q16(qs, G, d, q16, qsc);
-		kk->qk8(q16, qsc, G, d, sh->k8, s->rows, m, sc, m);
-	} else {
-		kk->qk(q, G, d, sh->k, s->rows, m, sc, m);
-	}
-	rows_consts(seg, sh, s->rows, m, G, sc, s->kinv, s->vsc);
-	/* Exact scores, before the sampling correction: the next step's
-	 * heavy candidates are every row of the union, which every q head of
-	 * the group has scored anyway. */
-	if (top)
-		for (int gi = 0; gi < G; gi++) {
-			const float *sg = sc + (size_t)gi * m;
-			float *hs = top->s + gi * KVD_HEAVY_MAX;
-			uint32_t *hid = top->id + gi * KVD_HEAVY_MAX, hn = 0;
-			/* A row below 2^-KVD_HEAVY_SHARE_LOG2 of this task's best
-			 * weight is below that share of the head's mass too.  The
-			 * heap holds dot products (scaled once at the end), so the
-			 * test against its root is exact and most rows cost one
-			 * compare: ascending rows make the earlier of equal scores
-			 * win, as top_less does. */
-			float floor = kk->max(sg, m) - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2) / scale;
-			float root = -INFINITY;
-
-			for (uint32_t i = 0; i < m; i++) {
-				if (!(sg[i] >= floor) || sg[i] <= root)
-					continue;
-				top_push(hs, hid, &hn, KVD_HEAVY_MAX, sg[i], hv->seg << 16 | s->rows[i]);
-				if (hn == KVD_HEAVY_MAX)
-					root = hs[0];
-			}
-			for (uint32_t k = 0; k < hn; k++)
-				hs[k] *= scale;
-			top->n[gi] = hn;
-		}
-	/* Each q head goes on with its own rows only: those it sampled and
-	 * those it holds as heavy (the union's others would weigh zero).  Heavy
-	 * keys are attended exactly: their raw dot products are kept across
-	 * the sampling correction. */
-	for (int gi = 0; gi < G; gi++) {
-		const float *qg = q + (size_t)gi * d;
-		float *sg = sc + (size_t)gi * m, *og = o + (size_t)gi * d;
-		float hraw[KVD_HEAVY_MAX], nn = 0.0f;
-		uint32_t hidx[KVD_HEAVY_MAX], nh = 0, k = 0;
-
-		for (uint32_t i = 0; i < m; i++) {
-			uint32_t id = s->rows[i];
-
-			if ((s->hmask[id] >> gi & 1) && nh < KVD_HEAVY_MAX) {
-				hidx[nh] = k;
-				hraw[nh++] = sg[i];
-			} else if (!(s->mask[id] >> gi & 1)) {
-				continue;
-			}
-			s->own[k] = id;
-			s->okinv[k] = s->kinv[i];
-			s->ovsc[k] = s->vsc[i];
-			sg[k++] = sg[i];
-		}
-		for (int e = 0; e < d; e++)
-			nn += qg[e] * qg[e];
-		memset(og, 0, (size_t)d * sizeof(float));
-		lse[gi] = -INFINITY;
-		if (st)
-			st->vrows += k;
-		if (k == 0)
-			continue;
-		kk->logp(sg, k, s->okinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
-		for (uint32_t j = 0; j < nh; j++)
-			sg[hidx[j]] = hraw[j] * scale;
-		lse[gi] = softmax_v(kk, seg, sh, d, sg, s->own, s->ovsc, k, s->w16, og);
-	}
-	for (uint32_t i = 0; i < m; i++) {
-		s->mask[s->rows[i]] = 0;
-		s->hmask[s->rows[i]] = 0;
-	}
-}
-
-/* MagicPIG without heavy state: each q head gathers, scores, weighs and sums
- * only its own sample.  A group's samples barely overlap (98k tokens, K10
- * L150, G = 4: the union holds 3.8 heads' worth), so sampled()'s union walk,
- * which the heavy list needs, would spend ~G times the kernel work on rows
- * whose weight is zero.  Rows shared by two heads are gathered twice.
- * Only q heads g0, g0 + gstep, ... are attended, the others get the empty
- * result: the layer driver spreads a group over several tasks. */
-static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
-			const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
-			const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
-			float *o, float *lse, struct kvd_attn_stats *st, int g0, int gstep)
+		    struct heavy_top *top, int g0, int gstep)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
 	const float scale = 1.0f / sqrtf((float)d);
 	float *sc = s->s;
-	uint64_t cand = 0, walked = 0;
+	uint64_t cand = 0, rows = 0, walked = 0;
 
 	empty_result(G, d, o, lse);
 	for (int gi = g0; gi < G; gi += gstep) {
 		const float *qg = q + (size_t)gi * d;
 		float *og = o + (size_t)gi * d;
 		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
-						 &s->lsh, s->cand), m = 0;
+						 &s->lsh, s->cand), m, nh, hidx[KVD_HEAVY_MAX];
+		float hraw[KVD_HEAVY_MAX], nn = 0.0f;
 
 		cand += nc;
 		if (st) {
@@ -428,11 +311,13 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
 							 qc[(size_t)gi * L + t], &ids);
 		}
-		/* Candidates come in ascending order: the gather walks memory
-		 * forwards and the sums do not depend on the tables' bucket order. */
-		for (uint32_t i = 0; i < nc; i++)
-			s->rows[i] = s->cand[i];
-		m = nc;
+		/* Ascending rows: the gather walks memory forwards and the sums
+		 * do not depend on the tables' bucket order. */
+		m = own_rows(s->cand, nc, hv ? hv->id[gi] : NULL, hv ? hv->n[gi] : 0, s->rows,
+			     hidx, &nh);
+		rows += m;
+		if (top)
+			top->n[gi] = 0;
 		if (m == 0)
 			continue;
 		if (seg->kv_dtype == KVD_KV_INT8) {
@@ -446,18 +331,22 @@ static void sampled_own(const struct kvd_kern *kk, const struct kvd_geom *g,
 		} else {
 			kk->qk(qg, 1, d, sh->k, s->rows, m, sc, m);
 		}
-		rows_consts(seg, sh, s->rows, m, 1, sc, s->kinv, s->vsc);
-		float nn = 0.0f;
-
+		rows_consts(seg, sh, s->rows, m, sc, s->kinv, s->vsc);
+		if (top)
+			top_of(kk, sc, s->rows, m, hv->seg, scale, top, gi);
 		for (int e = 0; e < d; e++)
 			nn += qg[e] * qg[e];
+		for (uint32_t j = 0; j < nh; j++)
+			hraw[j] = sc[hidx[j]];
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
+		for (uint32_t j = 0; j < nh; j++)
+			sc[hidx[j]] = hraw[j] * scale;
 		lse[gi] = softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
 	}
 	if (st) {
 		st->cand += cand;
-		st->rows += cand;
-		st->vrows += cand;
+		st->rows += rows;
+		st->vrows += rows;
 		st->bucket_ids += walked;
 	}
 }
@@ -467,7 +356,7 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
 		      float *o, float *lse, struct kvd_attn_stats *st)
 {
-	sampled_own(kk, g, tab, seg, h, q, qc, s, o, lse, st, 0, 1);
+	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, 1);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -642,14 +531,15 @@ void kvd_attn_merge(float *o, float *lse, const float *o2, const float *lse2, in
  * 8 kv heads over 3 segments and a tail are 32 tasks, and 48 cores would
  * idle a third of them; with 24 tasks on 16 cores the second wave runs half
  * empty.  So each pair is split KVD_ATTN_SPLIT ways: sampled parts by q
- * head (sub s attends heads s, s + SPLIT, ...; MagicPIG's heads are
+ * head (sub s attends heads s, s + SPLIT, ...; the estimators' heads are
  * independent), dense parts and the tail by rows (a range of whole
  * DENSE_BLOCKs each, so the G heads still share every K and V row read).
- * Requests with estimator state are not split: their heads share the
- * group's union and its heavy list.  Nor are requests whose pairs hold
+ * Requests whose pairs hold
  * KVD_ATTN_SPLIT_FLOATS output floats or more (128 pairs at G = 4, d = 128),
  * which feed a pool on their own: the split multiplies the slots to merge
- * and part_o, and this bounds what it adds to 3 * 256 KiB a request. */
+ * and part_o, and this bounds what it adds to 3 * 256 KiB a request.
+ * Requests with estimator state split as the others: each q head keeps,
+ * scores and reports only its own rows (sampled()). */
 struct layer_job {
 	struct kvd_attn_scratch *scr;
 	const struct kvd_kern *kk;
@@ -659,8 +549,9 @@ struct layer_job {
 	const size_t *po;                   /* [n]: request i's first float in part_o */
 	const size_t *pl;                   /* [n]: and in part_lse */
 	float *part_o, *part_lse;
-	/* Requests with estimator state: per task, G * KVD_HEAVY_MAX scores
-	 * and ids and G counts from top[ri] on, in task order. */
+	/* Requests with estimator state: per (kv head, part) pair, G *
+	 * KVD_HEAVY_MAX scores and ids and G counts from top[ri] on, in pair
+	 * order (h * nparts + part). */
 	float *top_s[KVD_ATTN_BATCH_MAX];
 	uint32_t *top_id[KVD_ATTN_BATCH_MAX], *top_n[KVD_ATTN_BATCH_MAX];
 	struct kvd_attn_stats *st;          /* [workers] */
@@ -672,8 +563,10 @@ static int has_state(const struct kvd_attn_req *r)
 }
 
 /* The heavy keys of q heads [h*G, h*G+G) that lie in segment `seg` of n
- * rows.  Entries that name no row of it are skipped: the state is the
- * daemon's own, but it may predate a change of the layer. */
+ * rows, ascending and each once (sampled() merges them with a sample).
+ * Entries that name no row of it are skipped: the state is the daemon's
+ * own, but it may predate a change of the layer, and nothing else here
+ * relies on its order. */
 static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t seg, uint32_t n,
 		     uint32_t ids[][KVD_HEAVY_MAX], struct heavy_in *hv)
 {
@@ -682,9 +575,19 @@ static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t seg
 		const uint32_t *e = heavy + (size_t)(h * G + gi) * (1 + KVD_HEAVY_MAX);
 		uint32_t cnt = e[0] < KVD_HEAVY_MAX ? e[0] : KVD_HEAVY_MAX, k = 0;
 
-		for (uint32_t i = 0; i < cnt; i++)
-			if (e[1 + i] >> 16 == seg && (e[1 + i] & 0xffff) < n)
-				ids[gi][k++] = e[1 + i];
+		for (uint32_t i = 0; i < cnt; i++) {
+			uint32_t x = e[1 + i], j = k;
+
+			if (x >> 16 != seg || (x & 0xffff) >= n)
+				continue;
+			while (j > 0 && ids[gi][j - 1] > x)
+				j--;
+			if (j > 0 && ids[gi][j - 1] == x)
+				continue;
+			memmove(&ids[gi][j + 1], &ids[gi][j], (k - j) * sizeof ids[gi][0]);
+			ids[gi][j] = x;
+			k++;
+		}
 		hv->id[gi] = ids[gi];
 		hv->n[gi] = k;
 	}
@@ -702,7 +605,7 @@ static uint32_t split_of(const struct kvd_attn_req *r)
 {
 	size_t floats = (size_t)nparts_of(r->lv) * r->g->q_heads * r->g->d;
 
-	return has_state(r) || floats >= KVD_ATTN_SPLIT_FLOATS ? 1 : KVD_ATTN_SPLIT;
+	return floats >= KVD_ATTN_SPLIT_FLOATS ? 1 : KVD_ATTN_SPLIT;
 }
 
 /* Sub `sub` of `split`'s rows of n: whole DENSE_BLOCKs, the last one short. */
@@ -734,21 +637,25 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 	float *lse = j->part_lse + j->pl[ri] + (size_t)task * G;
 	struct kvd_attn_scratch *s = &j->scr[worker];
 
-	if (part < lv->nseg && part < 0xffff && has_state(r)) {   /* ids pack seg << 16 */
+	if (part < lv->nseg && r->tab) {
+		/* ids pack seg << 16; a later segment goes without state */
+		int state = has_state(r) && part < 0xffff;
+		size_t pair = (size_t)h * nparts + part;
 		uint32_t ids[KVD_GMAX][KVD_HEAVY_MAX];
 		struct heavy_in hv;
-		struct heavy_top top = {
-			.s = j->top_s[ri] + (size_t)task * G * KVD_HEAVY_MAX,
-			.id = j->top_id[ri] + (size_t)task * G * KVD_HEAVY_MAX,
-			.n = j->top_n[ri] + (size_t)task * G,
-		};
+		struct heavy_top top;
 
-		heavy_of(r->heavy, h, G, part, lv->seg[part]->n, ids, &hv);
+		if (state) {
+			top = (struct heavy_top){
+				.s = j->top_s[ri] + pair * G * KVD_HEAVY_MAX,
+				.id = j->top_id[ri] + pair * G * KVD_HEAVY_MAX,
+				.n = j->top_n[ri] + pair * G,
+			};
+			heavy_of(r->heavy, h, G, part, lv->seg[part]->n, ids, &hv);
+		}
 		sampled(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
-			o, lse, j->st ? &j->st[worker] : NULL, &hv, &top);
-	} else if (part < lv->nseg && r->tab) {
-		sampled_own(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
-			    o, lse, j->st ? &j->st[worker] : NULL, (int)sub, (int)split);
+			o, lse, j->st ? &j->st[worker] : NULL, state ? &hv : NULL,
+			state ? &top : NULL, (int)sub, (int)split);
 	} else if (part < lv->nseg) {
 		rows_of(lv->seg[part]->n, sub, split, &a, &b);
 		dense_seg_rows(j->kk, q, (int)G, lv->seg[part], h, a, b, o, lse, s->s);
@@ -851,14 +758,14 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	if (!ok)
 		return 0;
 
-	/* Per task of a request with state: G * KVD_HEAVY_MAX scores and ids,
-	 * G counts. */
+	/* Per (kv head, part) pair of a request with state: G * KVD_HEAVY_MAX
+	 * scores and ids, G counts (zero where no task reports). */
 	size_t nt = 0, tw[KVD_ATTN_BATCH_MAX];
 
 	for (uint32_t i = 0; i < n; i++) {
 		tw[i] = nt;
 		if (!r[i].rc && has_state(&r[i]))
-			nt += (size_t)(first[i + 1] - first[i]) * kvd_geom_group(r[i].g);
+			nt += (size_t)nparts_of(r[i].lv) * r[i].g->kv_heads * kvd_geom_group(r[i].g);
 	}
 
 	float *part_o = malloc((no + nl) * sizeof(float));
@@ -882,6 +789,8 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 		j.top_id[i] = topbuf + (nt + tw[i]) * KVD_HEAVY_MAX;
 		j.top_n[i] = topbuf + 2 * nt * KVD_HEAVY_MAX + tw[i];
 	}
+	if (topbuf)
+		memset(topbuf + 2 * nt * KVD_HEAVY_MAX, 0, nt * sizeof *topbuf);
 
 	kvd_pool_run(pool, first[n], layer_task, &j);
 

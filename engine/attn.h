@@ -26,25 +26,20 @@ struct kvd_pool;
 struct kvd_attn_stats {
 	uint64_t cand;                  /* sum over q heads of sampled keys */
 	uint64_t rows;                  /* K rows gathered: each q head's own sample
-					 * (magicpig), the group's union (hybrid) */
-	uint64_t vrows;                 /* V rows gathered: each q head's own rows */
+					 * and (hybrid, adaptive) heavy keys */
+	uint64_t vrows;                 /* V rows gathered: the same rows */
 	uint64_t bucket_ids;            /* bucket entries walked */
 };
 
 struct kvd_attn_scratch {
 	struct kvd_lsh_scratch lsh;
 	uint32_t cap;
-	uint64_t *bits;                 /* [cap/64]: union of the group's candidates */
-	uint16_t *mask;                 /* [cap]: which q heads sampled each id */
-	uint16_t *hmask;                /* [cap]: which q heads hold each id as heavy */
-	uint16_t *cand;                 /* [cap] */
-	uint32_t *rows;                 /* [cap]: the union, ascending */
+	uint16_t *cand;                 /* [cap]: one q head's sample */
+	uint32_t *rows;                 /* [cap]: its sample and heavy keys, ascending */
 	float *kinv;                    /* [cap] */
 	float *vsc;                     /* [cap]: int8's vscale, read with kinv */
-	uint32_t *own;                  /* [cap]: one q head's rows of the union */
-	float *okinv, *ovsc;            /* [cap] each: kinv and vsc of own */
 	int16_t *w16;                   /* [cap]: one q head's weights for pv8 */
-	float *s;                       /* [KVD_GMAX][cap] */
+	float *s;                       /* [max(cap, KVD_ATTN_DENSE_SCRATCH)]: scores */
 };
 
 int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap);

@@ -1013,8 +1013,9 @@ static double score_d(const struct layer_fix *f, uint32_t qh, uint32_t s, uint32
 }
 
 /* With no state, hybrid answers exactly what magicpig answers and leaves,
- * per q head, the best rows of its group's union (ascending, valid, no more
- * than KVD_HEAVY_MAX); with that state, every kernel answers what the
+ * per q head, the best rows of its own sample (ascending, valid, no more
+ * than KVD_HEAVY_MAX); with that state (every key of it in the head's
+ * sample again, the same query), every kernel answers what the
  * double reference does with it; a batch holding the layer twice gives both
  * the answer of the state before the batch. */
 static void test_hybrid_matches_double(void **state)
@@ -1059,11 +1060,10 @@ static void test_hybrid_matches_double(void **state)
 
 				worst = sc < worst ? sc : worst;
 			}
-			/* Nothing the group sampled and the list left out beats
+			/* Nothing the head sampled and the list left out beats
 			 * its worst entry (beyond float rounding). */
 			struct kvd_lsh_scratch ls;
 			uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
-			uint32_t G = 4;
 
 			assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
 			for (uint32_t s = 0; s < f.p.nseg && e[0] == KVD_HEAVY_MAX; s++) {
@@ -1071,11 +1071,9 @@ static void test_hybrid_matches_double(void **state)
 				 * never heavy */
 				double best = -INFINITY;
 
-				for (int pass = 0; pass < 2; pass++)
-				for (uint32_t gi = 0; gi < G; gi++) {
-					uint32_t oq = qh / G * G + gi;
-					uint32_t m = kvd_lsh_candidates(&f.p.seg[s]->h[qh / G].tab,
-									f.qc + (size_t)oq * 150, 2,
+				for (int pass = 0; pass < 2; pass++) {
+					uint32_t m = kvd_lsh_candidates(&f.p.seg[s]->h[qh / 4].tab,
+									f.qc + (size_t)qh * 150, 2,
 									&ls, cand);
 
 					for (uint32_t i = 0; i < m; i++) {
@@ -1220,6 +1218,104 @@ static void test_heavy_state_bounds_and_adaptive(void **state)
 	kvd_pool_destroy(pool);
 }
 
+/* A heavy key the head also sampled is one row, weighing exp(score) and not
+ * also exp(score) / P.  After a step from empty lists every key of a list
+ * (its first 16 kept) is
+ * in its own head's sample (each head finds its heavy keys among its own
+ * rows, and the same query samples the same keys again), so the next step
+ * attends every one of them as both: it must answer what the double
+ * reference does, which counts each once, and its heavy keys must carry
+ * enough of the mass for a second count to show.  The state's order and
+ * repeats do not matter (reversed, each key twice: the same bits).  With
+ * empty lists adaptive, like hybrid, answers magicpig's bits. */
+static void test_heavy_in_sample_counted_once(void **state)
+{
+	const uint32_t nh = 16;
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	float o[8 * 128], lse[8], o2[8 * 128], l2[8];
+	double ro[8 * 128], rl[8], share = 0;
+	struct kvd_lsh_scratch ls;
+	uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
+
+	(void)state;
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
+	fix_make(&f, KVD_WL_NEEDLE, 6000, 2048, 10, 150, 2, 43);
+	kvd_logp_tab_init(tab, 10, 150, 2);
+
+	struct kvd_layer_view lv = kvd_prep_view(&f.p);
+	size_t hw = kvd_heavy_words(&f.g);
+	uint32_t *heavy = xmalloc(hw * sizeof *heavy), *h1 = xmalloc(hw * sizeof *h1);
+
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_MAGICPIG, NULL,
+				   o2, l2), 0);
+	memset(heavy, 0, hw * sizeof *heavy);
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_ADAPTIVE, heavy, o,
+				   lse), 0);
+	assert_memory_equal(o, o2, sizeof o);
+	assert_memory_equal(lse, l2, sizeof lse);
+
+	memset(heavy, 0, hw * sizeof *heavy);
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID, heavy, o,
+				   lse), 0);
+	memset(h1, 0, hw * sizeof *h1);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		const uint32_t *e = heavy + heavy_at(qh);
+		uint32_t *e1 = h1 + heavy_at(qh);
+
+		assert_true(e[0] >= 1);
+		for (uint32_t i = 0; i < e[0]; i++) {
+			uint32_t s = e[1 + i] >> 16, row = e[1 + i] & 0xffff, found = 0;
+			uint32_t m = kvd_lsh_candidates(&f.p.seg[s]->h[qh / 4].tab,
+							f.qc + (size_t)qh * 150, 2, &ls, cand);
+
+			for (uint32_t j = 0; j < m; j++)
+				found |= cand[j] == row;
+			assert_true(found);
+		}
+		e1[0] = e[0] < nh ? e[0] : nh;
+		memcpy(e1 + 1, e + 1, e1[0] * sizeof *e1);
+	}
+	hybrid_ref(&f, h1, ro, rl);
+	memcpy(heavy, h1, hw * sizeof *heavy);
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID, heavy, o,
+				   lse), 0);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		const uint32_t *e1 = h1 + heavy_at(qh);
+		double mass = 0, err = rel_err_fd(o + qh * 128, ro + qh * 128, 128);
+
+		if (err > 1e-3 || fabs(lse[qh] - rl[qh]) > 1e-3)
+			fail_msg("head %u: rel %.2e, lse %.6f vs %.6f", qh, err, lse[qh], rl[qh]);
+		for (uint32_t i = 0; i < e1[0]; i++)
+			mass += exp(score_d(&f, qh, e1[1 + i] >> 16, e1[1 + i] & 0xffff) - rl[qh]);
+		share = mass > share ? mass : share;
+	}
+	print_message("  largest share of a head's estimated mass on its heavy keys: %.3f\n",
+		      share);
+	assert_true(share > 0.1);
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		const uint32_t *e1 = h1 + heavy_at(qh);
+		uint32_t *e = heavy + heavy_at(qh);
+
+		e[0] = 2 * e1[0];
+		for (uint32_t i = 0; i < e[0]; i++)
+			e[1 + i] = e1[1 + e1[0] - 1 - i / 2];
+	}
+	assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID, heavy, o2,
+				   l2), 0);
+	assert_memory_equal(o2, o, sizeof o);
+	assert_memory_equal(l2, lse, sizeof lse);
+	kvd_lsh_scratch_free(&ls);
+	free(cand);
+	free(heavy);
+	free(h1);
+	free(tab);
+	fix_free(&f);
+	kvd_pool_destroy(pool);
+}
+
 /* Given a heavy set chosen without looking at the hash functions (here: the
  * 16 keys of largest exact score), E[exp(lse)] over projections is the exact
  * sum, as for magicpig, and the spread of one draw is smaller: the heavy
@@ -1339,6 +1435,7 @@ int main(void)
 		cmocka_unit_test(test_batched_layers_equal_alone),
 		cmocka_unit_test(test_hybrid_matches_double),
 		cmocka_unit_test(test_heavy_state_bounds_and_adaptive),
+		cmocka_unit_test(test_heavy_in_sample_counted_once),
 		cmocka_unit_test(test_hybrid_unbiased_given_heavy),
 	};
 
