@@ -47,8 +47,8 @@ struct kvd_kern {
 
 	/* s[g*lds + i] = q_g . row_i for g < G, i < m; q_g = q + g*d (float32).
 	 * Head g's scores are bit for bit those of a call with q_g alone
-	 * (G = 1): attention scores a group's union or each head alone and
-	 * the two must agree. */
+	 * (G = 1), so a score never depends on how a caller groups heads
+	 * (dense blocks score G heads, samples one). */
 	void (*qk)(const float *q, int G, int d, const uint16_t *base,
 		   const uint32_t *idx, size_t m, float *s, size_t lds);
 

@@ -132,9 +132,9 @@ INLINE __m512 hsum16(const __m512 *v)
  * fills from memory at full speed.  An accumulator's FMAs form a chain (4
  * cycles each), two FMAs per chunk.  Every (row, head) sum takes the same
  * chain whatever GB is, so a score does not depend on how many heads were
- * scored with it (attention's hybrid estimator scores a group's union where
- * magicpig scores each head alone, and with no heavy keys the two must
- * agree bit for bit).  Splitting even and odd elements over two
+ * scored with it (kern.h's promise; the hybrid estimator once scored a
+ * group's union at G heads and had to agree bit for bit with magicpig's
+ * heads alone).  Splitting even and odd elements over two
  * accumulators for GB <= 2, as this once did for the FMA ports' sake, broke
  * that.  GB = 1 is the gathered path, bound by memory, not by its 4 chains;
  * GB = 2 keeps 8 chains in flight, enough for both FMA ports.

@@ -193,7 +193,7 @@ static int cmp_u32(const void *a, const void *b)
 }
 
 /* The estimator in double over exactly the candidates the tables give,
- * found here independently of kvd_attn_sampled's union bookkeeping. */
+ * found here independently of kvd_attn_sampled's own bookkeeping. */
 static void sampled_ref(const struct layer_fix *f, double *o, double *lse, uint64_t *ncand)
 {
 	const struct kvd_geom *g = &f->g;
