@@ -464,6 +464,21 @@ static int unit_prepare(struct kvd_server *s, struct client *c, uint32_t i, unsi
 		finish(s, c, -EINVAL, "profile geometry beyond the executor's buffers");
 		return -1;
 	}
+	/* The engine rewrites the state after the step: two records of one
+	 * pass on the same (sequence, layer) must not share it.  Of two
+	 * connections of a tenant, the later one goes without; a record of
+	 * the same batch waits for the next pass, where it sees the state the
+	 * first one left, as it would have run alone.  Decided before the
+	 * record is read: a record put off is read then, and only then. */
+	uint32_t *heavy = v.heavy;
+
+	for (unsigned o = 0; heavy && o < k; o++) {
+		if (xb->req[o].heavy != heavy)
+			continue;
+		if (xb->u[o].c == c)
+			return 1;
+		heavy = NULL;
+	}
 	/* The one read of this record's query and codes. */
 	memcpy((char *)xb->q + k * xb->qb, rec + lay.q_off, qb);
 	memcpy((char *)xb->qc + k * xb->cb, rec + lay.codes_off, cb);
@@ -481,20 +496,8 @@ static int unit_prepare(struct kvd_server *s, struct client *c, uint32_t i, unsi
 		/* Taken on the loop (kvd_store_attend_view), not in the pool
 		 * job: the store is the loop's.  NULL (magicpig, dense, no room
 		 * for it) attends the layer without state. */
-		.heavy = v.heavy,
+		.heavy = heavy,
 	};
-	/* The engine rewrites the state after the step: two records of one
-	 * pass on the same (sequence, layer) must not share it.  Of two
-	 * connections of a tenant, the later one goes without; a record of
-	 * the same batch waits for the next pass, where it sees the state the
-	 * first one left, as it would have run alone. */
-	for (unsigned o = 0; r->heavy && o < k; o++) {
-		if (xb->req[o].heavy != r->heavy)
-			continue;
-		if (xb->u[o].c == c)
-			return 1;
-		r->heavy = NULL;
-	}
 	*pool = v.pool;
 	*node = v.node;
 	return 0;
