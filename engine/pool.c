@@ -15,6 +15,9 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -53,6 +56,15 @@ struct kvd_pool {
 	_Atomic unsigned queued;        /* jobs in the list, read lock-free by spinners */
 	unsigned sleepers;
 	int stop;
+	/* kvd_pool_prefault's side thread, all under pf_mu */
+	pthread_mutex_t pf_mu;
+	pthread_cond_t pf_go;           /* a range to fault, or stop */
+	pthread_cond_t pf_done;         /* the range is in (CLOCK_MONOTONIC) */
+	pthread_t pf_th;
+	int pf_state;                   /* 0: not started, 1: running, -1: failed to start */
+	int pf_stop;
+	char *pf_mem;
+	size_t pf_len;                  /* 0: nothing to fault */
 	unsigned n;
 	struct worker w[];
 };
@@ -236,6 +248,93 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 	}
 }
 
+/* ---- the side thread: first touches off the hook's thread -------------- */
+
+/* Below a huge page there is at most one to fault: not worth a handoff. */
+#define PREFAULT_MIN (2u << 20)
+/* How long the waiting thread sleeps between calls of its hook: what a
+ * request arriving meanwhile may wait for it, at most. */
+#define PREFAULT_POLL_NS 100000
+/* Niceness of the side thread.  Low, so that a worker woken for a short
+ * request preempts it at once; not SCHED_IDLE, under which any busy
+ * process on the machine could starve it, and with it the job waiting. */
+#define PREFAULT_NICE 10
+
+static void fault_in(char *m, size_t len)
+{
+	/* One call faults the range (Linux 5.14); an older kernel refuses
+	 * the advice with EINVAL, and a touch per page does it.  Any other
+	 * failure (no memory now) is left to the job's own faults. */
+	if (madvise(m, len, MADV_POPULATE_WRITE) == 0 || errno != EINVAL)
+		return;
+	for (size_t off = 0; off < len; off += 4096) {
+		volatile char *c = m + off;
+
+		*c = *c;
+	}
+}
+
+static void *side_main(void *arg)
+{
+	struct kvd_pool *p = arg;
+
+	(void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), PREFAULT_NICE);
+	pthread_mutex_lock(&p->pf_mu);
+	for (;;) {
+		while (!p->pf_len && !p->pf_stop)
+			pthread_cond_wait(&p->pf_go, &p->pf_mu);
+		if (p->pf_stop)
+			break;
+		char *m = p->pf_mem;
+		size_t len = p->pf_len;
+
+		pthread_mutex_unlock(&p->pf_mu);
+		fault_in(m, len);
+		pthread_mutex_lock(&p->pf_mu);
+		p->pf_len = 0;
+		pthread_cond_broadcast(&p->pf_done);
+	}
+	pthread_mutex_unlock(&p->pf_mu);
+	return NULL;
+}
+
+void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
+{
+	uintptr_t a = (uintptr_t)mem & ~(uintptr_t)4095;
+	size_t len = ((uintptr_t)mem + bytes - a + 4095) & ~(size_t)4095;
+
+	if (!p || !yield_hook.fn || bytes < PREFAULT_MIN)
+		return;
+	pthread_mutex_lock(&p->pf_mu);
+	if (p->pf_state == 0)
+		p->pf_state = pthread_create(&p->pf_th, NULL, side_main, p) ? -1 : 1;
+	/* One range at a time: only the hook's thread calls this, and the
+	 * hook never starts sliced jobs (pool.h), so never two at once. */
+	if (p->pf_state < 0 || NEVER(p->pf_len)) {
+		pthread_mutex_unlock(&p->pf_mu);
+		return;
+	}
+	p->pf_mem = (char *)a;
+	p->pf_len = len;
+	pthread_cond_signal(&p->pf_go);
+	while (p->pf_len) {
+		struct timespec ts;
+
+		pthread_mutex_unlock(&p->pf_mu);
+		yield_hook.fn(yield_hook.arg);
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		ts.tv_nsec += PREFAULT_POLL_NS;
+		if (ts.tv_nsec >= 1000000000) {
+			ts.tv_sec++;
+			ts.tv_nsec -= 1000000000;
+		}
+		pthread_mutex_lock(&p->pf_mu);
+		if (p->pf_len)
+			pthread_cond_timedwait(&p->pf_done, &p->pf_mu, &ts);
+	}
+	pthread_mutex_unlock(&p->pf_mu);
+}
+
 /* The affinity goes in the thread's attributes, not a call in worker_main:
  * glibc applies it before the thread runs and fails pthread_create when the
  * kernel refuses it, so a worker never runs a task off its CPU and a bad CPU
@@ -287,6 +386,14 @@ static int pool_start(unsigned nthreads, const int *cpus, unsigned ncpus, int st
 	pthread_mutex_init(&p->mu, NULL);
 	pthread_cond_init(&p->work, NULL);
 	pthread_cond_init(&p->fin, NULL);
+	pthread_mutex_init(&p->pf_mu, NULL);
+	pthread_cond_init(&p->pf_go, NULL);
+	pthread_condattr_t ca;
+
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&p->pf_done, &ca);
+	pthread_condattr_destroy(&ca);
 	for (unsigned i = 0; i < nthreads; i++) {
 		struct worker *w = &p->w[i];
 
@@ -342,6 +449,15 @@ void kvd_pool_destroy(struct kvd_pool *p)
 	pthread_mutex_unlock(&p->mu);
 	for (unsigned i = 0; i < p->n; i++)
 		pthread_join(p->w[i].th, NULL);
+	pthread_mutex_lock(&p->pf_mu);
+	p->pf_stop = 1;
+	pthread_cond_signal(&p->pf_go);
+	pthread_mutex_unlock(&p->pf_mu);
+	if (p->pf_state > 0)
+		pthread_join(p->pf_th, NULL);
+	pthread_cond_destroy(&p->pf_done);
+	pthread_cond_destroy(&p->pf_go);
+	pthread_mutex_destroy(&p->pf_mu);
 	pthread_cond_destroy(&p->fin);
 	pthread_cond_destroy(&p->work);
 	pthread_mutex_destroy(&p->mu);

@@ -19,6 +19,7 @@
 #ifndef KVD_POOL_H
 #define KVD_POOL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 struct kvd_pool;
@@ -49,5 +50,16 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 void kvd_pool_set_yield(void (*fn)(void *arg), void *arg);
 void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 void kvd_pool_yield(void);
+
+/* Faults in [mem, mem + bytes), memory nobody else touches until this
+ * returns, before a sliced job fills it.  With a yield hook set, the faults
+ * run on the pool's side thread (started on first use, at a low priority)
+ * while this thread keeps calling the hook, so other requests run during
+ * them; returns when every page is in.  A first touch is where a big job's
+ * time can go (a fresh huge page on a VM faulted in 4 ms), and a task
+ * faulting one in is a task the hook cannot cut short.  Without a hook, or
+ * when the side thread cannot start, it does nothing: the job's workers
+ * fault their own parts, faster on an idle machine. */
+void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes);
 
 #endif

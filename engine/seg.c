@@ -489,6 +489,7 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		return -ENOMEM;
 	}
 	s->mem = (char *)s->io + IO_PAGE;
+	kvd_pool_prefault(pool, s->io, s->bytes);
 
 	struct seg_build b = { g, s, k, v, codes };
 

@@ -1159,6 +1159,10 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 		give(s, q, rows_bytes(p, cap));
 		return -ENOMEM;
 	}
+	/* Fresh pages, faulted while others' requests run (see pool.h). */
+	kvd_pool_prefault(s->pool[q->node], nk, kv_bytes(p, cap));
+	kvd_pool_prefault(s->pool[q->node], nv, kv_bytes(p, cap));
+	kvd_pool_prefault(s->pool[q->node], nc, codes_bytes(p, cap));
 	if (l->stage_n)
 		put_rows_on(s->pool[q->node], p, nk, nv, nc, cap, 0, l->stage_k, l->stage_v,
 			    l->stage_codes, l->stage_cap, 0, l->stage_n);

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <cmocka.h>
 
@@ -179,6 +180,68 @@ static void test_sliced_with_yield_hook(void **state)
 	kvd_pool_destroy(p);
 }
 
+struct pf {
+	unsigned hooks;
+	int off_thread;
+	pthread_t caller;
+};
+
+static void pf_hook(void *arg)
+{
+	struct pf *x = arg;
+
+	x->hooks++;
+	x->off_thread |= !pthread_equal(pthread_self(), x->caller);
+}
+
+static size_t resident(unsigned char *m, size_t len)
+{
+	size_t pages = len / 4096, n = 0;
+	unsigned char *vec = malloc(pages);
+
+	assert_non_null(vec);
+	assert_int_equal(mincore(m, len, vec), 0);
+	for (size_t i = 0; i < pages; i++)
+		n += vec[i] & 1;
+	free(vec);
+	return n;
+}
+
+/* The range is in when kvd_pool_prefault returns, what was written stays,
+ * and the caller's hook ran meanwhile (on the caller); without a hook it
+ * leaves the faults to the job. */
+static void test_prefault(void **state)
+{
+	enum { LEN = 16 << 20 };
+	struct kvd_pool *p;
+	struct pf x = { 0 };
+	unsigned char *m = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+				-1, 0);
+
+	(void)state;
+	assert_true(m != MAP_FAILED);
+	/* Small pages whatever the machine's THP setting, so one byte written
+	 * is one page resident. */
+	assert_int_equal(madvise(m, LEN, MADV_NOHUGEPAGE), 0);
+	assert_int_equal(kvd_pool_create(2, 0, &p), 0);
+	m[3 * 4096 + 7] = 0x5a;
+	m[LEN - 1] = 0xa5;
+	kvd_pool_prefault(p, m + 4096, LEN - 4096);     /* no hook */
+	assert_int_equal(resident(m, LEN), 2);
+	x.caller = pthread_self();
+	kvd_pool_set_yield(pf_hook, &x);
+	kvd_pool_prefault(p, m + 100, LEN - 200);       /* rounded out to whole pages */
+	kvd_pool_set_yield(NULL, NULL);
+	assert_int_equal(resident(m, LEN), LEN / 4096);
+	assert_true(x.hooks >= 1);
+	assert_int_equal(x.off_thread, 0);
+	assert_int_equal(m[3 * 4096 + 7], 0x5a);
+	assert_int_equal(m[LEN - 1], 0xa5);
+	assert_int_equal(m[5 * 4096], 0);
+	kvd_pool_destroy(p);
+	munmap(m, LEN);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -187,6 +250,7 @@ int main(void)
 		cmocka_unit_test(test_concurrent_submitters),
 		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
 		cmocka_unit_test(test_sliced_with_yield_hook),
+		cmocka_unit_test(test_prefault),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
