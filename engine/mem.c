@@ -1,4 +1,7 @@
+#include <errno.h>
 #include <numaif.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -58,12 +61,99 @@ void *kvd_mem_alloc_node(size_t bytes, int node)
 	return p;
 }
 
+/* Mappings waiting for the unmapping thread.  Not linked through their own
+ * first bytes: a page never touched would fault in (a huge page, on a VM
+ * milliseconds) only to be unmapped. */
+struct behind {
+	struct behind *next;
+	void *p;
+	size_t len;
+};
+
+static struct {
+	pthread_mutex_t mu;
+	pthread_cond_t work, settled;
+	struct behind *head;
+	_Atomic int on;
+	int busy;                       /* the thread holds mappings it took */
+} fb = { PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+	 NULL, 0, 0 };
+
+static void *behind_main(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&fb.mu);
+	for (;;) {
+		while (!fb.head)
+			pthread_cond_wait(&fb.work, &fb.mu);
+		struct behind *b = fb.head;
+
+		fb.head = NULL;
+		fb.busy = 1;
+		pthread_mutex_unlock(&fb.mu);
+		while (b) {
+			struct behind *nx = b->next;
+
+			munmap(b->p, b->len);
+			free(b);
+			b = nx;
+		}
+		pthread_mutex_lock(&fb.mu);
+		fb.busy = 0;
+		if (!fb.head)
+			pthread_cond_broadcast(&fb.settled);
+	}
+	return NULL;
+}
+
+int kvd_mem_free_behind(void)
+{
+	pthread_t th;
+	int rc = 0;
+
+	pthread_mutex_lock(&fb.mu);
+	if (!fb.on) {
+		/* Detached and never stopped: it owns nothing but what it is
+		 * given, and the process's exit unmaps that anyway. */
+		rc = pthread_create(&th, NULL, behind_main, NULL);
+		if (!rc) {
+			pthread_detach(th);
+			fb.on = 1;
+		}
+	}
+	pthread_mutex_unlock(&fb.mu);
+	return -rc;
+}
+
+void kvd_mem_settle(void)
+{
+	pthread_mutex_lock(&fb.mu);
+	while (fb.head || fb.busy)
+		pthread_cond_wait(&fb.settled, &fb.mu);
+	pthread_mutex_unlock(&fb.mu);
+}
+
 void kvd_mem_free(void *p, size_t bytes)
 {
 	if (!p)
 		return;
-	if (bytes < KVD_MEM_HUGE)
+	if (bytes < KVD_MEM_HUGE) {
 		free(p);
-	else
-		munmap(p, map_len(bytes));
+		return;
+	}
+	/* Without the node, now: memory that short is better given back. */
+	struct behind *b = atomic_load_explicit(&fb.on, memory_order_relaxed) ?
+				   malloc(sizeof *b) : NULL;
+
+	if (b) {
+		b->p = p;
+		b->len = map_len(bytes);
+		pthread_mutex_lock(&fb.mu);
+		b->next = fb.head;
+		fb.head = b;
+		pthread_cond_signal(&fb.work);
+		pthread_mutex_unlock(&fb.mu);
+		return;
+	}
+	munmap(p, map_len(bytes));
 }

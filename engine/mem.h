@@ -33,4 +33,14 @@ void *kvd_mem_alloc(size_t bytes);
 void *kvd_mem_alloc_node(size_t bytes, int node);
 void kvd_mem_free(void *p, size_t bytes);
 
+/* From now on, kvd_mem_free() of a mapping hands it to a thread that
+ * unmaps it, and returns at once: unmapping a dropped sequence's hundreds
+ * of MB took 15 ms, and its caller holds the daemon's state lock.  The
+ * pages stay resident until that thread gets to them (a few ms): what was
+ * given back may show in RSS for that long.  0, or -errno when the thread
+ * cannot start (frees stay synchronous).  kvd_mem_settle() returns once
+ * every mapping freed before it is unmapped. */
+int kvd_mem_free_behind(void);
+void kvd_mem_settle(void);
+
 #endif

@@ -24,6 +24,7 @@
 #include "engine/err.h"
 #include "kvd.pb-c.h"
 #include "engine/log.h"
+#include "engine/mem.h"
 #include "engine/pool.h"
 #include "clients.h"
 #include "fair.h"
@@ -498,6 +499,11 @@ static int make_pools(struct kvd_server *s)
 
 	if (rc)
 		return rc;
+	/* Dropping a sequence unmaps it under the state lock: behind it. */
+	int frc = kvd_mem_free_behind();
+
+	if (frc)
+		kvd_log(LOG_WARNING, "frees stay synchronous: %s", kvd_strerror(frc));
 	if (!s->numa.active) {
 		s->npools = 1;
 		rc = kvd_pool_create(s->cfg->threads, 1, &s->pools[0]);

@@ -1,6 +1,7 @@
 /* The worker pool: every task runs exactly once, on a valid worker id, and
  * its writes are visible when kvd_pool_run() returns — also with several
  * submitting threads at once (this test runs under TSan in `make test`). */
+#include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdatomic.h>
@@ -13,6 +14,7 @@
 #include <time.h>
 #include <cmocka.h>
 
+#include "engine/mem.h"
 #include "engine/pool.h"
 
 struct count_job {
@@ -242,6 +244,41 @@ static void test_prefault(void **state)
 	munmap(m, LEN);
 }
 
+static int unmapped(void *p, size_t len)
+{
+	unsigned char vec[2048];
+
+	return mincore(p, len, vec) == -1 && errno == ENOMEM;
+}
+
+/* Freed behind the caller's back, every mapping is still unmapped by the
+ * time kvd_mem_settle returns; heap blocks are freed as before.  Last in
+ * the file: the switch is for the process's life. */
+static void test_free_behind(void **state)
+{
+	enum { N = 16, LEN = 4 << 20 };
+	char *m[N];
+
+	(void)state;
+	m[0] = kvd_mem_alloc(LEN);
+	assert_non_null(m[0]);
+	kvd_mem_free(m[0], LEN);
+	assert_true(unmapped(m[0], LEN));
+	assert_int_equal(kvd_mem_free_behind(), 0);
+	assert_int_equal(kvd_mem_free_behind(), 0);     /* once is enough */
+	for (int i = 0; i < N; i++) {
+		m[i] = kvd_mem_alloc(LEN);
+		assert_non_null(m[i]);
+		memset(m[i], i, LEN);
+	}
+	for (int i = 0; i < N; i++)
+		kvd_mem_free(m[i], LEN);
+	kvd_mem_settle();
+	for (int i = 0; i < N; i++)
+		assert_true(unmapped(m[i], LEN));
+	kvd_mem_free(kvd_mem_alloc(1000), 1000);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
@@ -251,6 +288,7 @@ int main(void)
 		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
 		cmocka_unit_test(test_sliced_with_yield_hook),
 		cmocka_unit_test(test_prefault),
+		cmocka_unit_test(test_free_behind),
 	};
 
 	return cmocka_run_group_tests(tests, NULL, NULL);
