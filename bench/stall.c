@@ -18,6 +18,9 @@
  *   big_append     one APPEND of 59904 rows (2 kv heads, L 150: 97 MB in one
  *                  ring entry) into a fresh sequence, freed after, over and
  *                  over (the row copy and 59 seals inside one unit)
+ *   tail_restore   the same 59904 rows in a profile that seals at 65536, so
+ *                  they stay one open tail: written out and read back, over
+ *                  and over (a restore's tail of 97 MB)
  *
  *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
  *
@@ -43,9 +46,9 @@
 #include "engine/rng.h"
 
 #define MAXLAT 400000
-enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, NPH, PH_END = NPH };
+enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, PH_TAIL, NPH, PH_END = NPH };
 static const char *const ph_name[NPH] = { "quiet", "busy", "append", "fork", "evict_restore",
-					  "big_append" };
+					  "big_append", "tail_restore" };
 #define BIG_ROWS 59904
 
 struct shared {
@@ -148,6 +151,20 @@ static float pct(float *x, uint32_t n, double p)
 	return n ? x[(size_t)(p * (n - 1))] : 0;
 }
 
+static int wait_tstate(struct kvt *t, uint64_t id, uint32_t state)
+{
+	struct kvc_seq_stats st;
+
+	for (int i = 0; i < 60000; i++) {
+		if (kvt_seq_stats(t, id, &st))
+			return -1;
+		if (st.state == state)
+			return 0;
+		usleep(500);
+	}
+	return -1;
+}
+
 static int wait_state(struct kvc *c, struct kvc_seq *s, uint32_t state)
 {
 	struct kvc_seq_stats st;
@@ -168,16 +185,21 @@ static const struct kvc_model big_model = {
 	.name = "stall-big", .layers = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
 	.K = 10, .L = 150, .c = 2, .sink = 4, .window = 64, .seed = 12,
 };
+static const struct kvc_model tail_model = {
+	.name = "stall-tail", .layers = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 150, .c = 2, .sink = 4, .window = 64, .seed = 12,
+	.segment_tokens = 65536, .seal_tokens = 65536,
+};
 
-static struct kvt *big_connect(const char *sock)
+static struct kvt *big_connect(const char *sock, const struct kvc_model *model)
 {
 	const struct kvd_rows_layout lay = kvd_rows_layout(2, 128, 150, BIG_ROWS, 1);
-	struct kvc_opts o = { .socket_path = sock, .tenant = "attacker", .name = "stall-big",
+	struct kvc_opts o = { .socket_path = sock, .tenant = "attacker", .name = model->name,
 			      .slots = 2, .slot_size = (lay.bytes + 4095) & ~4095ull };
 	struct kvt *t = kvt_new();
 	struct kvd_rng r = kvd_rng_make(13);
 
-	if (!t || kvt_connect(t, &o) || kvt_profile(t, &big_model)) {
+	if (!t || kvt_connect(t, &o) || kvt_profile(t, model)) {
 		fprintf(stderr, "stall: big: %s\n", t ? kvt_error(t) : "out of memory");
 		kvt_close(t);
 		return NULL;
@@ -195,8 +217,8 @@ static struct kvt *big_connect(const char *sock)
 }
 
 /* A fresh sequence: one prefilled row (the mean, LAST), then BIG_ROWS rows
- * in one APPEND; freed.  0, or -1. */
-static int big_append(struct kvt *t)
+ * in one APPEND; freed unless keep gets its id.  0, or -1. */
+static int big_append(struct kvt *t, uint64_t *keep)
 {
 	const struct kvd_rows_layout one = kvd_rows_layout(2, 128, 150, 1, 1);
 	const struct kvd_rows_layout lay = kvd_rows_layout(2, 128, 150, BIG_ROWS, 0);
@@ -224,7 +246,12 @@ static int big_append(struct kvt *t)
 		fprintf(stderr, "stall: big APPEND: %d %s\n", res, res ? msg : kvt_error(t));
 		goto out;
 	}
-	rc = kvt_seq_free(t, id) ? -1 : 0;
+	if (keep) {
+		*keep = id;
+		rc = 0;
+	} else {
+		rc = kvt_seq_free(t, id) ? -1 : 0;
+	}
 out:
 	if (a >= 0)
 		kvt_slot_put(t, (uint32_t)a);
@@ -235,7 +262,7 @@ out:
 
 /* One phase of the attacker, for secs seconds: 0, or -1. */
 static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_model *m,
-		  struct kvt *big, double secs, struct kvd_rng *r)
+		  struct kvt *big, struct kvt *tail, uint64_t tid, double secs, struct kvd_rng *r)
 {
 	double until = bench_now_ms() + secs * 1e3;
 	float kt[8 * 128], vt[8 * 128];
@@ -272,7 +299,12 @@ static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_mod
 				return -1;
 			break;
 		case PH_BIG:
-			if (big_append(big))
+			if (big_append(big, NULL))
+				return -1;
+			break;
+		case PH_TAIL:
+			if (kvt_seq_evict(tail, tid) || wait_tstate(tail, tid, KVC_SEQ_DISK) ||
+			    kvt_prefetch(tail, tid) || wait_tstate(tail, tid, KVC_SEQ_RAM))
 				return -1;
 			break;
 		}
@@ -325,17 +357,19 @@ int bench_stall_main(int argc, char **argv)
 		.dense_layers = dense0, .n_dense = 1, .seed = 9,
 	};
 	struct kvc *c = connect_model(d.sock, "attacker", &m);
-	struct kvt *big = big_connect(d.sock);
+	struct kvt *big = big_connect(d.sock, &big_model), *tail = big_connect(d.sock, &tail_model);
 	struct kvc_seq *s;
 	struct kvd_rng r = kvd_rng_make(10);
+	uint64_t tid = 0;
 
-	if (!c || !big || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11)) {
+	if (!c || !big || !tail || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11) ||
+	    big_append(tail, &tid)) {
 		fprintf(stderr, "stall: attacker: %s\n", c ? kvc_last_error(c) : "connect");
 		goto out;
 	}
 	/* An open tail in every layer: what a fork copies and a write-back
 	 * writes from a copy. */
-	if (attack(PH_APPEND, c, s, &m, big, 1.0, &r))
+	if (attack(PH_APPEND, c, s, &m, big, tail, tid, 1.0, &r))
 		goto out;
 	if ((vp = fork()) == 0)
 		victim(d.sock, sh);
@@ -343,7 +377,7 @@ int bench_stall_main(int argc, char **argv)
 		usleep(1000);
 	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
 		sh->phase = ph;
-		if (attack(ph, c, s, &m, big, secs, &r)) {
+		if (attack(ph, c, s, &m, big, tail, tid, secs, &r)) {
 			fprintf(stderr, "stall: %s: %s\n", ph_name[ph], kvc_last_error(c));
 			goto out;
 		}

@@ -886,6 +886,8 @@ static void verify_one(struct kvd_spill *sp, struct sp_run *r)
 		fail(r, -KVD_ELOST, "extent %u: %s", i, m);
 		return;
 	}
+	if (b->drain)
+		b->drain(b->fill_arg, b->p);
 	r->vnext++;
 	post_progress(sp, r, i);
 	if (r->vnext == j->next)

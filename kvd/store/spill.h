@@ -76,6 +76,11 @@ struct kvd_spill_buf {
 	 * under its own lock.  fill_arg stays valid until the result is
 	 * reaped. */
 	void (*fill)(void *fill_arg, void *payload);
+	/* READ, optional: called on the engine's thread once the extent
+	 * verified (header and CRC), before its progress is posted, with the
+	 * header page: the copy out of it a caller would otherwise make under
+	 * its own lock.  Gets fill_arg. */
+	void (*drain)(void *fill_arg, void *page);
 	void *fill_arg;
 };
 

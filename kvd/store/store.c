@@ -924,6 +924,19 @@ static void tail_set(struct kvd_layer_state *l, struct kvd_tail *t)
 	l->tail_codes = t ? t->codes : NULL;
 }
 
+/* t, charged to q's uid already, becomes q's with one reference. */
+static void tail_own_charged(struct kvd_store *s, struct kvd_seqn *q, struct kvd_tail *t)
+{
+	size_t tb = tail_bytes(q->p);
+
+	t->refs = 1;
+	t->chg_uid = q->uid;
+	t->chg_node = q->node;
+	q->bytes += tb;
+	s->bytes += tb;
+	s->node_bytes[q->node] += tb;
+}
+
 /* A new, empty tail for q, charged to q's uid before it is allocated
  * (force: the room was reserved, a restore).  Not yet in a layer. */
 static int tail_new(struct kvd_store *s, struct kvd_seqn *q, int force, struct kvd_tail **out)
@@ -942,12 +955,7 @@ static int tail_new(struct kvd_store *s, struct kvd_seqn *q, int force, struct k
 		snprintf(s->why, sizeof s->why, "out of memory");
 		return -ENOMEM;
 	}
-	t->refs = 1;
-	t->chg_uid = q->uid;
-	t->chg_node = q->node;
-	q->bytes += tb;
-	s->bytes += tb;
-	s->node_bytes[q->node] += tb;
+	tail_own_charged(s, q, t);
 	*out = t;
 	return 0;
 }
@@ -1470,9 +1478,35 @@ size_t kvd_store_install_bytes(const struct kvd_seqn *q, int mean, uint32_t tn, 
 	       (size_t)seg_cap(nseg) * sizeof(struct kvd_seg *);
 }
 
+struct kvd_tail *kvd_store_rtail_new(struct kvd_store *s, const struct kvd_seqn *q)
+{
+	struct kvd_tail *t = calloc(1, sizeof *t);
+
+	if (t && rows_alloc(q->p, &t->k, &t->v, &t->codes, q->p->seal_tokens, s->mem[q->node])) {
+		free(t);
+		t = NULL;
+	}
+	return t;
+}
+
+void kvd_store_rtail_fill(const struct kvd_profile *p, struct kvd_tail *t, const uint16_t *k,
+			  const uint16_t *v, const uint16_t *codes, uint32_t tn)
+{
+	if (tn <= p->seal_tokens)
+		put_rows(p, t->k, t->v, t->codes, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
+}
+
+void kvd_store_rtail_free(const struct kvd_profile *p, struct kvd_tail *t)
+{
+	if (!t || NEVER(t->refs))
+		return;
+	rows_free(p, t->k, t->v, t->codes, p->seal_tokens);
+	free(t);
+}
+
 int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
-			    const float *mean, int sealed, uint64_t tokens, const uint16_t *k,
-			    const uint16_t *v, const uint16_t *codes, uint32_t tn)
+			    const float *mean, int sealed, uint64_t tokens, struct kvd_tail *tail,
+			    uint32_t tn)
 {
 	const struct kvd_profile *p = q->p;
 	struct kvd_layer_state *l = &q->ly[layer];
@@ -1494,12 +1528,12 @@ int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t la
 		memcpy(l->mean, mean, mean_bytes(p));
 	}
 	if (tn) {
-		struct kvd_tail *t;
-
-		if (tail_new(s, q, 1, &t))
+		if (!tail || tail->refs)
+			return -EINVAL;
+		if (charge_q(s, q, tail_bytes(p), 1))
 			return -ENOMEM;
-		tail_set(l, t);
-		put_rows(p, l->tail_k, l->tail_v, l->tail_codes, p->seal_tokens, 0, k, v, codes, tn, 0, tn);
+		tail_own_charged(s, q, tail);
+		tail_set(l, tail);
 	}
 	l->tail_n = tn;
 	l->sealed = sealed;

@@ -246,14 +246,27 @@ void kvd_store_profile_each(struct kvd_store *s,
 
 /* Tiering (kvd/store/tier.c).  drop frees every resident byte of a sequence but
  * keeps its identity and token counts (and its fixed bytes); the install
- * functions put restored parts back, accounted.  A layer's tail rows are
- * copied; a segment is taken over.  Install charges without checking caps:
- * the tier reserved the room before the restore (kvd_store_install_bytes)
- * and gives back, as it installs, what each call added to q->bytes. */
+ * functions put restored parts back, accounted.  A layer's tail and a
+ * segment are taken over, never copied.  Install charges without checking
+ * caps: the tier reserved the room before the restore
+ * (kvd_store_install_bytes) and gives back, as it installs, what each call
+ * added to q->bytes. */
 void kvd_store_seq_drop(struct kvd_store *s, struct kvd_seqn *q);
+/* A restore's tail: made before the read (kvd_store_rtail_new, uncharged:
+ * the restore's reservation stands for it), filled with the LAYER extent's
+ * tn rows on the spill thread as the extent verifies (kvd_store_rtail_fill
+ * touches only the tail, so no lock), then taken over by
+ * kvd_store_install_layer (tail, when tn > 0), which charges it.  So the
+ * state lock pays neither for the copy (up to seal_tokens rows, 65536 in a
+ * profile that asks) nor for faulting in its fresh pages.  One never taken
+ * over goes with kvd_store_rtail_free. */
+struct kvd_tail *kvd_store_rtail_new(struct kvd_store *s, const struct kvd_seqn *q);
+void kvd_store_rtail_fill(const struct kvd_profile *p, struct kvd_tail *t, const uint16_t *k,
+			  const uint16_t *v, const uint16_t *codes, uint32_t tn);
+void kvd_store_rtail_free(const struct kvd_profile *p, struct kvd_tail *t);
 int kvd_store_install_layer(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
-			    const float *mean, int sealed, uint64_t tokens, const uint16_t *k,
-			    const uint16_t *v, const uint16_t *codes, uint32_t tn);
+			    const float *mean, int sealed, uint64_t tokens, struct kvd_tail *tail,
+			    uint32_t tn);
 int kvd_store_install_seg(struct kvd_store *s, struct kvd_seqn *q, uint32_t layer,
 			  struct kvd_seg *seg);
 /* What installing a layer adds besides its segments' io buffers: the mean,

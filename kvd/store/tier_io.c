@@ -113,8 +113,64 @@ static void fill_layer(void *arg, void *payload)
 	}
 }
 
+/* A LAYER extent's tail rows, copied on the spill thread into a tail made
+ * before the read (kvd_store_rtail_new) as soon as the extent verifies;
+ * the install takes the tail over.  As on the way out (fill_layer), the
+ * state lock pays for no tail copy, nor for the tail's fresh pages. */
+struct rfill {
+	const struct kvd_profile *p;
+	struct kvd_tail *tail;          /* NULL once installed */
+	uint32_t layer, n;
+	int filled;                     /* set on the spill thread before its progress
+					 * result, read after that result is reaped */
+};
+
+static void drain_layer(void *arg, void *page)
+{
+	struct rfill *f = arg;
+	const struct kvd_sfmt_hdr *h = page;
+	const struct kvd_geom *g = &f->p->g;
+	float *m;
+	uint16_t *k, *v, *c;
+
+	/* The engine checked the CRC and that the extent is the file's i-th,
+	 * not that it is what this sequence expects: kvd_tier_install checks
+	 * all of it again; this is what the copy needs to stay in bounds. */
+	if (h->kind != KVD_SFMT_LAYER || h->layer != f->layer || h->n != f->n ||
+	    h->kv_heads != g->kv_heads || h->d != g->d || h->K != g->K || h->L != g->L ||
+	    f->n > f->p->seal_tokens)
+		return;
+	kvd_sfmt_layer_parts(g, f->n, !!(h->flags & KVD_SFMT_LF_MEAN), (char *)page + PAGE, &m,
+			     &k, &v, &c);
+	kvd_store_rtail_fill(f->p, f->tail, k, v, c, f->n);
+	f->filled = 1;
+}
+
+int kvd_tier_read_tail(struct kvd_tier *t, struct rec *r, unsigned i)
+{
+	const struct kvd_profile *p = r->q->p;
+	const struct ext *e = &r->ext[i];
+
+	if (e->kind != KVD_SFMT_LAYER || !e->n || e->layer >= p->layers || p->dense[e->layer] ||
+	    e->n > p->seal_tokens)
+		return 0;               /* no tail, or one the install refuses */
+	if (!r->rfill && !(r->rfill = calloc(r->next_ext, sizeof *r->rfill)))
+		return -ENOMEM;
+	r->rfill[i] = (struct rfill){ .p = p, .tail = kvd_store_rtail_new(t->st, r->q),
+				      .layer = e->layer, .n = e->n };
+	if (!r->rfill[i].tail)
+		return -ENOMEM;
+	r->buf[i].drain = drain_layer;
+	r->buf[i].fill_arg = &r->rfill[i];
+	return 0;
+}
+
 void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 {
+	for (unsigned i = 0; r->rfill && i < r->job.next; i++)
+		kvd_store_rtail_free(r->q->p, r->rfill[i].tail);
+	free(r->rfill);
+	r->rfill = NULL;
 	for (unsigned i = 0; r->wfill && i < r->job.next; i++)
 		kvd_store_tail_drop(t->st, r->q->p, r->wfill[i].tail);
 	free(r->wfill);
@@ -457,8 +513,12 @@ int kvd_tier_install(struct kvd_tier *t, struct rec *r, unsigned i)
 		if (e->layer >= q->p->layers || q->p->dense[e->layer])
 			return -KVD_EFORMAT;
 		kvd_sfmt_layer_parts(g, e->n, !!(h->flags & KVD_SFMT_LF_MEAN), payload, &m, &k, &v, &c);
+		struct rfill *f = r->rfill ? &r->rfill[i] : NULL;
+
 		rc = kvd_store_install_layer(t->st, q, e->layer, m, !!(h->flags & KVD_SFMT_LF_SEALED),
-					     h->tok_end, k, v, c, e->n);
+					     h->tok_end, f && f->filled ? f->tail : NULL, e->n);
+		if (!rc && f)
+			f->tail = NULL;         /* the layer's now */
 		break;
 	}
 	case KVD_SFMT_SEG: {
