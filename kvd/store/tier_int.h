@@ -139,6 +139,7 @@ void kvd_tier_count_io(struct kvd_tier *t, int kind, int how, uint64_t bytes, ui
 void kvd_tier_unlink_file(struct kvd_tier *t, struct rec *r);
 void kvd_tier_unl_done(struct kvd_tier *t, struct unl *u);
 void *kvd_tier_page_alloc(uint64_t bytes);
+void kvd_tier_page_free(void *p, uint64_t bytes);
 void kvd_tier_job_release(struct kvd_tier *t, struct rec *r);
 int kvd_tier_job_alloc(struct rec *r, unsigned n);
 /* A restore's extent i: when it is a LAYER with tail rows, the tail they go

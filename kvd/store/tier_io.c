@@ -8,6 +8,7 @@
 #include "engine/clock.h"
 #include "engine/err.h"
 #include "engine/invariant.h"
+#include "engine/mem.h"
 #include "tier_int.h"
 
 /* ---- the counters ------------------------------------------------------- */
@@ -73,11 +74,24 @@ void kvd_tier_unl_done(struct kvd_tier *t, struct unl *u)
 
 /* ---- buffers of a job --------------------------------------------------- */
 
+/* From 2 MiB up a mapping of its own (kvd_mem): freed, it is unmapped
+ * behind the caller, not by free() under the state lock, where returning
+ * a 97 MB tail's file buffer to the kernel took 10 ms. */
 void *kvd_tier_page_alloc(uint64_t bytes)
 {
 	void *p = NULL;
 
+	if (bytes >= KVD_MEM_HUGE)
+		return kvd_mem_alloc(bytes);
 	return posix_memalign(&p, PAGE, bytes) ? NULL : p;
+}
+
+void kvd_tier_page_free(void *p, uint64_t bytes)
+{
+	if (bytes >= KVD_MEM_HUGE)
+		kvd_mem_free(p, bytes);
+	else
+		free(p);
 }
 
 /* A LAYER extent's tail rows, copied into the file on the spill thread from
@@ -181,7 +195,7 @@ void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 		if (r->mine[i] == MINE_SEG)
 			kvd_seg_io_free(r->buf[i].p, r->buf[i].bytes);
 		else
-			free(r->buf[i].p);
+			kvd_tier_page_free(r->buf[i].p, r->buf[i].bytes);
 	}
 	for (unsigned i = 0; i < r->nwseg; i++)
 		r->wseg[i]->wbusy = 0;
