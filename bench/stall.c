@@ -18,9 +18,10 @@
  *   big_append     one APPEND of 59904 rows (2 kv heads, L 150: 97 MB in one
  *                  ring entry) into a fresh sequence, freed after, over and
  *                  over (the row copy and 59 seals inside one unit)
- *   tail_restore   the same 59904 rows in a profile that seals at 65536, so
- *                  they stay one open tail: written out and read back, over
- *                  and over (a restore's tail of 97 MB)
+ *   big_tail       the same APPEND in a profile that seals at 65536, so the
+ *                  rows stay one open tail of 97 MB, written out, read back
+ *                  and freed, over and over (the tail's copies at the
+ *                  APPEND and at the restore)
  *
  *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
  *
@@ -48,7 +49,7 @@
 #define MAXLAT 400000
 enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, PH_TAIL, NPH, PH_END = NPH };
 static const char *const ph_name[NPH] = { "quiet", "busy", "append", "fork", "evict_restore",
-					  "big_append", "tail_restore" };
+					  "big_append", "big_tail" };
 #define BIG_ROWS 59904
 
 struct shared {
@@ -262,7 +263,7 @@ out:
 
 /* One phase of the attacker, for secs seconds: 0, or -1. */
 static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_model *m,
-		  struct kvt *big, struct kvt *tail, uint64_t tid, double secs, struct kvd_rng *r)
+		  struct kvt *big, struct kvt *tail, double secs, struct kvd_rng *r)
 {
 	double until = bench_now_ms() + secs * 1e3;
 	float kt[8 * 128], vt[8 * 128];
@@ -302,11 +303,15 @@ static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_mod
 			if (big_append(big, NULL))
 				return -1;
 			break;
-		case PH_TAIL:
-			if (kvt_seq_evict(tail, tid) || wait_tstate(tail, tid, KVC_SEQ_DISK) ||
-			    kvt_prefetch(tail, tid) || wait_tstate(tail, tid, KVC_SEQ_RAM))
+		case PH_TAIL: {
+			uint64_t id;
+
+			if (big_append(tail, &id) || kvt_seq_evict(tail, id) ||
+			    wait_tstate(tail, id, KVC_SEQ_DISK) || kvt_prefetch(tail, id) ||
+			    wait_tstate(tail, id, KVC_SEQ_RAM) || kvt_seq_free(tail, id))
 				return -1;
 			break;
+		}
 		}
 	}
 	return 0;
@@ -360,16 +365,14 @@ int bench_stall_main(int argc, char **argv)
 	struct kvt *big = big_connect(d.sock, &big_model), *tail = big_connect(d.sock, &tail_model);
 	struct kvc_seq *s;
 	struct kvd_rng r = kvd_rng_make(10);
-	uint64_t tid = 0;
 
-	if (!c || !big || !tail || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11) ||
-	    big_append(tail, &tid)) {
+	if (!c || !big || !tail || kvc_seq_create(c, &s) || prefill(c, s, &m, ctx, 11)) {
 		fprintf(stderr, "stall: attacker: %s\n", c ? kvc_last_error(c) : "connect");
 		goto out;
 	}
 	/* An open tail in every layer: what a fork copies and a write-back
 	 * writes from a copy. */
-	if (attack(PH_APPEND, c, s, &m, big, tail, tid, 1.0, &r))
+	if (attack(PH_APPEND, c, s, &m, big, tail, 1.0, &r))
 		goto out;
 	if ((vp = fork()) == 0)
 		victim(d.sock, sh);
@@ -377,7 +380,7 @@ int bench_stall_main(int argc, char **argv)
 		usleep(1000);
 	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
 		sh->phase = ph;
-		if (attack(ph, c, s, &m, big, tail, tid, secs, &r)) {
+		if (attack(ph, c, s, &m, big, tail, secs, &r)) {
 			fprintf(stderr, "stall: %s: %s\n", ph_name[ph], kvc_last_error(c));
 			goto out;
 		}

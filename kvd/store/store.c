@@ -893,6 +893,14 @@ static void put_rows_on(struct kvd_pool *pool, const struct kvd_profile *p, uint
 	if (!cnt)
 		return;
 	if (pool && rows_bytes(p, cnt) >= PUT_POOL_BYTES) {
+		size_t d = p->g.d, H = p->g.kv_heads, L = p->g.L;
+
+		/* What the copy writes, from the first head's row `at` to the
+		 * last head's last: fresh pages (a new staging buffer or tail)
+		 * faulted while others' requests run (pool.h). */
+		kvd_pool_prefault(pool, dk + at * d, ((H - 1) * cap + cnt) * d * sizeof *dk);
+		kvd_pool_prefault(pool, dv + at * d, ((H - 1) * cap + cnt) * d * sizeof *dv);
+		kvd_pool_prefault(pool, dc + at, ((H * L - 1) * cap + cnt) * sizeof *dc);
 		kvd_pool_run_sliced(pool, tasks, put_head, &j);
 		return;
 	}
@@ -1167,10 +1175,6 @@ static int grow_staging(struct kvd_store *s, struct kvd_seqn *q, struct kvd_laye
 		give(s, q, rows_bytes(p, cap));
 		return -ENOMEM;
 	}
-	/* Fresh pages, faulted while others' requests run (see pool.h). */
-	kvd_pool_prefault(s->pool[q->node], nk, kv_bytes(p, cap));
-	kvd_pool_prefault(s->pool[q->node], nv, kv_bytes(p, cap));
-	kvd_pool_prefault(s->pool[q->node], nc, codes_bytes(p, cap));
 	if (l->stage_n)
 		put_rows_on(s->pool[q->node], p, nk, nv, nc, cap, 0, l->stage_k, l->stage_v,
 			    l->stage_codes, l->stage_cap, 0, l->stage_n);
@@ -1240,7 +1244,10 @@ static int append(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_stat
 	while (done < n) {
 		uint32_t cnt = n - done < cap - l->tail_n ? n - done : cap - l->tail_n;
 
-		put_rows(p, l->tail_k, l->tail_v, l->tail_codes, cap, l->tail_n, k, v, c, n, done, cnt);
+		/* Sliced when big: a profile may seal at 65536 rows, and one
+		 * APPEND may bring that many. */
+		put_rows_on(s->pool[q->node], p, l->tail_k, l->tail_v, l->tail_codes, cap, l->tail_n,
+			    k, v, c, n, done, cnt);
 		l->tail_n += cnt;
 		done += cnt;
 		l->tokens += cnt;
