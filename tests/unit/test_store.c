@@ -926,6 +926,65 @@ static void test_append_tail_seals(void **state)
 	kvd_limits_destroy(l);
 }
 
+/* A big APPEND into the tail of a profile that seals late is copied over
+ * the pool in slices, the caller's yield hook running between them (where
+ * the daemon serves other clients), with every row and code in its place. */
+static unsigned yields;
+
+static void count_yield(void *arg)
+{
+	(void)arg;
+	yields++;
+}
+
+static void test_big_append_sliced(void **state)
+{
+	enum { SEAL = 16384, N = 16000 };
+	struct kvd_limits *l = limits(0, 0, 0, 0);
+	struct kvd_store *s = store(l);
+	struct kvd_profile want = profile("p", 7);
+	const struct kvd_profile *p;
+	struct kvd_layer_view lv;
+	struct kvd_seqn *q;
+	const uint16_t *codes;
+	char msg[256];
+
+	(void)state;
+	want.seg_tokens = SEAL;
+	want.seal_tokens = SEAL;
+	assert_int_equal(kvd_store_profile_ns(s, 9, 9, &want, &p, msg, sizeof msg), 0);
+	assert_int_equal(kvd_store_seq_create_uid(s, p, 9, "9:t", 1, &q, msg, sizeof msg), 0);
+	assert_int_equal(rows(s, q, 1, 0, 1, 1, 0, 10, msg, sizeof msg), 0);
+	yields = 0;
+	kvd_pool_set_yield(count_yield, NULL);
+	assert_int_equal(rows(s, q, 1, 1, 0, 0, 10, N, msg, sizeof msg), 0);
+	kvd_pool_set_yield(NULL, NULL);
+	/* 4 chunks of 4096 rows in each of 2 heads: 4 slices on 2 workers */
+	assert_true(yields >= 3);
+	lv = kvd_store_view(q, 1);
+	assert_int_equal(lv.nseg, 1);
+	assert_int_equal(lv.tail_n, N);
+	assert_int_equal(lv.tail_cap, SEAL);
+	codes = kvd_store_layer_tail_codes(q, 1);
+	for (uint32_t h = 0; h < KV; h++) {
+		for (uint32_t i = 0; i < N; i++) {
+			for (uint32_t e = 0; e < D; e++)
+				if (lv.tail_k[((size_t)h * SEAL + i) * D + e] != row_elem(h, 10 + i, e, 1) ||
+				    lv.tail_v[((size_t)h * SEAL + i) * D + e] != row_elem(h, 10 + i, e, 2))
+					fail_msg("tail head %u row %u is not token %u", h, i, 10 + i);
+			for (uint32_t t = 0; t < LT; t++)
+				if (codes[((size_t)h * LT + t) * SEAL + i] != code_of(h, t, 10 + i))
+					fail_msg("tail head %u table %u row %u: wrong code", h, t, i);
+		}
+	}
+	assert_int_equal(store_total(s), mem_total(l));
+	kvd_store_seq_free(s, q);
+	kvd_store_profile_unref(s, p);
+	assert_int_equal(mem_total(l), 0);
+	kvd_store_destroy(s);
+	kvd_limits_destroy(l);
+}
+
 /* Rows out of order are refused with a message, and a refused call changes
  * nothing: no bytes, no tokens, no generation. */
 static void test_row_order_refused(void **state)
@@ -1526,6 +1585,7 @@ int main(void)
 		cmocka_unit_test(test_owners),
 		cmocka_unit_test(test_prefill_staging_seals),
 		cmocka_unit_test(test_append_tail_seals),
+		cmocka_unit_test(test_big_append_sliced),
 		cmocka_unit_test(test_attend_ready),
 		cmocka_unit_test(test_attend_view),
 		cmocka_unit_test(test_row_order_refused),
