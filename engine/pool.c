@@ -250,8 +250,9 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 
 /* ---- the side thread: first touches off the hook's thread -------------- */
 
-/* Below a huge page there is at most one to fault: not worth a handoff. */
-#define PREFAULT_MIN (2u << 20)
+/* Below this, a few small pages: not worth a handoff.  A huge page is: on a
+ * VM its first touch took 4 ms. */
+#define PREFAULT_MIN (64u << 10)
 /* How long the waiting thread sleeps between calls of its hook: what a
  * request arriving meanwhile may wait for it, at most. */
 #define PREFAULT_POLL_NS 100000
