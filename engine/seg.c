@@ -207,6 +207,7 @@ struct seg_build {
 	const struct kvd_geom *g;
 	struct kvd_seg *seg;
 	const uint16_t *k, *v, *codes;
+	size_t ld;                      /* rows between heads in k, v and codes' tables */
 };
 
 /* Phase 1, per (head, chunk of ROWS_PER_TASK rows): copy the rows, 1/|k|,
@@ -330,7 +331,7 @@ static void seg_build_kscale(void *arg, uint32_t h, unsigned worker)
 	struct seg_build *b = arg;
 	struct kvd_seg *s = b->seg;
 	size_t n = s->n, d = s->d;
-	const uint16_t *k = b->k + h * n * d;
+	const uint16_t *k = b->k + h * b->ld * d;
 	float mx[KVD_DMAX] = { 0 }, ks[KVD_DMAX], cinv[KVD_DMAX];
 	float M = 0.0f;
 	double best = INFINITY;
@@ -406,10 +407,10 @@ static void seg_build_rows(void *arg, uint32_t task, unsigned worker)
 
 	(void)worker;
 	if (s->kv_dtype == KVD_KV_INT8) {
-		quant_rows(sh, b->k + h * n * d, b->v + h * n * d, r0, r1, d);
+		quant_rows(sh, b->k + h * b->ld * d, b->v + h * b->ld * d, r0, r1, d);
 	} else {
-		memcpy(sh->k + r0 * d, b->k + (h * n + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
-		memcpy(sh->v + r0 * d, b->v + (h * n + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
+		memcpy(sh->k + r0 * d, b->k + (h * b->ld + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
+		memcpy(sh->v + r0 * d, b->v + (h * b->ld + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
 		kvd_kern_get()->kinv(sh->k + r0 * d, r1 - r0, (int)d, sh->kinv + r0);
 	}
 
@@ -439,7 +440,7 @@ static void seg_build_tables(void *arg, uint32_t task, unsigned worker)
 	uint32_t per = table_tasks(s), h = task / per, l0 = task % per * TABLES_PER_TASK;
 	uint32_t l1 = l0 + TABLES_PER_TASK < s->L ? l0 + TABLES_PER_TASK : s->L;
 
-	kvd_lsh_build_range(&s->h[h].tab, b->codes + (size_t)h * s->L * s->n, s->n, l0, l1);
+	kvd_lsh_build_range(&s->h[h].tab, b->codes + (size_t)h * s->L * b->ld, b->ld, l0, l1);
 }
 
 /* With the executor's yield hook set (kvd_pool_set_yield), one head per
@@ -466,10 +467,10 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
 		  struct kvd_seg **out)
 {
-	return kvd_seg_build_node(g, n, k, v, codes, pool, -1, out);
+	return kvd_seg_build_node(g, n, n, k, v, codes, pool, -1, out);
 }
 
-int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const uint16_t *k,
 		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
 		       struct kvd_seg **out)
 {
@@ -478,7 +479,7 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 
 	if (rc)
 		return rc;
-	if (n < 1 || n > KVD_SEG_MAX)
+	if (n < 1 || n > KVD_SEG_MAX || ld < n)
 		return -KVD_EGEOM;
 	s = seg_new(g, n);
 	if (!s)
@@ -491,7 +492,7 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 	s->mem = (char *)s->io + IO_PAGE;
 	kvd_pool_prefault(pool, s->io, s->bytes);
 
-	struct seg_build b = { g, s, k, v, codes };
+	struct seg_build b = { g, s, k, v, codes, ld };
 
 	for (uint32_t h = 0; h < g->kv_heads; h++)
 		head_layout(g, s, h);

@@ -104,8 +104,12 @@ int kvd_seg_build(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
 		  const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool,
 		  struct kvd_seg **out);
 /* The same with its memory on NUMA node `node` (kvd_mem_alloc_node; -1: no
- * preference).  Pass a pool whose workers run on that node. */
-int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, const uint16_t *k,
+ * preference), from rows `ld` (>= n) apart: k and v [H][ld][d], codes
+ * [H][L][ld], the first n rows of each used.  A partly filled buffer is
+ * sealed where it lies: compacting it in place first was a copy of up to a
+ * segment that no pool task could cut short.  Pass a pool whose workers run
+ * on that node. */
+int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const uint16_t *k,
 		       const uint16_t *v, const uint16_t *codes, struct kvd_pool *pool, int node,
 		       struct kvd_seg **out);
 /* Drops a reference (a built or adopted segment has one); the last frees. */

@@ -1104,12 +1104,9 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 		const uint16_t *k, const uint16_t *v, const uint16_t *c, uint32_t cap, uint32_t cnt)
 {
 	const struct kvd_profile *p = q->p;
-	size_t H = p->g.kv_heads, d = p->g.d, L = p->g.L;
-	uint16_t *kk = (uint16_t *)k, *vv = (uint16_t *)v, *cc = (uint16_t *)c;
 	struct kvd_seg *seg;
-	int rc;
-
 	size_t sb;
+	int rc;
 
 	if (cnt == 0)
 		return 0;
@@ -1119,17 +1116,7 @@ static int seal(struct kvd_store *s, struct kvd_seqn *q, struct kvd_layer_state 
 	sb = kvd_seg_io_bytes(&p->g, cnt);
 	if ((rc = take(s, q, sb, 0)))
 		return rc;
-	/* kvd_seg_build wants [H][cnt][d]: compact a partly filled buffer in
-	 * place (heads move towards the front, so ascending order is safe). */
-	if (cnt < cap) {
-		for (size_t h = 1; h < H; h++) {
-			memmove(kk + h * cnt * d, kk + h * cap * d, cnt * d * sizeof *kk);
-			memmove(vv + h * cnt * d, vv + h * cap * d, cnt * d * sizeof *vv);
-		}
-		for (size_t r = 1; r < H * L; r++)
-			memmove(cc + r * cnt, cc + r * cap, cnt * sizeof *cc);
-	}
-	rc = kvd_seg_build_node(&p->g, cnt, kk, vv, cc, s->pool[q->node], s->mem[q->node], &seg);
+	rc = kvd_seg_build_node(&p->g, cnt, cap, k, v, c, s->pool[q->node], s->mem[q->node], &seg);
 	if (rc) {
 		give(s, q, sb);
 		return rc;

@@ -591,6 +591,49 @@ static void test_bad_geometry(void **state)
 	assert_int_equal(kvd_seg_build(&g, KVD_SEG_MAX + 1, NULL, NULL, NULL, NULL, &seg), -KVD_EGEOM);
 }
 
+/* A segment sealed from rows ld apart is byte for byte the one sealed from
+ * the same rows packed, in bf16 and int8, whatever lies past row n. */
+static void test_seg_build_strided(void **state)
+{
+	enum { H = 2, D = 64, N = 300, LD = 512 };
+	struct kvd_rng r = kvd_rng_make(31);
+	struct kvd_geom g = { 4, H, D, 8, 16, 2, KVD_KV_BF16 };
+	uint16_t *k = xmalloc((size_t)H * LD * D * 2), *v = xmalloc((size_t)H * LD * D * 2);
+	uint16_t *c = xmalloc((size_t)H * g.L * LD * 2);
+	uint16_t *pk = xmalloc((size_t)H * N * D * 2), *pv = xmalloc((size_t)H * N * D * 2);
+	uint16_t *pc = xmalloc((size_t)H * g.L * N * 2);
+
+	(void)state;
+	fill_bf16(k, (size_t)H * LD * D, &r, 0.0, 1.0);
+	fill_bf16(v, (size_t)H * LD * D, &r, 0.5, 1.0);
+	for (size_t i = 0; i < (size_t)H * g.L * LD; i++)
+		c[i] = (uint16_t)kvd_rng_below(&r, 1u << g.K);
+	for (size_t h = 0; h < H; h++) {
+		memcpy(pk + h * N * D, k + h * LD * D, (size_t)N * D * 2);
+		memcpy(pv + h * N * D, v + h * LD * D, (size_t)N * D * 2);
+		for (size_t t = 0; t < g.L; t++)
+			memcpy(pc + (h * g.L + t) * N, c + (h * g.L + t) * LD, (size_t)N * 2);
+	}
+	for (int dt = KVD_KV_BF16; dt <= KVD_KV_INT8; dt++) {
+		struct kvd_seg *a, *b;
+
+		g.kv_dtype = (uint32_t)dt;
+		assert_int_equal(kvd_seg_build_node(&g, N, LD, k, v, c, NULL, -1, &a), 0);
+		assert_int_equal(kvd_seg_build(&g, N, pk, pv, pc, NULL, &b), 0);
+		assert_true(a->bytes == b->bytes);
+		assert_memory_equal(a->mem, b->mem, kvd_seg_bytes(&g, N));
+		kvd_seg_free(a);
+		kvd_seg_free(b);
+	}
+	assert_int_equal(kvd_seg_build_node(&g, N, N - 1, k, v, c, NULL, -1, NULL), -KVD_EGEOM);
+	free(k);
+	free(v);
+	free(c);
+	free(pk);
+	free(pv);
+	free(pc);
+}
+
 /* Mean over rows of |k - k~|^2 / |k|^2 with keys rounded on channel scales
  * mx^a (the least-squares factor leaves 1 - cos^2), in double: the
  * reference for the scale search. */
@@ -1430,6 +1473,7 @@ int main(void)
 		cmocka_unit_test(test_layer_parts_and_tail),
 		cmocka_unit_test(test_layer_dense_matches_double),
 		cmocka_unit_test(test_bad_geometry),
+		cmocka_unit_test(test_seg_build_strided),
 		cmocka_unit_test(test_int8_segments),
 		cmocka_unit_test(test_int8_key_scale_search),
 		cmocka_unit_test(test_batched_layers_equal_alone),
