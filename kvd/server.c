@@ -167,20 +167,24 @@ static void refuse(struct kvd_server *s, int fd, int code, const char *why)
  * turn, after the other events. */
 #define ACCEPT_BURST 16
 
+/* Called without the state lock, and takes it only around what is state
+ * (the uid's budget, the limits, the client list): a uid churning
+ * connections makes the loop accept and refuse tens of thousands a second,
+ * and with the system calls under the lock the executor waited out every
+ * hold the scheduler stretched by preempting the loop (a victim's ATTEND,
+ * 110 ms).  The loop thread alone reads and writes listen_paused, stopping
+ * and refused. */
 static void accept_clients(struct kvd_server *s)
 {
 	for (int burst = 0; burst < ACCEPT_BURST && !s->listen_paused; burst++) {
+		uint64_t t0 = kvd_now_ns(), spent;
 		int fd = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-		uint64_t t0 = kvd_now_ns(), t1;
 		struct ucred cred;
 		socklen_t len = sizeof cred;
 		struct client *c;
 		struct kvd_fair *f;
 		char msg[160];
 		int rc;
-
-		if (burst)
-			kvd_loop_breathe(s);
 
 		if (fd < 0) {
 			if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
@@ -197,6 +201,9 @@ static void accept_clients(struct kvd_server *s)
 			close(fd);
 			continue;
 		}
+		spent = kvd_now_ns() - t0;
+		kvd_state_lock(s);
+		t0 = kvd_now_ns();
 		/* Out of control budget: refused before anything is made for
 		 * it, at the cost of the refusal, which the uid pays too. */
 		f = kvd_fair_find(&s->fair, cred.uid);
@@ -205,10 +212,17 @@ static void accept_clients(struct kvd_server *s)
 			kvd_fair_log(f, LOG_NOTICE, "refusing a connection of pid %d (uid %u): "
 				     "past limits.control_cpu_per_uid (%u%% of a core)", (int)cred.pid,
 				     (unsigned)cred.uid, s->cfg->control_cpu_pct);
+			spent += kvd_now_ns() - t0;
+			kvd_state_unlock(s);
+			t0 = kvd_now_ns();
 			refuse(s, fd, -EAGAIN,
 			       "connections past limits.control_cpu_per_uid: try later");
-			t1 = kvd_now_ns();
-			kvd_fair_spent(f, t1 - t0);
+			spent += kvd_now_ns() - t0;
+			kvd_state_lock(s);
+			/* Looked up again: the entry may have gone meanwhile. */
+			if ((f = kvd_fair_find(&s->fair, cred.uid)))
+				kvd_fair_spent(f, spent);
+			kvd_state_unlock(s);
 			continue;
 		}
 		/* Counted before anything is allocated for it, per uid: a uid that
@@ -224,6 +238,7 @@ static void accept_clients(struct kvd_server *s)
 			else
 				kvd_log_refusal("refusing a connection of pid %d (uid %u): %s",
 						(int)cred.pid, (unsigned)cred.uid, msg);
+			kvd_state_unlock(s);
 			refuse(s, fd, rc, msg);
 			continue;
 		}
@@ -239,6 +254,7 @@ static void accept_clients(struct kvd_server *s)
 				free(c);
 			}
 			kvd_limits_uncharge(s->limits, cred.uid, KVD_RES_CONNECTIONS, 1);
+			kvd_state_unlock(s);
 			refuse(s, fd, -ENOMEM, "out of memory");
 			continue;
 		}
@@ -258,6 +274,7 @@ static void accept_clients(struct kvd_server *s)
 			kvd_fair_put(&s->fair, c->fair);
 			free(c->job.ids);
 			free(c);
+			kvd_state_unlock(s);
 			continue;
 		}
 		c->next = s->clients;
@@ -265,9 +282,10 @@ static void accept_clients(struct kvd_server *s)
 		s->nclients++;
 		kvd_fair_log(c->fair, LOG_DEBUG, "client %llu connected: pid %d uid %d",
 			     (unsigned long long)c->id, (int)cred.pid, (int)cred.uid);
-		t1 = kvd_now_ns() - t0;
+		spent += kvd_now_ns() - t0;
 		c->fair->accepts++;
-		kvd_fair_spent(c->fair, t1 > KVD_CONN_COST_NS ? t1 : KVD_CONN_COST_NS);
+		kvd_fair_spent(c->fair, spent > KVD_CONN_COST_NS ? spent : KVD_CONN_COST_NS);
+		kvd_state_unlock(s);
 	}
 }
 
@@ -370,11 +388,15 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 		}
 	}
 	check_signals(s);
+	/* New connections too: accept_clients takes the lock itself, briefly. */
+	for (int i = 0; i < n; i++)
+		if (((const struct ev_tag *)ev[i].data.ptr)->kind == EV_LISTEN)
+			accept_clients(s);
 	for (int i = 0; i < n; i++) {
 		const struct ev_tag *tag = ev[i].data.ptr;
 		struct client *c = tag->c;
 
-		if (tag->kind == EV_SIGNAL || tag->kind == EV_TIMER)
+		if (tag->kind == EV_SIGNAL || tag->kind == EV_TIMER || tag->kind == EV_LISTEN)
 			continue;
 		if (!locked) {
 			kvd_state_lock(s);
@@ -383,9 +405,6 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 			kvd_loop_breathe(s);
 		}
 		switch (tag->kind) {
-		case EV_LISTEN:
-			accept_clients(s);
-			break;
 		case EV_CTL:
 			/* A paused socket reports only hang-ups and errors: the
 			 * peer left, nobody waits for its queued requests, and
@@ -418,11 +437,13 @@ static void handle_events(struct kvd_server *s, struct epoll_event *ev, int n)
 		kvd_fair_gc(&s->fair);
 	/* Paused for EMFILE: try again now and then even if no client left
 	 * (descriptors also free when spill files close). */
-	if (s->listen_paused && kvd_now_ns() - s->emfile_logged_ns > 1000000000u) {
+	int resumed = s->listen_paused && kvd_now_ns() - s->emfile_logged_ns > 1000000000u;
+
+	if (resumed)
 		listen_resume(s);
-		accept_clients(s);
-	}
 	kvd_state_unlock(s);
+	if (resumed)
+		accept_clients(s);
 }
 
 static unsigned total_workers(const struct kvd_server *s)
