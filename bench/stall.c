@@ -22,6 +22,10 @@
  *                  rows stay one open tail of 97 MB, written out, read back
  *                  and freed, over and over (the tail's copies at the
  *                  APPEND and at the restore)
+ *   churn          six processes connect and close without a Hello, over
+ *                  and over
+ *   control_spam   six processes, each with its own connection, ask for
+ *                  ServerStats and SeqStats back to back
  *
  *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
  *
@@ -37,7 +41,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,9 +55,11 @@
 #include "engine/rng.h"
 
 #define MAXLAT 400000
-enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, PH_TAIL, NPH, PH_END = NPH };
+enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, PH_TAIL, PH_CHURN, PH_SPAM,
+       NPH, PH_END = NPH };
 static const char *const ph_name[NPH] = { "quiet", "busy", "append", "fork", "evict_restore",
-					  "big_append", "big_tail" };
+					  "big_append", "big_tail", "churn", "control_spam" };
+#define NKIDS 6
 #define BIG_ROWS 59904
 
 struct shared {
@@ -261,12 +271,75 @@ out:
 	return rc;
 }
 
+/* One of NKIDS processes of the churn and control_spam phases, until
+ * `until` (bench_now_ms): never returns.  Run as root, they are another
+ * uid (65534), as a hostile tenant would be: root is the admin, and its
+ * control budget is not a tenant's. */
+static void kid(int ph, const char *sock, double until)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	struct kvc_opts o = { .socket_path = sock, .tenant = "attacker", .name = "stall-spam" };
+	struct kvc *c = NULL;
+	struct kvc_seq *s = NULL;
+	struct kvc_stats st;
+	struct kvc_seq_stats ss;
+
+	snprintf(a.sun_path, sizeof a.sun_path, "%s", sock);
+	if (geteuid() == 0 && (setgroups(0, NULL) || setgid(65534) || setuid(65534)))
+		_exit(1);
+	if (ph == PH_SPAM && (kvc_connect(&o, &c) || kvc_profile(c, &big_model) ||
+			      kvc_seq_create(c, &s)))
+		_exit(1);
+	while (bench_now_ms() < until) {
+		if (ph == PH_CHURN) {
+			int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+			if (fd >= 0) {
+				(void)connect(fd, (const struct sockaddr *)&a, sizeof a);
+				close(fd);
+			}
+		} else {
+			/* refusals past the uid's control budget are the point */
+			(void)kvc_server_stats(c, &st);
+			(void)kvc_seq_stats(c, s, &ss);
+		}
+	}
+	_exit(0);
+}
+
+static int kids(int ph, const char *dir, const char *sock, double secs)
+{
+	double until = bench_now_ms() + secs * 1e3;
+	pid_t pid[NKIDS];
+	int rc = 0;
+
+	/* Other uids must reach the socket. */
+	if (geteuid() == 0 && (chmod(dir, 0755) || chmod(sock, 0777)))
+		return -1;
+
+	for (int i = 0; i < NKIDS; i++)
+		if ((pid[i] = fork()) == 0)
+			kid(ph, sock, until);
+	for (int i = 0; i < NKIDS; i++) {
+		int st;
+
+		if (pid[i] < 0 || waitpid(pid[i], &st, 0) != pid[i] || !WIFEXITED(st) ||
+		    WEXITSTATUS(st))
+			rc = -1;
+	}
+	return rc;
+}
+
 /* One phase of the attacker, for secs seconds: 0, or -1. */
-static int attack(int ph, struct kvc *c, struct kvc_seq *s, const struct kvc_model *m,
-		  struct kvt *big, struct kvt *tail, double secs, struct kvd_rng *r)
+static int attack(int ph, const char *dir, const char *sock, struct kvc *c, struct kvc_seq *s,
+		  const struct kvc_model *m, struct kvt *big, struct kvt *tail, double secs,
+		  struct kvd_rng *r)
 {
 	double until = bench_now_ms() + secs * 1e3;
 	float kt[8 * 128], vt[8 * 128];
+
+	if (ph == PH_CHURN || ph == PH_SPAM)
+		return kids(ph, dir, sock, secs);
 
 	while (bench_now_ms() < until) {
 		switch (ph) {
@@ -372,7 +445,7 @@ int bench_stall_main(int argc, char **argv)
 	}
 	/* An open tail in every layer: what a fork copies and a write-back
 	 * writes from a copy. */
-	if (attack(PH_APPEND, c, s, &m, big, tail, 1.0, &r))
+	if (attack(PH_APPEND, d.dir, d.sock, c, s, &m, big, tail, 1.0, &r))
 		goto out;
 	if ((vp = fork()) == 0)
 		victim(d.sock, sh);
@@ -380,7 +453,7 @@ int bench_stall_main(int argc, char **argv)
 		usleep(1000);
 	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
 		sh->phase = ph;
-		if (attack(ph, c, s, &m, big, tail, secs, &r)) {
+		if (attack(ph, d.dir, d.sock, c, s, &m, big, tail, secs, &r)) {
 			fprintf(stderr, "stall: %s: %s\n", ph_name[ph], kvc_last_error(c));
 			goto out;
 		}
