@@ -22,8 +22,11 @@
  *                  rows stay one open tail of 97 MB, written out, read back
  *                  and freed, over and over (the tail's copies at the
  *                  APPEND and at the restore)
- *   churn          six processes connect and close without a Hello, over
- *                  and over
+ *   churn_control  six processes connect and close, over and over, to a
+ *                  socket of their own that a seventh accepts and closes: what
+ *                  such a neighbour costs the victim through the scheduler
+ *                  alone (the control for the next phase)
+ *   churn          the same against kvd's socket, without a Hello
  *   control_spam   six processes, each with its own connection, ask for
  *                  ServerStats and SeqStats back to back
  *
@@ -55,10 +58,11 @@
 #include "engine/rng.h"
 
 #define MAXLAT 400000
-enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, PH_TAIL, PH_CHURN, PH_SPAM,
-       NPH, PH_END = NPH };
+enum { PH_QUIET, PH_BUSY, PH_APPEND, PH_FORK, PH_EVICT, PH_BIG, PH_TAIL, PH_CHURN0, PH_CHURN,
+       PH_SPAM, NPH, PH_END = NPH };
 static const char *const ph_name[NPH] = { "quiet", "busy", "append", "fork", "evict_restore",
-					  "big_append", "big_tail", "churn", "control_spam" };
+					  "big_append", "big_tail", "churn_control", "churn",
+					  "control_spam" };
 #define NKIDS 6
 #define BIG_ROWS 59904
 
@@ -284,7 +288,9 @@ static void kid(int ph, const char *sock, double until)
 	struct kvc_stats st;
 	struct kvc_seq_stats ss;
 
-	snprintf(a.sun_path, sizeof a.sun_path, "%s", sock);
+	if (strlen(sock) >= sizeof a.sun_path)
+		_exit(1);
+	memcpy(a.sun_path, sock, strlen(sock) + 1);
 	if (geteuid() == 0 && (setgroups(0, NULL) || setgid(65534) || setuid(65534)))
 		_exit(1);
 	/* Refused past the uid's control budget, as the point is: again. */
@@ -297,7 +303,7 @@ static void kid(int ph, const char *sock, double until)
 		usleep(1000);
 	}
 	while (bench_now_ms() < until) {
-		if (ph == PH_CHURN) {
+		if (ph == PH_CHURN || ph == PH_CHURN0) {
 			int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 
 			if (fd >= 0) {
@@ -313,15 +319,59 @@ static void kid(int ph, const char *sock, double until)
 	_exit(0);
 }
 
+/* churn_control's listener at `path`, until `until`: accepts, writes a
+ * few bytes (kvd's refusal is a short error) and closes.  Its pid, or -1. */
+static pid_t acceptor(const char *path, double until)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	pid_t pid;
+
+	if (strlen(path) >= sizeof a.sun_path)
+		return -1;
+	memcpy(a.sun_path, path, strlen(path) + 1);
+	unlink(path);
+	if (lfd < 0 || bind(lfd, (const struct sockaddr *)&a, sizeof a) || listen(lfd, 128) ||
+	    chmod(path, 0777)) {
+		if (lfd >= 0)
+			close(lfd);
+		return -1;
+	}
+	if ((pid = fork()) == 0) {
+		static const char no[32] = "refused";
+
+		while (bench_now_ms() < until) {
+			int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+
+			if (fd < 0) {
+				usleep(100);
+				continue;
+			}
+			(void)!write(fd, no, sizeof no);
+			close(fd);
+		}
+		_exit(0);
+	}
+	close(lfd);
+	return pid;
+}
+
 static int kids(int ph, const char *dir, const char *sock, double secs)
 {
 	double until = bench_now_ms() + secs * 1e3;
-	pid_t pid[NKIDS];
+	pid_t pid[NKIDS], acc = -1;
+	char own[200];
 	int rc = 0;
 
 	/* Other uids must reach the socket. */
 	if (geteuid() == 0 && (chmod(dir, 0755) || chmod(sock, 0777)))
 		return -1;
+	if (ph == PH_CHURN0) {
+		snprintf(own, sizeof own, "%s/churn.sock", dir);
+		if ((acc = acceptor(own, until)) < 0)
+			return -1;
+		sock = own;
+	}
 
 	for (int i = 0; i < NKIDS; i++)
 		if ((pid[i] = fork()) == 0)
@@ -333,6 +383,8 @@ static int kids(int ph, const char *dir, const char *sock, double secs)
 		    WEXITSTATUS(st))
 			rc = -1;
 	}
+	if (acc > 0)
+		waitpid(acc, NULL, 0);
 	return rc;
 }
 
@@ -344,7 +396,7 @@ static int attack(int ph, const char *dir, const char *sock, struct kvc *c, stru
 	double until = bench_now_ms() + secs * 1e3;
 	float kt[8 * 128], vt[8 * 128];
 
-	if (ph == PH_CHURN || ph == PH_SPAM)
+	if (ph == PH_CHURN0 || ph == PH_CHURN || ph == PH_SPAM)
 		return kids(ph, dir, sock, secs);
 
 	while (bench_now_ms() < until) {
