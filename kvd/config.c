@@ -82,7 +82,7 @@ void kvd_config_defaults(struct kvd_config *c)
 	 * connections of one uid, or one of the largest arena Hello allows. */
 	c->shm = 64ull << 30;
 	c->shm_per_uid = 16ull << 30;
-	c->control_cpu_pct = 50;
+	c->control_cpu_pct = 20;
 	strcpy(c->metrics_listen, KVD_CONFIG_METRICS);
 	c->metrics_request_ms = 10000;
 	strcpy(c->remote_prefix, "kvd");

@@ -496,7 +496,7 @@ static void test_limits_keys(void **state)
 	kvd_config_defaults(&c);
 	assert_int_equal(c.connections, 1024);
 	assert_int_equal(c.connections_per_uid, 256);
-	assert_int_equal(c.control_cpu_pct, 50);
+	assert_int_equal(c.control_cpu_pct, 20);
 	assert_int_equal(c.sequences, 65536);
 	assert_int_equal(c.sequences_per_uid, 16384);
 	assert_int_equal(c.profiles, 256);
