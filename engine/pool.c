@@ -258,21 +258,22 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 #define PREFAULT_POLL_NS 100000
 /* Niceness of the side thread.  Low, so that a worker woken for a short
  * request preempts it at once; not SCHED_IDLE, under which any busy
- * process on the machine could starve it, and with it the job waiting. */
+ * process on the machine could starve it for good. */
 #define PREFAULT_NICE 10
+/* A side thread slower than this (ns a byte: 0.25 GB/s, half the coldest
+ * faults measured) is being starved by busier threads, at its niceness:
+ * the caller stops waiting and the job's workers fault the rest, at
+ * theirs, while the side thread goes on.  At least PREFAULT_WAIT_MIN_NS. */
+#define PREFAULT_NS_PER_BYTE 4
+#define PREFAULT_WAIT_MIN_NS 5000000ull
 
+/* Only the advice, never a touch per page: the side thread may still be at
+ * it when the job writes the range (see above), and the advice faults
+ * pages in without writing a byte.  A kernel without it (before 5.14), or
+ * a failure (no memory now), leaves the faults to the job. */
 static void fault_in(char *m, size_t len)
 {
-	/* One call faults the range (Linux 5.14); an older kernel refuses
-	 * the advice with EINVAL, and a touch per page does it.  Any other
-	 * failure (no memory now) is left to the job's own faults. */
-	if (madvise(m, len, MADV_POPULATE_WRITE) == 0 || errno != EINVAL)
-		return;
-	for (size_t off = 0; off < len; off += 4096) {
-		volatile char *c = m + off;
-
-		*c = *c;
-	}
+	(void)madvise(m, len, MADV_POPULATE_WRITE);
 }
 
 static void *side_main(void *arg)
@@ -309,16 +310,21 @@ void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
 	pthread_mutex_lock(&p->pf_mu);
 	if (p->pf_state == 0)
 		p->pf_state = pthread_create(&p->pf_th, NULL, side_main, p) ? -1 : 1;
-	/* One range at a time: only the hook's thread calls this, and the
-	 * hook never starts sliced jobs (pool.h), so never two at once. */
-	if (p->pf_state < 0 || NEVER(p->pf_len)) {
+	/* One range at a time: a range given up on (below) is still being
+	 * faulted, and the job's workers fault this one. */
+	if (p->pf_state < 0 || p->pf_len) {
 		pthread_mutex_unlock(&p->pf_mu);
 		return;
 	}
 	p->pf_mem = (char *)a;
 	p->pf_len = len;
 	pthread_cond_signal(&p->pf_go);
-	while (p->pf_len) {
+
+	uint64_t wait = (uint64_t)len * PREFAULT_NS_PER_BYTE, t0 = kvd_now_ns();
+
+	if (wait < PREFAULT_WAIT_MIN_NS)
+		wait = PREFAULT_WAIT_MIN_NS;
+	while (p->pf_len && kvd_now_ns() - t0 < wait) {
 		struct timespec ts;
 
 		pthread_mutex_unlock(&p->pf_mu);

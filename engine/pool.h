@@ -51,15 +51,17 @@ void kvd_pool_set_yield(void (*fn)(void *arg), void *arg);
 void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 void kvd_pool_yield(void);
 
-/* Faults in [mem, mem + bytes), memory nobody else touches until this
- * returns, before a sliced job fills it.  With a yield hook set, the faults
- * run on the pool's side thread (started on first use, at a low priority)
- * while this thread keeps calling the hook, so other requests run during
- * them; returns when every page is in.  A first touch is where a big job's
- * time can go (a fresh huge page on a VM faulted in 4 ms), and a task
- * faulting one in is a task the hook cannot cut short.  Without a hook, or
- * when the side thread cannot start, it does nothing: the job's workers
- * fault their own parts, faster on an idle machine. */
+/* Faults in [mem, mem + bytes), memory a sliced job is about to fill,
+ * without writing it (MADV_POPULATE_WRITE, Linux 5.14).  With a yield hook
+ * set, the faults run on the pool's side thread (started on first use, at
+ * a low priority) while this thread keeps calling the hook, so other
+ * requests run during them; returns when every page is in, or when the
+ * side thread is too slow to be worth waiting for (starved by busier
+ * threads), leaving the rest to the job.  A first touch is where a big
+ * job's time can go (a fresh huge page on a VM faulted in 4 ms), and a task
+ * faulting one in is a task the hook cannot cut short.  Without a hook, the
+ * advice, or the side thread, it does nothing: the job's workers fault
+ * their own parts, faster on an idle machine. */
 void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes);
 
 #endif
