@@ -218,10 +218,10 @@ static void accept_clients(struct kvd_server *s)
 			refuse(s, fd, -EAGAIN,
 			       "connections past limits.control_cpu_per_uid: try later");
 			spent += kvd_now_ns() - t0;
+			/* f stays: entries are freed on this thread only
+			 * (kvd_fair_gc, after the events). */
 			kvd_state_lock(s);
-			/* Looked up again: the entry may have gone meanwhile. */
-			if ((f = kvd_fair_find(&s->fair, cred.uid)))
-				kvd_fair_spent(f, spent);
+			kvd_fair_spent(f, spent);
 			kvd_state_unlock(s);
 			continue;
 		}
