@@ -691,7 +691,7 @@ static void usage(void)
 		"usage: kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]\n"
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
 		"                    [--seed S] [--seg TOKENS] [--trace DIR] [--warm]\n"
-		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive|all]\n"
+		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive,hybrid_cv|all]\n"
 		"                    [--steps N] [--measure N]\n"
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench kern [--json] [--reps N] [--gather ROWS] [--dense ROWS] [--table-mib MIB]\n"

@@ -1,6 +1,7 @@
 /* Attention over a layer's segments and tail: see attn.h.  Segments
  * themselves are engine/seg.c's. */
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +16,7 @@
 
 static const char *const est_names[] = {
 	[KVD_EST_MAGICPIG] = "magicpig", [KVD_EST_HYBRID] = "hybrid",
-	[KVD_EST_ADAPTIVE] = "adaptive",
+	[KVD_EST_ADAPTIVE] = "adaptive", [KVD_EST_HYBRID_CV] = "hybrid_cv",
 };
 
 const char *kvd_estimator_name(uint32_t est)
@@ -51,11 +52,12 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->kinv = malloc(cap * sizeof *s->kinv);
 	s->vsc = malloc(cap * sizeof *s->vsc);
 	s->w16 = malloc(cap * sizeof *s->w16);
+	s->t = malloc(cap * sizeof *s->t);
 	/* One q head's scores at a time; dense attention reuses s in blocks of
 	 * DENSE_BLOCK rows for the G heads of a group. */
 	s->s = aligned_alloc(64, ALIGN64((size_t)(cap > KVD_ATTN_DENSE_SCRATCH ?
 						  cap : KVD_ATTN_DENSE_SCRATCH) * sizeof(float)));
-	if (!s->cand || !s->rows || !s->kinv || !s->vsc || !s->w16 || !s->s ||
+	if (!s->cand || !s->rows || !s->kinv || !s->vsc || !s->w16 || !s->t || !s->s ||
 	    kvd_lsh_scratch_init(&s->lsh, cap)) {
 		kvd_attn_scratch_free(s);
 		return -ENOMEM;
@@ -71,6 +73,7 @@ void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 	free(s->kinv);
 	free(s->vsc);
 	free(s->w16);
+	free(s->t);
 	free(s->s);
 	memset(s, 0, sizeof *s);
 }
@@ -184,6 +187,24 @@ static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh
 	}
 }
 
+/* og <- the sum over the m rows of weight sc[i] times V row rows[i] (og is
+ * zero; int8 overwrites sc with the weights times the rows' vscale). */
+static void weighted_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
+		       const struct kvd_seg_head *sh, int d, float *sc, const uint32_t *rows,
+		       const float *vsc, uint32_t m, int16_t *w16, float *og)
+{
+	if (seg->kv_dtype == KVD_KV_INT8) {
+		float wsc;
+
+		for (uint32_t i = 0; i < m; i++)
+			sc[i] *= vsc[i];
+		kvd_q16(sc, 1, (int)m, w16, &wsc);
+		kk->pv8(w16, m, &wsc, 1, d, sh->v8, rows, m, og);
+	} else {
+		kk->pv(sc, m, 1, d, sh->v, rows, m, og);
+	}
+}
+
 /* One q head's softmax over the m corrected scores sc of rows (overwritten
  * with weights) and the weighted sum of their V rows into og, which is
  * zero; returns the lse, or -inf when no score is above -inf.  int8: vsc
@@ -198,22 +219,66 @@ static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 	if (mx == -INFINITY)
 		return -INFINITY;
 	sum = kk->expsum(sc, m, mx);
-	if (seg->kv_dtype == KVD_KV_INT8) {
-		float wsc;
-
-		/* Each weight takes its row's value scale; the sum above stays
-		 * that of the softmax. */
-		for (uint32_t i = 0; i < m; i++)
-			sc[i] *= vsc[i];
-		kvd_q16(sc, 1, (int)m, w16, &wsc);
-		kk->pv8(w16, m, &wsc, 1, d, sh->v8, rows, m, og);
-	} else {
-		kk->pv(sc, m, 1, d, sh->v, rows, m, og);
-	}
+	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
 	r = sum > 0.0f ? 1.0f / sum : 0.0f;
 	for (int e = 0; e < d; e++)
 		og[e] *= r;
 	return mx + logf(sum);
+}
+
+/* softmax_v with the control variate (hybrid_cv).  t holds each row's raw
+ * score (sc before the sampling correction; the two are equal for heavy
+ * rows).  With a_i = exp(sc_i - mx) = e_i / P_i and 1/P_i = exp(sc_i -
+ * t_i), the segment-head's mass and V sum are estimated as
+ *   Z = c n + sum_i (a_i - c / P_i),  N = c vsum + sum_i (a_i - c / P_i) v_i
+ * over its n rows, the sum over the rows attended: every row's weight e_i
+ * is replaced by the constant c where it is summed exactly, and only the
+ * differences are sampled (heavy rows, P = 1, give e_i - c exactly).  For
+ * a fixed c both are unbiased; the c that minimizes the variance of Z,
+ * sum (e_i - c)^2 (1 - P_i) / P_i, is sum e_i (1 - P_i) / P_i over
+ * sum (1 - P_i) / P_i, estimated here from the rows themselves with a
+ * further 1/P_i (heavy rows weigh 0 in it).  Where Z would not be a
+ * positive number c is 0: hybrid's estimate, bit for bit. */
+static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
+			  const struct kvd_seg_head *sh, int d, float *sc, float *t,
+			  const uint32_t *rows, const float *vsc, uint32_t m, int16_t *w16,
+			  float *og)
+{
+	float mx = kk->max(sc, m), sum, c = 0.0f;
+	double num = 0.0, den = 0.0, ips = 0.0, z;
+
+	if (mx == -INFINITY)
+		return -INFINITY;
+	for (uint32_t i = 0; i < m; i++)
+		t[i] = sc[i] - t[i];                    /* -ln P_i, >= 0 */
+	sum = kk->expsum(sc, m, mx);
+	for (uint32_t i = 0; i < m; i++) {
+		double ip = exp((double)t[i]);
+
+		t[i] = (float)ip;
+		num += (ip - 1.0) * sc[i];              /* (1/P - 1) e/P (e/P = a) */
+		den += ip * (ip - 1.0);                 /* (1/P - 1) / P */
+		ips += ip;
+	}
+	if (den > 0.0)
+		c = (float)(num / den);
+	z = (double)c * seg->n + sum - (double)c * ips;
+	if (!(c > 0.0f) || !(z > 0.0) || !(z <= DBL_MAX))
+		c = 0.0f;
+	if (c == 0.0f) {                                /* as softmax_v */
+		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
+
+		weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
+		for (int e = 0; e < d; e++)
+			og[e] *= r;
+		return mx + logf(sum);
+	}
+	for (uint32_t i = 0; i < m; i++)
+		sc[i] -= c * t[i];
+	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
+	for (int e = 0; e < d; e++)
+		og[e] = (float)((og[e] + (double)c * sh->vsum[e]) / z);
+	return mx + (float)log(z);
 }
 
 /* The rows one q head attends in a segment: its sample cand[0..nc), ascending
@@ -287,7 +352,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		    const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
 		    const float *q, const uint16_t *qc, struct kvd_attn_scratch *s, float *o,
 		    float *lse, struct kvd_attn_stats *st, const struct heavy_in *hv,
-		    struct heavy_top *top, int g0, int gstep)
+		    struct heavy_top *top, int cv, int g0, int gstep)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
@@ -338,10 +403,14 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			nn += qg[e] * qg[e];
 		for (uint32_t j = 0; j < nh; j++)
 			hraw[j] = sc[hidx[j]];
+		if (cv)
+			for (uint32_t i = 0; i < m; i++)
+				s->t[i] = sc[i] * scale;
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
 		for (uint32_t j = 0; j < nh; j++)
 			sc[hidx[j]] = hraw[j] * scale;
-		lse[gi] = softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
+		lse[gi] = cv ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m, s->w16, og)
+			     : softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
 	}
 	if (st) {
 		st->cand += cand;
@@ -356,7 +425,7 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
 		      float *o, float *lse, struct kvd_attn_stats *st)
 {
-	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, 1);
+	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, 0, 1);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -655,7 +724,7 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		}
 		sampled(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
 			o, lse, j->st ? &j->st[worker] : NULL, state ? &hv : NULL,
-			state ? &top : NULL, (int)sub, (int)split);
+			state ? &top : NULL, r->est == KVD_EST_HYBRID_CV, (int)sub, (int)split);
 	} else if (part < lv->nseg) {
 		rows_of(lv->seg[part]->n, sub, split, &a, &b);
 		dense_seg_rows(j->kk, q, (int)G, lv->seg[part], h, a, b, o, lse, s->s);

@@ -40,6 +40,7 @@ struct kvd_attn_scratch {
 	float *vsc;                     /* [cap]: int8's vscale, read with kinv */
 	int16_t *w16;                   /* [cap]: one q head's weights for pv8 */
 	float *s;                       /* [max(cap, KVD_ATTN_DENSE_SCRATCH)]: scores */
+	float *t;                       /* [cap]: hybrid_cv's raw scores, then 1/P */
 };
 
 int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap);
@@ -96,6 +97,14 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
  *   least 2^-KVD_HEAVY_SHARE_LOG2 of its head's attention mass, so each
  *   head spends extra rows only where sampling variance matters (diffuse
  *   heads keep an empty list and cost what magicpig costs).
+ * hybrid_cv: hybrid, plus a control variate for the sampled remainder of
+ *   each segment-head: a constant c per (segment, q head) stands in for
+ *   every key's weight, summed exactly over all the segment's rows (c n and
+ *   c sum(V)), and only the differences exp(score) - c are sampled.  c is
+ *   the variance-minimizing constant estimated from the sample itself, so
+ *   the estimate is consistent rather than unbiased (docs/ARCHITECTURE.md,
+ *   "The control variate"); where it would leave no positive mass it falls
+ *   back to hybrid's own.
  *
  * The state of one layer is kvd_heavy_words(g) uint32 words, zero-filled
  * when new (empty lists): per q head a count then KVD_HEAVY_MAX entries
@@ -106,11 +115,12 @@ enum kvd_estimator {
 	KVD_EST_MAGICPIG = 0,
 	KVD_EST_HYBRID = 1,
 	KVD_EST_ADAPTIVE = 2,
+	KVD_EST_HYBRID_CV = 3,
 };
-#define KVD_EST_MAX KVD_EST_ADAPTIVE
+#define KVD_EST_MAX KVD_EST_HYBRID_CV
 #define KVD_HEAVY_MAX 32
 #define KVD_HEAVY_SHARE_LOG2 10
-/* "magicpig" / "hybrid" / "adaptive"; NULL for an unknown value.
+/* "magicpig" / "hybrid" / "adaptive" / "hybrid_cv"; NULL for an unknown value.
  * kvd_estimator_parse: 0 and *out, or -EINVAL. */
 const char *kvd_estimator_name(uint32_t est);
 int kvd_estimator_parse(const char *s, uint32_t *out);

@@ -189,10 +189,13 @@ static void head_layout(const struct kvd_geom *g, struct kvd_seg *s, uint32_t h)
 
 static struct kvd_seg *seg_new(const struct kvd_geom *g, uint32_t n)
 {
-	struct kvd_seg *s = calloc(1, sizeof *s + g->kv_heads * sizeof s->h[0]);
+	size_t hb = g->kv_heads * sizeof(struct kvd_seg_head);
+	struct kvd_seg *s = calloc(1, sizeof *s + hb + (size_t)g->kv_heads * g->d * sizeof(float));
 
 	if (!s)
 		return NULL;
+	for (uint32_t h = 0; h < g->kv_heads; h++)
+		s->h[h].vsum = (float *)((char *)s->h + hb) + (size_t)h * g->d;
 	s->n = n;
 	s->refs = 1;
 	s->kv_heads = g->kv_heads;
@@ -208,7 +211,64 @@ struct seg_build {
 	struct kvd_seg *seg;
 	const uint16_t *k, *v, *codes;
 	size_t ld;                      /* rows between heads in k, v and codes' tables */
+	double *vpart;                  /* [kv_heads][row_tasks][d]: each row task's V sums */
 };
+
+/* ---- V sums -------------------------------------------------------------- */
+
+/* A head's V sums are defined chunk by chunk: rows [r0, r1) of each chunk
+ * of VSUM_ROWS summed in double in row order, the chunks' sums added in
+ * order, rounded to float once.  The build's row tasks each make one
+ * chunk's sum and a restore makes them all on one thread; both get the
+ * same bits, so a restored segment answers as the one that was built. */
+#define VSUM_ROWS 4096u
+
+static void vsum_chunk(const struct kvd_seg_head *sh, int i8, size_t d, size_t r0, size_t r1,
+		       double *acc)
+{
+	for (size_t e = 0; e < d; e++)
+		acc[e] = 0.0;
+	for (size_t i = r0; i < r1; i++) {
+		if (i8) {
+			double f = sh->r8[i].vscale;
+
+			for (size_t e = 0; e < d; e++)
+				acc[e] += f * sh->v8[i * d + e];
+		} else {
+			for (size_t e = 0; e < d; e++)
+				acc[e] += kvd_bf16_to_f32(sh->v[i * d + e]);
+		}
+	}
+}
+
+static void vsum_reduce(const double *part, uint32_t chunks, size_t d, float *out)
+{
+	for (size_t e = 0; e < d; e++) {
+		double t = 0.0;
+
+		for (uint32_t c = 0; c < chunks; c++)
+			t += part[c * d + e];
+		out[e] = (float)t;
+	}
+}
+
+static void vsum_head(const struct kvd_seg_head *sh, int i8, size_t n, size_t d, float *out)
+{
+	uint32_t chunks = (uint32_t)((n + VSUM_ROWS - 1) / VSUM_ROWS);
+	double part[KVD_DMAX], acc[KVD_DMAX];
+
+	for (size_t e = 0; e < d; e++)
+		acc[e] = 0.0;
+	for (uint32_t c = 0; c < chunks; c++) {
+		size_t r0 = (size_t)c * VSUM_ROWS, r1 = r0 + VSUM_ROWS < n ? r0 + VSUM_ROWS : n;
+
+		vsum_chunk(sh, i8, d, r0, r1, part);
+		for (size_t e = 0; e < d; e++)
+			acc[e] += part[e];
+	}
+	for (size_t e = 0; e < d; e++)
+		out[e] = (float)acc[e];
+}
 
 /* Phase 1, per (head, chunk of ROWS_PER_TASK rows): copy the rows, 1/|k|,
  * and fault in the same share of the head's table memory on this worker
@@ -216,6 +276,7 @@ struct seg_build {
  * whole heads: copying into fresh pages is most of a seal, and a task of a
  * few milliseconds is what a sliced build makes others wait for. */
 #define ROWS_PER_TASK 4096u
+_Static_assert(ROWS_PER_TASK == VSUM_ROWS, "a row task makes one chunk's V sums");
 
 static uint32_t row_tasks(const struct kvd_seg *s)
 {
@@ -413,6 +474,8 @@ static void seg_build_rows(void *arg, uint32_t task, unsigned worker)
 		memcpy(sh->v + r0 * d, b->v + (h * b->ld + r0) * d, (r1 - r0) * d * sizeof(uint16_t));
 		kvd_kern_get()->kinv(sh->k + r0 * d, r1 - r0, (int)d, sh->kinv + r0);
 	}
+	vsum_chunk(sh, s->kv_dtype == KVD_KV_INT8, d, r0, r1,
+		   b->vpart + ((size_t)h * per + chunk) * d);
 
 	char *tab = head_parts(b->g, s->n, s->mem, h).tab;
 	size_t tb = kvd_lsh_tables_bytes(s->n, (int)s->K, (int)s->L);
@@ -492,13 +555,22 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 	s->mem = (char *)s->io + IO_PAGE;
 	kvd_pool_prefault(pool, s->io, s->bytes);
 
-	struct seg_build b = { g, s, k, v, codes, ld };
+	struct seg_build b = { g, s, k, v, codes, ld,
+			       malloc((size_t)g->kv_heads * row_tasks(s) * g->d * sizeof(double)) };
 
+	if (!b.vpart) {
+		kvd_seg_free(s);
+		return -ENOMEM;
+	}
 	for (uint32_t h = 0; h < g->kv_heads; h++)
 		head_layout(g, s, h);
 	if (g->kv_dtype == KVD_KV_INT8)
 		run_heads(pool, g->kv_heads, seg_build_kscale, &b);
 	run_heads(pool, g->kv_heads * row_tasks(s), seg_build_rows, &b);
+	for (uint32_t h = 0; h < g->kv_heads; h++)
+		vsum_reduce(b.vpart + (size_t)h * row_tasks(s) * g->d, row_tasks(s), g->d,
+			    s->h[h].vsum);
+	free(b.vpart);
 	kvd_pool_yield();
 	double t = now_ms();
 
@@ -568,8 +640,20 @@ int kvd_seg_upgrade_r8(const struct kvd_geom *g, uint32_t n, void *mem)
 	return 0;
 }
 
+void kvd_seg_vsum(const struct kvd_geom *g, uint32_t n, const void *mem, float *out)
+{
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		struct head_parts hp = head_parts(g, n, (void *)mem, h);
+		struct kvd_seg_head sh = {
+			.v = (uint16_t *)hp.v, .v8 = (int8_t *)hp.v, .r8 = (struct kvd_row8 *)hp.r8,
+		};
+
+		vsum_head(&sh, g->kv_dtype == KVD_KV_INT8, n, g->d, out + (size_t)h * g->d);
+	}
+}
+
 int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
-		  struct kvd_seg **out)
+		  const float *vsum, struct kvd_seg **out)
 {
 	struct kvd_seg *s;
 
@@ -583,8 +667,13 @@ int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
 	s->io = io;
 	s->mem = (char *)io + IO_PAGE;
 	s->bytes = bytes;
-	for (uint32_t h = 0; h < g->kv_heads; h++)
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
 		head_layout(g, s, h);
+		if (vsum)
+			memcpy(s->h[h].vsum, vsum + (size_t)h * g->d, g->d * sizeof(float));
+		else
+			vsum_head(&s->h[h], g->kv_dtype == KVD_KV_INT8, n, g->d, s->h[h].vsum);
+	}
 	*out = s;
 	return 0;
 }

@@ -72,6 +72,10 @@ struct kvd_seg_head {
 	float *kscale;                  /* [d] */
 	struct kvd_row8 *r8;            /* [n] */
 	struct kvd_lsh_tables tab;
+	float *vsum;                    /* [d]: the sum of the head's V rows as attention
+					 * reads them (int8: dequantized), for the control
+					 * variate (engine/attn.h); kept beside the segment,
+					 * not in its payload */
 };
 
 struct kvd_seg {
@@ -161,11 +165,19 @@ int kvd_seg_upgrade_r8(const struct kvd_geom *g, uint32_t n, void *mem);
 
 /* Wraps an io buffer from kvd_seg_io_alloc(g, n, &bytes) whose payload
  * passed kvd_seg_check() into a segment: head pointers exactly as
- * kvd_seg_build sets them, nothing copied or recomputed (tables_ms is 0).
+ * kvd_seg_build sets them, nothing copied or recomputed but the V sums (tables_ms is 0).
+ * vsum: the payload's kvd_seg_vsum, or NULL to compute it here.
  * On success the segment owns io (kvd_seg_free frees it); on failure the
  * caller still does.  0, -KVD_EGEOM, -EINVAL (bytes is not
  * kvd_seg_io_bytes(g, n) or io is not 4096-aligned), -ENOMEM. */
 int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
-		  struct kvd_seg **out);
+		  const float *vsum, struct kvd_seg **out);
+
+/* The V sums of every kv head ([kv_heads][d], as kvd_seg_head.vsum) of a
+ * payload that passed kvd_seg_check, summed in double in row order: one
+ * pass over its V rows, which kvd_seg_adopt makes itself when given no
+ * vsum (a restore computes them on the spill thread instead, off the
+ * daemon's lock).  Pure and thread-safe. */
+void kvd_seg_vsum(const struct kvd_geom *g, uint32_t n, const void *mem, float *out);
 
 #endif

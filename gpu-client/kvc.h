@@ -55,10 +55,12 @@ enum kvc_backend { KVC_BACKEND_CPU = 0, KVC_BACKEND_CUDA = 1, KVC_BACKEND_AUTO =
 enum kvc_kv_dtype { KVC_KV_BF16 = 0, KVC_KV_INT8 = 1 };
 
 /* How kvd estimates attention over sealed segments (Profile.estimator,
- * docs/PROTOCOL.md).  Nothing changes on the client's side.  hybrid and
- * adaptive make kvd keep q_heads * (1 + 32) * 4 bytes per (sequence,
+ * docs/PROTOCOL.md).  Nothing changes on the client's side.  All but
+ * magicpig make kvd keep q_heads * (1 + 32) * 4 bytes per (sequence,
  * sparse layer), charged to the sequence's uid. */
-enum kvc_estimator { KVC_EST_MAGICPIG = 0, KVC_EST_HYBRID = 1, KVC_EST_ADAPTIVE = 2 };
+enum kvc_estimator {
+	KVC_EST_MAGICPIG = 0, KVC_EST_HYBRID = 1, KVC_EST_ADAPTIVE = 2, KVC_EST_HYBRID_CV = 3,
+};
 
 struct kvc_model {
 	const char *name;

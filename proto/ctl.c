@@ -31,7 +31,8 @@ static_assert((int)KVD__KV_DTYPE__KV_DTYPE_BF16 == (int)KVD_KV_BF16 &&
 static_assert((int)KVD__ESTIMATOR__ESTIMATOR_MAGICPIG == (int)KVD_EST_MAGICPIG &&
 	      (int)KVD__ESTIMATOR__ESTIMATOR_HYBRID == (int)KVD_EST_HYBRID &&
 	      (int)KVD__ESTIMATOR__ESTIMATOR_ADAPTIVE == (int)KVD_EST_ADAPTIVE &&
-	      KVD_EST_MAX == KVD_EST_ADAPTIVE, "Profile.estimator numbers");
+	      (int)KVD__ESTIMATOR__ESTIMATOR_HYBRID_CV == (int)KVD_EST_HYBRID_CV &&
+	      KVD_EST_MAX == KVD_EST_HYBRID_CV, "Profile.estimator numbers");
 
 __attribute__((format(printf, 3, 4)))
 static int fail(struct kvd_ctl_err *err, int code, const char *fmt, ...)
@@ -182,7 +183,7 @@ int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err 
 			    p->kv_dtype);
 	if (p->estimator > KVD_EST_MAX)
 		return fail(err, -EINVAL,
-			    "profile estimator %u is not 0 (magicpig), 1 (hybrid) or 2 (adaptive)",
+			    "profile estimator %u is not 0 (magicpig), 1 (hybrid), 2 (adaptive) or 3 (hybrid_cv)",
 			    p->estimator);
 	rc = kvd_ctl_profile_to_geom(p, &g);
 	if (rc)

@@ -51,8 +51,9 @@ void dec_usage(FILE *f)
 	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 150, 2)\n"
 	      "  --sink N --window N   tokens kept on the GPU in kvd mode (default 4, 64)\n"
 	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default bf16)\n"
-	      "  --estimator magicpig|hybrid|adaptive   how kvd estimates attention over\n"
-	      "                        sealed segments in kvd mode (default magicpig)\n"
+	      "  --estimator magicpig|hybrid|adaptive|hybrid_cv   how kvd estimates\n"
+	      "                        attention over sealed segments in kvd mode\n"
+	      "                        (default magicpig)\n"
 	      "  --share none|attach|fork   kvd mode, --batch > 1: sequence 0 prefills the\n"
 	      "                        prompt and the others share it (attach: published under\n"
 	      "                        content keys and attached, --ctx a multiple of 256;\n"
@@ -162,7 +163,7 @@ int dec_args_parse(struct dec_args *a, int argc, char **argv, char *msg, size_t 
 		}
 		if (!strcmp(name, "--estimator")) {
 			if (!val || kvd_estimator_parse(val, &a->estimator)) {
-				snprintf(msg, len, "--estimator: magicpig, hybrid or adaptive, not %s",
+				snprintf(msg, len, "--estimator: magicpig, hybrid, adaptive or hybrid_cv, not %s",
 					 val ? val : "nothing");
 				return -EINVAL;
 			}

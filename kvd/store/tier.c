@@ -561,7 +561,7 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		}
 		r->buf[i].bytes = b;
 		r->mine[i] = r->ext[i].kind == KVD_SFMT_SEG ? MINE_SEG : MINE_PAGE;
-		if (!r->buf[i].p || kvd_tier_read_tail(t, r, i))
+		if (!r->buf[i].p || kvd_tier_read_prep(t, r, i))
 			goto nomem;
 	}
 	r->job = (struct kvd_spill_job){ .op = KVD_SPILL_READ, .seq = q->id, .gen = r->file_gen,

@@ -61,8 +61,8 @@ struct rec {
 	unsigned nwseg;
 	struct wfill *wfill;            /* WRITE: [next], the LAYER extents' tail copies,
 					 * made on the spill thread (fill_layer) */
-	struct rfill *rfill;            /* READ: [next], the LAYER extents' tails, filled
-					 * on the spill thread (drain_layer) */
+	struct rfill *rfill;            /* READ: [next], the LAYER extents' tails and the
+					 * SEG extents' V sums, made on the spill thread */
 	uint64_t reserved;              /* READ: budget held for what is not installed
 					 * (charged to uid's memory in kvd_limits) */
 	uint64_t spill_chg;             /* bytes of the file (being) written, charged to
@@ -142,9 +142,11 @@ void *kvd_tier_page_alloc(uint64_t bytes);
 void kvd_tier_page_free(void *p, uint64_t bytes);
 void kvd_tier_job_release(struct kvd_tier *t, struct rec *r);
 int kvd_tier_job_alloc(struct rec *r, unsigned n);
-/* A restore's extent i: when it is a LAYER with tail rows, the tail they go
- * into, and the spill thread's copy into it (tier_io.c, drain_layer). */
-int kvd_tier_read_tail(struct kvd_tier *t, struct rec *r, unsigned i);
+/* A restore's extent i, made ready for the spill thread's work on it as it
+ * verifies: a LAYER with tail rows gets the tail they go into and the copy
+ * into it (tier_io.c, drain_layer), a SEG the buffer for its V sums
+ * (drain_seg). */
+int kvd_tier_read_prep(struct kvd_tier *t, struct rec *r, unsigned i);
 int kvd_tier_build_write(struct kvd_tier *t, struct rec *r, int evict);
 uint32_t kvd_tier_ready_after(const struct rec *r, unsigned i);
 int kvd_tier_install(struct kvd_tier *t, struct rec *r, unsigned i);

@@ -133,7 +133,8 @@ static void fill_layer(void *arg, void *payload)
  * state lock pays for no tail copy, nor for the tail's fresh pages. */
 struct rfill {
 	const struct kvd_profile *p;
-	struct kvd_tail *tail;          /* NULL once installed */
+	struct kvd_tail *tail;          /* LAYER: NULL once installed */
+	float *vsum;                    /* SEG: [kv_heads][d], kvd_seg_vsum of the payload */
 	uint32_t layer, n;
 	int filled;                     /* set on the spill thread before its progress
 					 * result, read after that result is reaped */
@@ -160,16 +161,55 @@ static void drain_layer(void *arg, void *page)
 	f->filled = 1;
 }
 
-int kvd_tier_read_tail(struct kvd_tier *t, struct rec *r, unsigned i)
+/* A SEG extent's V sums (kvd_seg_vsum), made here on the spill thread:
+ * one pass over the segment's V rows, which the install would otherwise
+ * make under the daemon's lock. */
+static void drain_seg(void *arg, void *page)
+{
+	struct rfill *f = arg;
+	const struct kvd_sfmt_hdr *h = page;
+	const struct kvd_geom *g = &f->p->g;
+
+	/* kvd_sfmt_check_payload passed the payload for the header's own
+	 * geometry; the install refuses one that is not the profile's. */
+	if (h->kind != KVD_SFMT_SEG || h->layer != f->layer || h->n != f->n ||
+	    h->kv_heads != g->kv_heads || h->d != g->d || h->K != g->K || h->L != g->L ||
+	    kvd_sfmt_seg_dtype(h) != g->kv_dtype)
+		return;
+	kvd_seg_vsum(g, f->n, (char *)page + PAGE, f->vsum);
+	f->filled = 1;
+}
+
+static int read_seg(struct rec *r, unsigned i)
 {
 	const struct kvd_profile *p = r->q->p;
 	const struct ext *e = &r->ext[i];
 
-	if (e->kind != KVD_SFMT_LAYER || !e->n || e->layer >= p->layers || p->dense[e->layer] ||
-	    e->n > p->seal_tokens)
-		return 0;               /* no tail, or one the install refuses */
+	/* A few KiB a segment, freed at the install: under what the restore
+	 * reserved for the segments themselves. */
+	r->rfill[i] = (struct rfill){ .p = p, .layer = e->layer, .n = e->n,
+				      .vsum = malloc((size_t)p->g.kv_heads * p->g.d * sizeof(float)) };
+	if (!r->rfill[i].vsum)
+		return -ENOMEM;
+	r->buf[i].drain = drain_seg;
+	r->buf[i].fill_arg = &r->rfill[i];
+	return 0;
+}
+
+int kvd_tier_read_prep(struct kvd_tier *t, struct rec *r, unsigned i)
+{
+	const struct kvd_profile *p = r->q->p;
+	const struct ext *e = &r->ext[i];
+
+	if ((e->kind != KVD_SFMT_LAYER && e->kind != KVD_SFMT_SEG) || !e->n ||
+	    e->layer >= p->layers || p->dense[e->layer])
+		return 0;               /* nothing to prepare, or what the install refuses */
 	if (!r->rfill && !(r->rfill = calloc(r->next_ext, sizeof *r->rfill)))
 		return -ENOMEM;
+	if (e->kind == KVD_SFMT_SEG)
+		return read_seg(r, i);
+	if (e->n > p->seal_tokens)
+		return 0;
 	r->rfill[i] = (struct rfill){ .p = p, .tail = kvd_store_rtail_new(t->st, r->q),
 				      .layer = e->layer, .n = e->n };
 	if (!r->rfill[i].tail)
@@ -181,8 +221,10 @@ int kvd_tier_read_tail(struct kvd_tier *t, struct rec *r, unsigned i)
 
 void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 {
-	for (unsigned i = 0; r->rfill && i < r->job.next; i++)
+	for (unsigned i = 0; r->rfill && i < r->job.next; i++) {
 		kvd_store_rtail_free(r->q->p, r->rfill[i].tail);
+		free(r->rfill[i].vsum);
+	}
 	free(r->rfill);
 	r->rfill = NULL;
 	for (unsigned i = 0; r->wfill && i < r->job.next; i++)
@@ -540,7 +582,10 @@ int kvd_tier_install(struct kvd_tier *t, struct rec *r, unsigned i)
 
 		if (e->layer >= q->p->layers || q->p->dense[e->layer])
 			return -KVD_EFORMAT;
-		rc = kvd_seg_adopt(g, e->n, r->buf[i].p, r->buf[i].bytes, &sg);
+		struct rfill *f = r->rfill ? &r->rfill[i] : NULL;
+
+		rc = kvd_seg_adopt(g, e->n, r->buf[i].p, r->buf[i].bytes,
+				   f && f->filled ? f->vsum : NULL, &sg);
 		if (rc)
 			return rc;
 		r->mine[i] = 0;         /* the segment owns it now */

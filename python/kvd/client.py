@@ -22,7 +22,7 @@ BACKENDS = {"cpu": 0, "cuda": 1, "auto": 2}
 KV_DTYPES = {"bf16": 0, "int8": 1}
 # Model.estimator: how kvd estimates attention over sealed segments
 # (enum kvc_estimator).
-ESTIMATORS = {"magicpig": 0, "hybrid": 1, "adaptive": 2}
+ESTIMATORS = {"magicpig": 0, "hybrid": 1, "adaptive": 2, "hybrid_cv": 3}
 SEQ_STATES = ("ram", "spilling", "disk", "restoring", "lost")
 
 
@@ -33,8 +33,8 @@ class Model:
     kvd stores the K/V rows of sealed segments, "bf16" or "int8" (what is
     sent is the same either way; int8 takes about half the memory and is
     approximate).  estimator: how kvd estimates attention over sealed
-    segments, "magicpig", "hybrid" or "adaptive" (the last two keep a small
-    state per sequence and layer in kvd)."""
+    segments, "magicpig", "hybrid", "adaptive" or "hybrid_cv" (all but
+    magicpig keep a small state per sequence and layer in kvd)."""
     name: str
     layers: int
     q_heads: int

@@ -282,10 +282,11 @@ def test_estimator_profile(sock):
             c.profile(dataclasses.replace(mh, name="py-bad-est", estimator=7))
         assert e.value.name == "EINVAL"
         with pytest.raises(ValueError,
-                           match="estimator: 'exact' is not one of magicpig, hybrid, adaptive"):
+                           match="estimator: 'exact' is not one of magicpig, hybrid, adaptive, hybrid_cv"):
             c.profile(dataclasses.replace(mh, estimator="exact"))
         assert c.profile(mh).estimator == "hybrid"  # the connection is still good
-        assert kvd.ESTIMATORS == {"magicpig": 0, "hybrid": 1, "adaptive": 2}
+        assert kvd.ESTIMATORS == {"magicpig": 0, "hybrid": 1, "adaptive": 2,
+                                  "hybrid_cv": 3}
 
 
 # ---- the merge -----------------------------------------------------------

@@ -208,7 +208,7 @@ static void seg(const struct kvd_sfmt_hdr *h, const uint8_t *pl, struct knobs *k
 	ASAN_POISON_MEMORY_REGION(io, KVD_SFMT_PAGE);
 	ASAN_POISON_MEMORY_REGION(io + KVD_SFMT_PAGE + h->payload_bytes,
 				  bytes - KVD_SFMT_PAGE - h->payload_bytes);
-	if (kvd_seg_check(&g, h->n, io + KVD_SFMT_PAGE) || kvd_seg_adopt(&g, h->n, io, bytes, &s))
+	if (kvd_seg_check(&g, h->n, io + KVD_SFMT_PAGE) || kvd_seg_adopt(&g, h->n, io, bytes, NULL, &s))
 		abort();
 	seg_query(h, s, kn);
 	/* Before the free: a mapping handed back poisoned would poison

@@ -569,6 +569,14 @@ static const struct kvc_model model_hybrid = {
 	.seal_tokens = 256,
 };
 
+/* The same with hybrid_cv, whose segments carry V sums beside them. */
+static const struct kvc_model model_cv = {
+	.name = "tier-hybrid-cv", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .estimator = KVC_EST_HYBRID_CV,
+	.dense_layers = dense_layers, .n_dense = 1, .seed = 11, .segment_tokens = 4096,
+	.seal_tokens = 256,
+};
+
 /* ATTEND of every sparse layer of x answers, finite. */
 static int finite_answers(struct kvc *c, struct session *x)
 {
@@ -629,6 +637,46 @@ static int same_step(struct kvc *c, struct session *x, struct session *y, int s)
  * that step otherwise, so the lists are what is compared.  The steps after
  * the restore change the lists: the next eviction writes the file again
  * (it is no longer current), and after a PREFETCH x still answers as y. */
+/* hybrid_cv's segments come back from disk with the V sums they were built
+ * with (made on the spill thread from the payload): x, evicted after WARM
+ * steps and restored by ATTEND, answers each step bit for bit as its twin
+ * y, and otherwise than hybrid on the same rows. */
+static void test_spill_cv_answers_as_twin(void **state)
+{
+	float oy[LAYERS][8 * 128], ly[LAYERS][8], oz[LAYERS][8 * 128], lz[LAYERS][8];
+	struct kvc *cc, *ch;
+	struct session x, y, h;
+
+	assert_int_equal(up(NULL, NULL), 0);
+	cc = client_of("spill-cv", &model_cv);
+	ch = client_of("spill-cv-hybrid", &model_hybrid);
+	assert_int_equal(build(cc, &x, 4), 0);
+	assert_int_equal(build(cc, &y, 4), 0);
+	assert_int_equal(build(ch, &h, 4), 0);
+	for (int s = 0; s < WARM; s++) {
+		assert_int_equal(same_step(cc, &x, &y, s), 0);
+		assert_int_equal(step(ch, &h, s, oz, lz), 0);
+	}
+	assert_int_equal(kvc_seq_evict(cc, x.s), 0);
+	assert_int_equal(wait_spilled(cc, x.s).state, KVC_SEQ_DISK);
+	assert_int_equal(same_step(cc, &x, &y, WARM), 0);
+	assert_int_equal(wait_restored(cc, x.s).state, KVC_SEQ_RAM);
+	assert_int_equal(same_step(cc, &x, &y, WARM + 1), 0);
+	assert_int_equal(step(cc, &y, WARM + 2, oy, ly), 0);
+	assert_int_equal(step(ch, &h, WARM + 1, oz, lz), 0);
+	assert_int_equal(step(ch, &h, WARM + 2, oz, lz), 0);
+	assert_true(memcmp(oy[1], oz[1], sizeof oy[1]) || memcmp(oy[2], oz[2], sizeof oy[2]));
+	assert_int_equal(step(cc, &x, WARM + 2, oz, lz), 0);
+	assert_memory_equal(oz[1], oy[1], (LAYERS - 1) * sizeof oz[1]);
+	assert_memory_equal(lz[1], ly[1], (LAYERS - 1) * sizeof lz[1]);
+	assert_int_equal(stats(cc).lost, 0);
+	drop_session(cc, &x);
+	drop_session(cc, &y);
+	drop_session(ch, &h);
+	kvc_close(cc);
+	kvc_close(ch);
+}
+
 static void test_spill_keeps_estimator_state(void **state)
 {
 	const uint64_t hb = 8 * (1 + 32) * sizeof(uint32_t);
@@ -964,6 +1012,7 @@ int main(void)
 		cmocka_unit_test_teardown(test_persist_clean_restart, down),
 		cmocka_unit_test_teardown(test_persist_int8_restart, down),
 		cmocka_unit_test_teardown(test_spill_keeps_estimator_state, down),
+		cmocka_unit_test_teardown(test_spill_cv_answers_as_twin, down),
 		cmocka_unit_test_teardown(test_persist_hybrid_restart, down),
 		cmocka_unit_test_teardown(test_persist_version1_file, down),
 		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),

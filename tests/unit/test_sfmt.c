@@ -709,9 +709,9 @@ static void test_io_buffers(void **state)
 		/* adoption wants the buffer exactly as allocated */
 		struct kvd_seg *s = NULL;
 
-		assert_int_equal(kvd_seg_adopt(gs[i], n, io, bytes - PAGE, &s), -EINVAL);
-		assert_int_equal(kvd_seg_adopt(gs[i], n, io + 64, bytes, &s), -EINVAL);
-		assert_int_equal(kvd_seg_adopt(gs[i], 0, io, bytes, &s), -KVD_EGEOM);
+		assert_int_equal(kvd_seg_adopt(gs[i], n, io, bytes - PAGE, NULL, &s), -EINVAL);
+		assert_int_equal(kvd_seg_adopt(gs[i], n, io + 64, bytes, NULL, &s), -EINVAL);
+		assert_int_equal(kvd_seg_adopt(gs[i], 0, io, bytes, NULL, &s), -KVD_EGEOM);
 		assert_null(s);
 		kvd_seg_io_free(io, bytes);
 	}
@@ -775,7 +775,7 @@ static void seg_restore_attention(uint32_t dt)
 		if (kvd_sfmt_check_hdr(io, PAGE, &got, msg, sizeof msg) ||
 		    kvd_sfmt_check_payload(&got, io + PAGE, msg, sizeof msg))
 			fail_msg("segment %u: %s", i, msg);
-		assert_int_equal(kvd_seg_adopt(&g, got.n, io, bytes, &back[i]), 0);
+		assert_int_equal(kvd_seg_adopt(&g, got.n, io, bytes, NULL, &back[i]), 0);
 		assert_int_equal(back[i]->n, s->n);
 		assert_int_equal(back[i]->bytes, s->bytes);
 		assert_int_equal(back[i]->tables_ms, 0);
@@ -1241,7 +1241,7 @@ static struct kvd_seg *seg_copy(const struct kvd_geom *g, const struct kvd_seg *
 
 	assert_non_null(io);
 	memcpy(io, s->io, bytes);
-	assert_int_equal(kvd_seg_adopt(g, s->n, io, bytes, &c), 0);
+	assert_int_equal(kvd_seg_adopt(g, s->n, io, bytes, NULL, &c), 0);
 	return c;
 }
 
