@@ -244,21 +244,23 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 			  const uint32_t *rows, const float *vsc, uint32_t m, int16_t *w16,
 			  float *og)
 {
-	float mx = kk->max(sc, m), sum, c = 0.0f;
-	double num = 0.0, den = 0.0, ips = 0.0, z;
+	float mx = kk->max(sc, m), sum, ips, c = 0.0f;
+	double num = 0.0, den = 0.0, z;
 
 	if (mx == -INFINITY)
 		return -INFINITY;
 	for (uint32_t i = 0; i < m; i++)
-		t[i] = sc[i] - t[i];                    /* -ln P_i, >= 0 */
+		t[i] = sc[i] - t[i];                    /* -ln P_i, in [0, 80] */
 	sum = kk->expsum(sc, m, mx);
+	/* 1/P_i by the softmax's own vector exp (exact 1 at 0, so a heavy row
+	 * weighs nothing below): a libm exp per row cost as much as the
+	 * row's scoring. */
+	ips = kk->expsum(t, m, 0.0f);
 	for (uint32_t i = 0; i < m; i++) {
-		double ip = exp((double)t[i]);
+		double ip = t[i];
 
-		t[i] = (float)ip;
 		num += (ip - 1.0) * sc[i];              /* (1/P - 1) e/P (e/P = a) */
 		den += ip * (ip - 1.0);                 /* (1/P - 1) / P */
-		ips += ip;
 	}
 	if (den > 0.0)
 		c = (float)(num / den);
