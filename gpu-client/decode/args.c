@@ -9,10 +9,14 @@
 
 void dec_args_default(struct dec_args *a)
 {
+	/* The profile's estimator, K, L, c and row format: kvd's recommended
+	 * configuration, as every client's defaults. */
+	const struct kvd_est_cfg d = KVD_EST_CFG_DEFAULT;
+
 	*a = (struct dec_args){
 		.attn = DEC_KVD, .ctx = 4096, .batch = 1, .steps = 32, .warmup = 2, .layers = 32,
-		.K = 10, .L = 150, .c = 2, .sink = 4, .window = 64, .slots = 16,
-		.slot_size = 4u << 20, .seed = 1,
+		.K = d.K, .L = d.L, .c = d.c, .kv_dtype = d.kv_dtype, .estimator = d.est,
+		.sink = 4, .window = 64, .slots = 16, .slot_size = 4u << 20, .seed = 1,
 	};
 }
 
@@ -48,12 +52,13 @@ void dec_usage(FILE *f)
 	      "  --steps N             decode steps measured (default 32)\n"
 	      "  --warmup N            decode steps before measuring (default 2)\n"
 	      "  --layers N            the first N of the 32 layers (default 32; for quick runs)\n"
-	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 150, 2)\n"
+	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 80, 2;\n"
+	      "                        MagicPIG's own: 10, 150, 2)\n"
 	      "  --sink N --window N   tokens kept on the GPU in kvd mode (default 4, 64)\n"
-	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default bf16)\n"
+	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default int8)\n"
 	      "  --estimator magicpig|hybrid|adaptive|hybrid_cv   how kvd estimates\n"
 	      "                        attention over sealed segments in kvd mode\n"
-	      "                        (default magicpig)\n"
+	      "                        (default hybrid_cv)\n"
 	      "  --share none|attach|fork   kvd mode, --batch > 1: sequence 0 prefills the\n"
 	      "                        prompt and the others share it (attach: published under\n"
 	      "                        content keys and attached, --ctx a multiple of 256;\n"

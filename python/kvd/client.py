@@ -30,18 +30,23 @@ SEQ_STATES = ("ram", "spilling", "disk", "restoring", "lost")
 class Model:
     """A model profile (struct kvc_model).  Zero segment_tokens/seal_tokens:
     kvd's defaults (read them back from ``Client.model``).  kv_dtype: how
-    kvd stores the K/V rows of sealed segments, "bf16" or "int8" (what is
-    sent is the same either way; int8 takes about half the memory and is
-    approximate).  estimator: how kvd estimates attention over sealed
-    segments, "magicpig", "hybrid", "adaptive" or "hybrid_cv" (all but
-    magicpig keep a small state per sequence and layer in kvd)."""
+    kvd stores the K/V rows of sealed segments, "int8" (the default) or
+    "bf16" (what is sent is the same either way; int8 takes about half the
+    memory and is approximate).  estimator: how kvd estimates attention over
+    sealed segments, "hybrid_cv" (the default), "magicpig", "hybrid" or
+    "adaptive" (all but magicpig keep a small state per sequence and layer
+    in kvd)."""
     name: str
     layers: int
     q_heads: int
     kv_heads: int
     head_dim: int
+    # K, L, c, kv_dtype and estimator default to kvd's recommended
+    # configuration (KVD_EST_CFG_DEFAULT, engine/attn.h): MagicPIG K10
+    # L150 bf16's accuracy for about 0.4 of its CPU.  MagicPIG's own is
+    # K=10, L=150, kv_dtype="bf16", estimator="magicpig".
     K: int = 10                 # bits per table
-    L: int = 150                # tables
+    L: int = 80                 # tables
     c: int = 2                  # collisions needed (1 or 2)
     sink: int = 4               # tokens kept by the client at the start
     window: int = 64            # recent tokens kept by the client
@@ -49,8 +54,8 @@ class Model:
     seed: int = 0               # of the projection matrix W
     segment_tokens: int = 0
     seal_tokens: int = 0
-    kv_dtype: str = "bf16"
-    estimator: str = "magicpig"
+    kv_dtype: str = "int8"
+    estimator: str = "hybrid_cv"
 
     @property
     def group(self):

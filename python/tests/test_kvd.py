@@ -23,7 +23,7 @@ Q, H, D = 8, 2, 64
 # exact attention up to bf16 storage (~2e-3 relative).
 NEAR_EXACT = kvd.Model("py-exact", layers=3, q_heads=Q, kv_heads=H, head_dim=D, K=1, L=64, c=1,
                        sink=4, window=64, dense_layers=(0,), seed=11, segment_tokens=1024,
-                       seal_tokens=128)
+                       seal_tokens=128, kv_dtype="bf16", estimator="magicpig")
 
 
 def rel(a, b):
@@ -71,11 +71,13 @@ def test_profile_round_trip(sock):
         with pytest.raises(ValueError, match="no profile"):
             c.sequence()
         m = c.profile(name="py-defaults", layers=2, q_heads=Q, kv_heads=H, head_dim=D)
-        assert (m.K, m.L, m.c, m.sink, m.window) == (10, 150, 2, 4, 64)
+        # the client's defaults: kvd's recommended configuration
+        assert (m.K, m.L, m.c, m.sink, m.window) == (10, 80, 2, 4, 64)
+        assert (m.kv_dtype, m.estimator) == ("int8", "hybrid_cv")
         assert m.segment_tokens > 0 and m.seal_tokens > 0      # kvd's defaults
         assert c.model is m and m.group == Q // H
         w = c.w
-        assert w.shape == (D, 10 * 150) and w.dtype == np.float32
+        assert w.shape == (D, 10 * 80) and w.dtype == np.float32
         assert np.isfinite(w).all() and abs(float(w.std()) - 1) < 0.05
         with pytest.raises(kvd.KvdError, match="already has a profile") as e:
             c.profile(m)
@@ -533,7 +535,8 @@ def test_magicpig_equals_numpy_estimator(sock):
     rng = np.random.default_rng(8)
     with kvd.connect(sock, "py", "magicpig") as c:
         m = c.profile(name="py-magicpig", layers=2, q_heads=Q, kv_heads=H, head_dim=D, K=10,
-                      L=150, c=2, dense_layers=(0,), seed=3, segment_tokens=1024)
+                      L=150, c=2, dense_layers=(0,), seed=3, segment_tokens=1024,
+                      kv_dtype="bf16", estimator="magicpig")
         w = c.w
         for n in (600, 2500):                       # one segment; three
             k, v = kv(rng, n)

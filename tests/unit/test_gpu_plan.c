@@ -409,6 +409,11 @@ static void test_decode_args(void **state)
 	assert_int_equal(parse(&a, msg, NULL), 0);
 	assert_int_equal(a.attn, DEC_KVD);
 	assert_int_equal(a.layers, 32);
+	/* kvd's recommended configuration by default */
+	assert_int_equal(a.kv_dtype, KVD_EST_CFG_DEFAULT.kv_dtype);
+	assert_int_equal(a.estimator, KVD_EST_CFG_DEFAULT.est);
+	assert_int_equal(a.L, KVD_EST_CFG_DEFAULT.L);
+	assert_int_equal(parse(&a, msg, "--kv-dtype", "bf16", NULL), 0);
 	assert_int_equal(a.kv_dtype, KVD_KV_BF16);
 	assert_int_equal(parse(&a, msg, "--kv-dtype", "int8", NULL), 0);
 	assert_int_equal(a.kv_dtype, KVD_KV_INT8);
@@ -428,13 +433,14 @@ static void test_decode_args(void **state)
 	assert_non_null(strstr(msg, "kvd mode only"));
 	assert_int_equal(parse(&a, msg, "--share", "copy", NULL), -EINVAL);
 	assert_non_null(strstr(msg, "none, attach or fork"));
+	assert_int_equal(parse(&a, msg, "--estimator", "magicpig", NULL), 0);
 	assert_int_equal(a.estimator, KVD_EST_MAGICPIG);
 	assert_int_equal(parse(&a, msg, "--estimator", "hybrid", NULL), 0);
 	assert_int_equal(a.estimator, KVD_EST_HYBRID);
 	assert_int_equal(parse(&a, msg, "--estimator=adaptive", NULL), 0);
 	assert_int_equal(a.estimator, KVD_EST_ADAPTIVE);
 	assert_int_equal(parse(&a, msg, "--estimator=exact", NULL), -EINVAL);
-	assert_non_null(strstr(msg, "--estimator: magicpig, hybrid or adaptive, not exact"));
+	assert_non_null(strstr(msg, "--estimator: magicpig, hybrid, adaptive or hybrid_cv, not exact"));
 	assert_int_equal(parse(&a, msg, "--estimator", NULL), -EINVAL);
 	assert_int_equal(parse(&a, msg, "--attn=gpu-dense", "--ctx", "96k", "--batch=8",
 			       "--steps", "10", "--K", "8", "--L=75", "--c", "1", "--json", NULL), 0);
