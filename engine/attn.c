@@ -739,42 +739,46 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 	}
 }
 
-static int cmp_u32(const void *a, const void *b)
-{
-	uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-
-	return (x > y) - (x < y);
-}
-
-/* The next step's heavy lists of request r from its tasks' reports: per q
- * head the KVD_HEAVY_MAX best rows over all segments, and for adaptive only
- * those that carried at least 2^-KVD_HEAVY_SHARE_LOG2 of the head's mass in
- * this step (r->lse is kvd's part, merged). */
-static void heavy_update(struct kvd_attn_req *r, const float *ts, const uint32_t *tid,
-			 const uint32_t *tn)
+/* The next step's heavy lists of the q heads of kv head h of request r
+ * from its tasks' reports: per q head the KVD_HEAVY_MAX best rows over all
+ * segments, and for adaptive only those that carried at least
+ * 2^-KVD_HEAVY_SHARE_LOG2 of the head's mass in this step (r->lse is kvd's
+ * part, merged). */
+static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
+			 const uint32_t *tid, const uint32_t *tn)
 {
 	const struct kvd_geom *g = r->g;
 	uint32_t G = kvd_geom_group(g), nseg = r->lv->nseg, nparts = nparts_of(r->lv);
 
-	for (uint32_t qh = 0; qh < g->q_heads; qh++) {
-		uint32_t h = qh / G, gi = qh % G, n = 0, cnt = 0;
+	for (uint32_t qh = h * G; qh < h * G + G; qh++) {
+		uint32_t gi = qh % G, n = 0, cnt = 0;
 		uint32_t *e = r->heavy + (size_t)qh * (1 + KVD_HEAVY_MAX);
 		float hs[KVD_HEAVY_MAX], floor = -INFINITY;
 		uint32_t hid[KVD_HEAVY_MAX];
 
+		/* adaptive's floor first: on a diffuse head it turns away
+		 * every report before the heap sees it */
+		if (r->est == KVD_EST_ADAPTIVE)
+			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
 		for (uint32_t p = 0; p < nseg; p++) {
 			size_t t = ((size_t)h * nparts + p) * G + gi;
 
 			for (uint32_t k = 0; k < tn[t]; k++)
-				top_push(hs, hid, &n, KVD_HEAVY_MAX, ts[t * KVD_HEAVY_MAX + k],
-					 tid[t * KVD_HEAVY_MAX + k]);
+				if (ts[t * KVD_HEAVY_MAX + k] >= floor)
+					top_push(hs, hid, &n, KVD_HEAVY_MAX, ts[t * KVD_HEAVY_MAX + k],
+						 tid[t * KVD_HEAVY_MAX + k]);
 		}
-		if (r->est == KVD_EST_ADAPTIVE)
-			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
-		for (uint32_t k = 0; k < n; k++)
-			if (hs[k] >= floor)
-				e[1 + cnt++] = hid[k];
-		qsort(e + 1, cnt, sizeof *e, cmp_u32);
+		/* ascending ids by insertion: at most 32, and qsort's calls
+		 * were half of this function's time */
+		for (uint32_t k = 0; k < n; k++) {
+			uint32_t x = hid[k], i = cnt++;
+
+			while (i > 0 && e[i] > x) {
+				e[1 + i] = e[i];
+				i--;
+			}
+			e[1 + i] = x;
+		}
 		e[0] = cnt;
 	}
 }
@@ -890,7 +894,8 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	 * before the job, even when the batch holds the same layer twice. */
 	for (uint32_t i = 0; topbuf && i < n; i++)
 		if (!r[i].rc && has_state(&r[i]))
-			heavy_update(&r[i], j.top_s[i], j.top_id[i], j.top_n[i]);
+			for (uint32_t h = 0; h < r[i].g->kv_heads; h++)
+				heavy_update(&r[i], h, j.top_s[i], j.top_id[i], j.top_n[i]);
 	free(topbuf);
 	if (st) {
 		memset(st, 0, sizeof *st);
