@@ -944,8 +944,29 @@ struct worker {
 	const struct src *src;
 	const struct ans *want;
 	long rounds;
+	long longest_ms;                /* the longest run of -ENOMEM refusals of an attach */
 	char msg[512];
 };
+
+/* Under the test's budget an attach may be refused -ENOMEM while the other
+ * workers' restores hold the room (kvd's room is not handed out in turn
+ * between clients: a known open defect); it is asked again for up to 60 s,
+ * and the longest wait is printed.  What this test checks is the answers. */
+static int attach_retry(struct kvc *c, struct worker *w, struct kvc_seq **x, uint64_t *got)
+{
+	struct timespec t0, t1;
+	int rc;
+	long ms = 0;
+
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	while ((rc = attach(c, w->src, P_TOK + CHUNK, x, got)) == -ENOMEM && ms < 60000) {
+		daemon_sleep_ms(2);
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+	}
+	w->longest_ms = ms > w->longest_ms ? ms : w->longest_ms;
+	return rc;
+}
 
 static void *worker_main(void *arg)
 {
@@ -963,7 +984,7 @@ static void *worker_main(void *arg)
 		struct ans a;
 		uint64_t got;
 
-		if (attach(c, w->src, P_TOK + CHUNK, &x, &got)) {
+		if (attach_retry(c, w, &x, &got)) {
 			snprintf(w->msg, sizeof w->msg, "attach: %s", kvc_last_error(c));
 			break;
 		}
@@ -1038,9 +1059,11 @@ static void test_share_race(void **state)
 	assert_int_equal(kvc_seq_free(a, s), 0);
 	for (int i = 0; i < 3; i++)
 		pthread_join(w[i].th, NULL);
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 3; i++) {
 		if (w[i].msg[0])
 			fail_msg("worker %d: %s", i, w[i].msg);
+		print_message("  worker %d: longest attach refused for %ld ms\n", i, w[i].longest_ms);
+	}
 	/* Two snapshots remain (the prompt and the prompt + a chunk). */
 	assert_int_equal(share_stats(a).published, 2);
 	/* (a sequence freed while its write runs goes when the write ends) */
