@@ -92,7 +92,7 @@ static int kvd_cpu_ms(pid_t pid, double *ms)
  * still reads B * S layers, far more than any LLC. */
 static uint32_t fit_ctx(const struct dec_opts *op, uint64_t *phys)
 {
-	struct kvd_geom g = { QH, KVH, HD, 10, op->L > 150 ? op->L : 150, 2, KVD_KV_BF16 };
+	struct kvd_geom g = { QH, KVH, HD, 10, op->L > 150 ? op->L : 150, 2, KVD_KV_BF16, 0 };
 	double per_tok, seg;
 
 	seg = (double)kvd_seg_bytes(&g, 32768) / 32768;

@@ -334,7 +334,9 @@ static void cfg_setup(const struct opts *op, struct kvd_pool *pool, const struct
 	const struct kvd_kern *kk = kvd_kern_get();
 	int rc;
 
-	cf->g = (struct kvd_geom){ in->q_heads, in->kv_heads, in->d, K, L, op->c, dt };
+	cf->g = (struct kvd_geom){ in->q_heads, in->kv_heads, in->d, K, L, op->c, dt, 0 };
+	for (uint32_t e = 0; e < ne; e++)       /* moments only where an estimator reads them */
+		cf->g.moments |= op->est[e] == KVD_EST_HYBRID_LCV;
 	cf->dt = dt;
 	cf->lo = SINKS;
 	cf->hi = in->n - WINDOW;
@@ -691,7 +693,8 @@ static void usage(void)
 		"usage: kvbench attn [--json] [--ctx N[,N..]] [--kl KxL[,KxL..]] [--c 1|2]\n"
 		"                    [--workload needle,dense,mixed] [--threads N] [--reps N]\n"
 		"                    [--seed S] [--seg TOKENS] [--trace DIR] [--warm]\n"
-		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive,hybrid_cv|all]\n"
+		"                    [--kv-dtype bf16,int8] [--estimator magicpig,hybrid,adaptive,hybrid_cv,\n"
+		"                    hybrid_lcv|all]\n"
 		"                    [--steps N] [--measure N]\n"
 		"       kvbench trace-dump --workload W --ctx N [--steps N] DIR\n"
 		"       kvbench kern [--json] [--reps N] [--gather ROWS] [--dense ROWS] [--table-mib MIB]\n"

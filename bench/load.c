@@ -813,7 +813,8 @@ int bench_load_main(int argc, char **argv)
 		cf->nmax = cf->cl[k] > cf->nmax ? cf->cl[k] : cf->nmax;
 	cf->m = llama(cf->layers);
 	cf->g = (struct kvd_geom){ cf->m.q_heads, cf->m.kv_heads, cf->m.head_dim, cf->m.K,
-				   cf->m.L, cf->m.c, cf->m.kv_dtype };
+				   cf->m.L, cf->m.c, cf->m.kv_dtype,
+				   cf->m.estimator == KVC_EST_HYBRID_LCV };
 	const uint32_t Hq = cf->g.q_heads, d = cf->g.d, L = cf->g.L, H = cf->g.kv_heads;
 	uint32_t nprep = cf->nmax < 2 ? 2 : cf->nmax;
 

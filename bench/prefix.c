@@ -532,7 +532,8 @@ int bench_prefix_chat(const struct prefix_opts *op, struct prefix_chat_res *out)
 {
 	const struct kvc_model m = px_model(op->layers);
 	struct ch_res *res = shared_mem(op->procs * sizeof *res);
-	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c, m.kv_dtype };
+	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c, m.kv_dtype,
+			      m.estimator == KVC_EST_HYBRID_LCV };
 	uint32_t maxn = 0;
 	uint64_t total = 0;
 	char mem[128], spill[256], dir[200];

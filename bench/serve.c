@@ -331,7 +331,8 @@ static int spill_kid(uint32_t i, void *arg)
 static uint64_t session_bytes(uint32_t ctx)
 {
 	struct kvc_model m = llama(32);
-	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c, m.kv_dtype };
+	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c, m.kv_dtype,
+			      m.estimator == KVC_EST_HYBRID_LCV };
 	uint32_t n = ctx - m.sink - m.window, segs = (n + 32767) / 32768;
 
 	return (uint64_t)(m.layers - m.n_dense) * segs * (kvd_seg_bytes(&g, (n + segs - 1) / segs) + 8192);
@@ -542,7 +543,8 @@ static void serve_client(const char *sock, int id, uint32_t ctx, uint32_t layers
 {
 	struct kvc_opts o = { .socket_path = sock, .tenant = "bench", .name = "serve" };
 	struct kvc_model m = llama(layers);
-	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c, m.kv_dtype };
+	struct kvd_geom g = { m.q_heads, m.kv_heads, m.head_dim, m.K, m.L, m.c, m.kv_dtype,
+			      m.estimator == KVC_EST_HYBRID_LCV };
 	struct kvc *c;
 	struct kvc_seq *s;
 	struct kvd_synth w;

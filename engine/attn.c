@@ -17,6 +17,7 @@
 static const char *const est_names[] = {
 	[KVD_EST_MAGICPIG] = "magicpig", [KVD_EST_HYBRID] = "hybrid",
 	[KVD_EST_ADAPTIVE] = "adaptive", [KVD_EST_HYBRID_CV] = "hybrid_cv",
+	[KVD_EST_HYBRID_LCV] = "hybrid_lcv",
 };
 
 const char *kvd_estimator_name(uint32_t est)
@@ -52,7 +53,7 @@ int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap)
 	s->kinv = malloc(cap * sizeof *s->kinv);
 	s->vsc = malloc(cap * sizeof *s->vsc);
 	s->w16 = malloc(cap * sizeof *s->w16);
-	s->t = malloc(cap * sizeof *s->t);
+	s->t = malloc(2 * (size_t)cap * sizeof *s->t);
 	/* One q head's scores at a time; dense attention reuses s in blocks of
 	 * DENSE_BLOCK rows for the G heads of a group. */
 	s->s = aligned_alloc(64, ALIGN64((size_t)(cap > KVD_ATTN_DENSE_SCRATCH ?
@@ -283,6 +284,80 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 	return mx + (float)log(z);
 }
 
+/* The control variate of hybrid_lcv: linear in the raw score, c_i = alpha +
+ * beta (s_i - mu), mu the mean raw score over the segment-head's n rows.
+ * Then sum c_i = alpha n and sum c_i v_i = alpha vsum + beta (scale kv q -
+ * mu vsum) exactly, from the segment's moments (sq = kv q), and Z and N are
+ * estimated as in softmax_v_cv with c_i in place of c.  For fixed (alpha,
+ * beta) both stay unbiased; the pair that minimizes the variance of Z,
+ * sum (e_i - c_i)^2 (1 - P_i) / P_i, is a weighted least-squares fit of
+ * e_i on (1, s_i - mu) with weights (1 - P_i) / P_i, estimated from the
+ * attended rows with a further 1/P_i (heavy rows weigh 0).  Where the fit
+ * is singular, or leaves Z not a positive number, the constant of
+ * softmax_v_cv is used, and where that fails too, none: hybrid's bits.
+ * x holds s_i - mu (scratch of m floats). */
+static float softmax_v_lcv(const struct kvd_kern *kk, const struct kvd_seg *seg,
+			   const struct kvd_seg_head *sh, int d, float *sc, float *t, float *x,
+			   const uint32_t *rows, const float *vsc, uint32_t m, int16_t *w16,
+			   float *og, const float *sq, float mu, float scale)
+{
+	float mx = kk->max(sc, m), sum;
+	double s0 = 0, s1 = 0, s2 = 0, b0 = 0, b1 = 0, det, al = 0, be = 0, z = 0;
+
+	if (mx == -INFINITY)
+		return -INFINITY;
+	for (uint32_t i = 0; i < m; i++) {
+		x[i] = t[i] - mu;
+		t[i] = sc[i] - t[i];                    /* -ln P_i, in [0, 80] */
+	}
+	sum = kk->expsum(sc, m, mx);
+	(void)kk->expsum(t, m, 0.0f);                  /* 1/P_i */
+	for (uint32_t i = 0; i < m; i++) {
+		double ip = t[i], w = (ip - 1.0) * ip, e = sc[i] / ip, xi = x[i];
+
+		s0 += w;
+		s1 += w * xi;
+		s2 += w * xi * xi;
+		b0 += w * e;
+		b1 += w * e * xi;
+	}
+	det = s0 * s2 - s1 * s1;
+	if (s0 > 0.0 && det > 1e-9 * s0 * s2) {
+		al = (b0 * s2 - b1 * s1) / det;
+		be = (s0 * b1 - s1 * b0) / det;
+	}
+	for (int pass = 0; pass < 2; pass++) {
+		if (pass || !(al != 0.0 || be != 0.0)) {
+			/* the constant, where it is positive */
+			al = s0 > 0.0 && b0 > 0.0 ? b0 / s0 : 0.0;
+			be = 0.0;
+		}
+		if (al == 0.0 && be == 0.0)
+			break;
+		z = al * seg->n + sum;
+		for (uint32_t i = 0; i < m; i++)
+			z -= (al + be * x[i]) * t[i];
+		if (z > 0.0 && z <= DBL_MAX)
+			break;
+		al = be = 0.0;
+	}
+	if (al == 0.0 && be == 0.0) {                   /* as softmax_v */
+		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
+
+		weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
+		for (int e = 0; e < d; e++)
+			og[e] *= r;
+		return mx + logf(sum);
+	}
+	for (uint32_t i = 0; i < m; i++)
+		sc[i] -= (float)((al + be * x[i]) * t[i]);
+	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
+	for (int e = 0; e < d; e++)
+		og[e] = (float)((og[e] + al * sh->vsum[e] +
+				 be * ((double)scale * sq[e] - (double)mu * sh->vsum[e])) / z);
+	return mx + (float)log(z);
+}
+
 /* The rows one q head attends in a segment: its sample cand[0..nc), ascending
  * as kvd_lsh_candidates leaves it, and its heavy keys hid[0..hn) (segment
  * << 16 | row, rows ascending and distinct as heavy_of leaves them), merged
@@ -354,7 +429,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		    const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
 		    const float *q, const uint16_t *qc, struct kvd_attn_scratch *s, float *o,
 		    float *lse, struct kvd_attn_stats *st, const struct heavy_in *hv,
-		    struct heavy_top *top, int cv, int g0, int gstep)
+		    struct heavy_top *top, int cv, const float *lm, int g0, int gstep)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
@@ -408,10 +483,14 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		if (cv)
 			for (uint32_t i = 0; i < m; i++)
 				s->t[i] = sc[i] * scale;
+
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
 		for (uint32_t j = 0; j < nh; j++)
 			sc[hidx[j]] = hraw[j] * scale;
-		lse[gi] = cv ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m, s->w16, og)
+		lse[gi] = cv == 2 ? softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows, s->vsc, m,
+						  s->w16, og, lm + (size_t)gi * d, lm[G * d + gi],
+						  scale) :
+			  cv ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m, s->w16, og)
 			     : softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
 	}
 	if (st) {
@@ -427,7 +506,7 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
 		      float *o, float *lse, struct kvd_attn_stats *st)
 {
-	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, 0, 1);
+	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, NULL, 0, 1);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -626,7 +705,25 @@ struct layer_job {
 	float *top_s[KVD_ATTN_BATCH_MAX];
 	uint32_t *top_id[KVD_ATTN_BATCH_MAX], *top_n[KVD_ATTN_BATCH_MAX];
 	struct kvd_attn_stats *st;          /* [workers] */
+	/* hybrid_lcv requests: per (kv head, part) pair, lcv_floats() from
+	 * lcv[ri] on, in pair order; lfirst as first, over the pairs. */
+	float *lcv[KVD_ATTN_BATCH_MAX];
+	uint32_t lfirst[KVD_ATTN_BATCH_MAX + 1];
 };
+
+/* A (kv head, segment) pair's moments against its G q heads, made once for
+ * the group before the layer's tasks (reading kv, d*d floats, once rather
+ * than in each of the G tasks that use it): kv q_g ([G][d]) then the mean
+ * raw score mu_g = scale q_g . ksum / n ([G]). */
+static size_t lcv_floats(const struct kvd_geom *g)
+{
+	return (size_t)kvd_geom_group(g) * (g->d + 1);
+}
+
+static int is_lcv(const struct kvd_attn_req *r)
+{
+	return r->est == KVD_EST_HYBRID_LCV && r->heavy && r->tab;
+}
 
 static int has_state(const struct kvd_attn_req *r)
 {
@@ -711,6 +808,10 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 	if (part < lv->nseg && r->tab) {
 		/* ids pack seg << 16; a later segment goes without state */
 		int state = has_state(r) && part < 0xffff;
+		/* a segment made without moments would answer with hybrid_cv's
+		 * constant (none should reach here: segments are shared only
+		 * within a profile, and the profile's geometry says) */
+		int lcv = state && r->est == KVD_EST_HYBRID_LCV && lv->seg[part]->h[h].kv;
 		size_t pair = (size_t)h * nparts + part;
 		uint32_t ids[KVD_GMAX][KVD_HEAVY_MAX];
 		struct heavy_in hv;
@@ -726,7 +827,9 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		}
 		sampled(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
 			o, lse, j->st ? &j->st[worker] : NULL, state ? &hv : NULL,
-			state ? &top : NULL, r->est == KVD_EST_HYBRID_CV, (int)sub, (int)split);
+			state ? &top : NULL,
+			lcv ? 2 : r->est == KVD_EST_HYBRID_CV || r->est == KVD_EST_HYBRID_LCV,
+			lcv ? j->lcv[ri] + pair * lcv_floats(g) : NULL, (int)sub, (int)split);
 	} else if (part < lv->nseg) {
 		rows_of(lv->seg[part]->n, sub, split, &a, &b);
 		dense_seg_rows(j->kk, q, (int)G, lv->seg[part], h, a, b, o, lse, s->s);
@@ -736,6 +839,37 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		rows_of(lv->tail_n, sub, split, &a, &b);
 		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off + a * d,
 			       lv->tail_v + off + a * d, b - a, o, lse, s->s);
+	}
+}
+
+static void lcv_task(void *arg, uint32_t task, unsigned worker)
+{
+	struct layer_job *j = arg;
+	uint32_t ri = 0;
+
+	(void)worker;
+	while (task >= j->lfirst[ri + 1])
+		ri++;
+	task -= j->lfirst[ri];
+
+	const struct kvd_attn_req *r = &j->r[ri];
+	const struct kvd_geom *g = r->g;
+	uint32_t G = kvd_geom_group(g), d = g->d, nparts = nparts_of(r->lv);
+	uint32_t h = task / r->lv->nseg, part = task % r->lv->nseg;
+	const struct kvd_seg *seg = r->lv->seg[part];
+	const struct kvd_seg_head *sh = &seg->h[h];
+	const float *q = r->q + (size_t)h * G * d, scale = 1.0f / sqrtf((float)d);
+	float *out = j->lcv[ri] + ((size_t)h * nparts + part) * lcv_floats(g);
+
+	if (!sh->kv)
+		return;
+	j->kk->mv(sh->kv, (int)d, q, (int)G, out);
+	for (uint32_t gi = 0; gi < G; gi++) {
+		double qk = 0.0;
+
+		for (uint32_t e = 0; e < d; e++)
+			qk += (double)q[(size_t)gi * d + e] * sh->ksum[e];
+		out[G * d + gi] = (float)(scale * qk / seg->n);
 	}
 }
 
@@ -843,12 +977,27 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 			nt += (size_t)nparts_of(r[i].lv) * r[i].g->kv_heads * kvd_geom_group(r[i].g);
 	}
 
+	/* hybrid_lcv: a pair per (kv head, segment) */
+	size_t nlf = 0, lw[KVD_ATTN_BATCH_MAX];
+	uint32_t lfirst[KVD_ATTN_BATCH_MAX + 1];
+
+	lfirst[0] = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		uint32_t pairs = !r[i].rc && is_lcv(&r[i]) ? r[i].lv->nseg * r[i].g->kv_heads : 0;
+
+		lw[i] = nlf;
+		lfirst[i + 1] = lfirst[i] + pairs;
+		nlf += pairs ? (size_t)nparts_of(r[i].lv) * r[i].g->kv_heads * lcv_floats(r[i].g) : 0;
+	}
+
 	float *part_o = malloc((no + nl) * sizeof(float));
 	uint32_t *topbuf = nt ? malloc(nt * (2 * KVD_HEAVY_MAX + 1) * sizeof(uint32_t)) : NULL;
+	float *lcvbuf = nlf ? malloc(nlf * sizeof(float)) : NULL;
 
-	if (!part_o || (nt && !topbuf)) {
+	if (!part_o || (nt && !topbuf) || (nlf && !lcvbuf)) {
 		free(part_o);
 		free(topbuf);
+		free(lcvbuf);
 		for (uint32_t i = 0; i < n; i++)
 			r[i].rc = r[i].rc ? r[i].rc : -ENOMEM;
 		return -ENOMEM;
@@ -866,6 +1015,11 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	}
 	if (topbuf)
 		memset(topbuf + 2 * nt * KVD_HEAVY_MAX, 0, nt * sizeof *topbuf);
+	memcpy(j.lfirst, lfirst, sizeof lfirst);
+	for (uint32_t i = 0; lcvbuf && i < n; i++)
+		j.lcv[i] = lcvbuf + lw[i];
+	if (lfirst[n])
+		kvd_pool_run(pool, lfirst[n], lcv_task, &j);
 
 	kvd_pool_run(pool, first[n], layer_task, &j);
 
@@ -897,6 +1051,7 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 			for (uint32_t h = 0; h < r[i].g->kv_heads; h++)
 				heavy_update(&r[i], h, j.top_s[i], j.top_id[i], j.top_n[i]);
 	free(topbuf);
+	free(lcvbuf);
 	if (st) {
 		memset(st, 0, sizeof *st);
 		for (unsigned w = 0; w < nw; w++) {

@@ -89,6 +89,13 @@ struct kvd_kern {
 	 * (cnt[64w + j] >= c) for w < words, and cnt[0 .. 64 words) zeroed.
 	 * cnt is 64-byte aligned. */
 	void (*ge8)(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits);
+
+	/* hybrid_lcv's moments (kern_mom.h): mom adds sum_i a_i b_i^T over r
+	 * rows of d floats to kv (kv[f*d + e] += sum_i a[i*d+f] * b[i*d+e]);
+	 * mv sets y[g*d + e] = sum_f x[g*d + f] * kv[f*d + e] for g < G (a
+	 * head's bits do not depend on G).  d a multiple of 16. */
+	void (*mom)(const float *a, const float *b, size_t r, int d, float *kv);
+	void (*mv)(const float *kv, int d, const float *x, int G, float *y);
 };
 
 /* q[G][d] (floats) as qk8 and pv8 take them (queries, or weights with d the

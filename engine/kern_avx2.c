@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kern.h"
+#include "kern_mom.h"
 #include "lsh.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -1227,4 +1228,6 @@ const struct kvd_kern kvd_kern_avx2 = {
 	.qk8 = qk8_avx2,
 	.pv8 = pv8_avx2,
 	.ge8 = ge8_avx2,
+	.mom = mom_kern,
+	.mv = mv_kern,
 };

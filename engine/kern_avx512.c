@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "kern.h"
+#include "kern_mom.h"
 #include "lsh.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -848,6 +849,8 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.qk8 = qk8_512,
 	.pv8 = pv8_512,
 	.ge8 = ge8_avx512,
+	.mom = mom_kern,
+	.mv = mv_kern,
 };
 
 const struct kvd_kern kvd_kern_avx512bf16 = {
@@ -862,6 +865,8 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.qk8 = qk8_512,
 	.pv8 = pv8_512,
 	.ge8 = ge8_avx512,
+	.mom = mom_kern,
+	.mv = mv_kern,
 };
 
 const struct kvd_kern kvd_kern_avx512vnni = {
@@ -876,6 +881,8 @@ const struct kvd_kern kvd_kern_avx512vnni = {
 	.qk8 = kvd_qk8_avx512vnni,
 	.pv8 = kvd_pv8_avx512vnni,
 	.ge8 = ge8_avx512,
+	.mom = mom_kern,
+	.mv = mv_kern,
 };
 
 #ifndef KVD_KERN_EMU
@@ -893,5 +900,7 @@ const struct kvd_kern kvd_kern_avx512amx = {
 	.qk8 = kvd_qk8_amx,
 	.pv8 = kvd_pv8_amx,
 	.ge8 = ge8_avx512,
+	.mom = mom_kern,
+	.mv = mv_kern,
 };
 #endif

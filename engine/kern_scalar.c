@@ -5,6 +5,7 @@
 
 #include "bf16.h"
 #include "kern.h"
+#include "kern_mom.h"
 #include "lsh.h"
 
 static void hash_scalar(const float *W, int d, int K, int L, const float *x, size_t ldx,
@@ -206,4 +207,6 @@ const struct kvd_kern kvd_kern_scalar = {
 	.qk8 = qk8_scalar,
 	.pv8 = pv8_scalar,
 	.ge8 = ge8_scalar,
+	.mom = mom_kern,
+	.mv = mv_kern,
 };

@@ -11,6 +11,7 @@
 #include "bf16.h"
 #include "err.h"
 #include "invariant.h"
+#include "kern.h"
 #include "mem.h"
 #include "pool.h"
 
@@ -27,7 +28,7 @@ int kvd_geom_check(const struct kvd_geom *g)
 		return -KVD_EGEOM;
 	if (g->c != 1 && g->c != 2)
 		return -KVD_EGEOM;
-	if (g->kv_dtype > KVD_KV_DTYPE_MAX)
+	if (g->kv_dtype > KVD_KV_DTYPE_MAX || g->moments > 1)
 		return -KVD_EGEOM;
 	return 0;
 }
@@ -112,7 +113,25 @@ static int seg_geom_ok(const struct kvd_geom *g, uint32_t n)
 	return g->kv_heads >= 1 && g->kv_heads <= KVD_QHEADS_MAX && g->d >= 16 &&
 	       g->d <= KVD_DMAX && g->d % 16 == 0 && g->K >= 1 && g->K <= KVD_LSH_KMAX &&
 	       g->L >= 1 && g->L <= KVD_LSH_LMAX && g->kv_dtype <= KVD_KV_DTYPE_MAX &&
+	       g->moments <= 1 &&
 	       n >= 1 && n <= KVD_SEG_MAX;
+}
+
+#define PAGE_UP(x) (((x) + IO_PAGE - 1) & ~(IO_PAGE - 1))
+
+/* The moments (kvd_seg_head.ksum, kv) of every head: d + d*d floats each,
+ * where the geometry asks for them. */
+static size_t mom_floats(const struct kvd_geom *g)
+{
+	return g->moments ? (size_t)g->d + (size_t)g->d * g->d : 0;
+}
+
+/* Where they lie in the io buffer: past the payload's last page, so that a
+ * read of the segment's extent (header page, payload pages) never reaches
+ * them, and what is charged for the buffer covers them. */
+static size_t mom_off(const struct kvd_geom *g, uint32_t n)
+{
+	return IO_PAGE + PAGE_UP(kvd_seg_bytes(g, n));
 }
 
 size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n)
@@ -120,7 +139,7 @@ size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n)
 	if (!seg_geom_ok(g, n))
 		return 0;
 	/* At most 1024 heads of ~330 MiB: far from overflowing. */
-	return IO_PAGE + ((kvd_seg_bytes(g, n) + IO_PAGE - 1) & ~(IO_PAGE - 1));
+	return mom_off(g, n) + PAGE_UP(g->kv_heads * mom_floats(g) * sizeof(float));
 }
 
 void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes)
@@ -185,6 +204,9 @@ static void head_layout(const struct kvd_geom *g, struct kvd_seg *s, uint32_t h)
 		sh->kinv = (float *)hp.kinv;
 	}
 	(void)kvd_lsh_tables_layout(&sh->tab, hp.tab, s->n, (int)s->K, (int)s->L);
+	sh->ksum = g->moments ? (float *)((char *)s->io + mom_off(g, s->n)) + h * mom_floats(g)
+			      : NULL;
+	sh->kv = g->moments ? sh->ksum + g->d : NULL;
 }
 
 static struct kvd_seg *seg_new(const struct kvd_geom *g, uint32_t n)
@@ -211,7 +233,9 @@ struct seg_build {
 	struct kvd_seg *seg;
 	const uint16_t *k, *v, *codes;
 	size_t ld;                      /* rows between heads in k, v and codes' tables */
-	double *vpart;                  /* [kv_heads][row_tasks][d]: each row task's V sums */
+	double *vpart;                  /* [kv_heads][row_tasks][2d]: each row task's V and
+					 * K sums */
+	float *mpart;                   /* [kv_heads][row_tasks][d*d]: its k v^T sums */
 };
 
 /* ---- V sums -------------------------------------------------------------- */
@@ -250,6 +274,102 @@ static void vsum_reduce(const double *part, uint32_t chunks, size_t d, float *ou
 			t += part[c * d + e];
 		out[e] = (float)t;
 	}
+}
+
+/* ---- moments (hybrid_lcv) ----------------------------------------------- */
+
+/* Defined chunk by chunk as the V sums are: a chunk's k v^T summed in
+ * float by the kernel (kern.h mom), its K sums in double in row order, the
+ * chunks' sums added in double in order and rounded to float once; the
+ * build's row tasks and a restore get the same bits. */
+#define MOM_BLOCK 32u
+
+static void row_f32(const struct kvd_seg_head *sh, int i8, size_t d, size_t i, float *k, float *v)
+{
+	if (i8) {
+		float kf = sh->r8[i].kfac, vf = sh->r8[i].vscale;
+
+		for (size_t e = 0; e < d; e++) {
+			k[e] = kf * sh->kscale[e] * sh->k8[i * d + e];
+			v[e] = vf * sh->v8[i * d + e];
+		}
+	} else {
+		for (size_t e = 0; e < d; e++) {
+			k[e] = kvd_bf16_to_f32(sh->k[i * d + e]);
+			v[e] = kvd_bf16_to_f32(sh->v[i * d + e]);
+		}
+	}
+}
+
+static void mom_chunk(const struct kvd_seg_head *sh, int i8, size_t d, size_t r0, size_t r1,
+		      double *ks, float *kv)
+{
+	const struct kvd_kern *kk = kvd_kern_get();
+	float kb[MOM_BLOCK * KVD_DMAX], vb[MOM_BLOCK * KVD_DMAX];
+
+	memset(kv, 0, d * d * sizeof *kv);
+	for (size_t e = 0; e < d; e++)
+		ks[e] = 0.0;
+	for (size_t i0 = r0; i0 < r1; i0 += MOM_BLOCK) {
+		size_t r = r1 - i0 < MOM_BLOCK ? r1 - i0 : MOM_BLOCK;
+
+		for (size_t i = 0; i < r; i++) {
+			row_f32(sh, i8, d, i0 + i, kb + i * d, vb + i * d);
+			for (size_t e = 0; e < d; e++)
+				ks[e] += kb[i * d + e];
+		}
+		kk->mom(kb, vb, r, (int)d, kv);
+	}
+}
+
+/* Head sh's moments from the chunks' parts (ks [chunks][d], kv [chunks][d*d]). */
+static void mom_reduce(const double *ks, const float *kv, uint32_t chunks, size_t d,
+		       struct kvd_seg_head *sh)
+{
+	for (size_t e = 0; e < d; e++) {
+		double t = 0.0;
+
+		for (uint32_t c = 0; c < chunks; c++)
+			t += ks[c * d + e];
+		sh->ksum[e] = (float)t;
+	}
+	for (size_t x = 0; x < d * d; x++) {
+		double t = 0.0;
+
+		for (uint32_t c = 0; c < chunks; c++)
+			t += kv[c * d * d + x];
+		sh->kv[x] = (float)t;
+	}
+}
+
+/* Every chunk on this thread: ~d*d FMAs a row. */
+static int mom_head(struct kvd_seg_head *sh, int i8, size_t n, size_t d)
+{
+	uint32_t chunks = (uint32_t)((n + VSUM_ROWS - 1) / VSUM_ROWS);
+	double *acc = calloc(d * d + d, sizeof *acc), ks[KVD_DMAX];
+	float *part = malloc(d * d * sizeof *part);
+
+	if (!acc || !part) {
+		free(acc);
+		free(part);
+		return -ENOMEM;
+	}
+	for (uint32_t c = 0; c < chunks; c++) {
+		size_t r0 = (size_t)c * VSUM_ROWS, r1 = r0 + VSUM_ROWS < n ? r0 + VSUM_ROWS : n;
+
+		mom_chunk(sh, i8, d, r0, r1, ks, part);
+		for (size_t e = 0; e < d; e++)
+			acc[d * d + e] += ks[e];
+		for (size_t x = 0; x < d * d; x++)
+			acc[x] += part[x];
+	}
+	for (size_t e = 0; e < d; e++)
+		sh->ksum[e] = (float)acc[d * d + e];
+	for (size_t x = 0; x < d * d; x++)
+		sh->kv[x] = (float)acc[x];
+	free(acc);
+	free(part);
+	return 0;
 }
 
 static void vsum_head(const struct kvd_seg_head *sh, int i8, size_t n, size_t d, float *out)
@@ -475,7 +595,11 @@ static void seg_build_rows(void *arg, uint32_t task, unsigned worker)
 		kvd_kern_get()->kinv(sh->k + r0 * d, r1 - r0, (int)d, sh->kinv + r0);
 	}
 	vsum_chunk(sh, s->kv_dtype == KVD_KV_INT8, d, r0, r1,
-		   b->vpart + ((size_t)h * per + chunk) * d);
+		   b->vpart + ((size_t)h * per + chunk) * 2 * d);
+	if (b->mpart)
+		mom_chunk(sh, s->kv_dtype == KVD_KV_INT8, d, r0, r1,
+			  b->vpart + ((size_t)h * per + chunk) * 2 * d + d,
+			  b->mpart + ((size_t)h * per + chunk) * d * d);
 
 	char *tab = head_parts(b->g, s->n, s->mem, h).tab;
 	size_t tb = kvd_lsh_tables_bytes(s->n, (int)s->K, (int)s->L);
@@ -555,10 +679,13 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 	s->mem = (char *)s->io + IO_PAGE;
 	kvd_pool_prefault(pool, s->io, s->bytes);
 
-	struct seg_build b = { g, s, k, v, codes, ld,
-			       malloc((size_t)g->kv_heads * row_tasks(s) * g->d * sizeof(double)) };
+	size_t parts = (size_t)g->kv_heads * row_tasks(s);
+	struct seg_build b = { g, s, k, v, codes, ld, calloc(parts * 2 * g->d, sizeof(double)),
+			       g->moments ? malloc(parts * g->d * g->d * sizeof(float)) : NULL };
 
-	if (!b.vpart) {
+	if (!b.vpart || (g->moments && !b.mpart)) {
+		free(b.vpart);
+		free(b.mpart);
 		kvd_seg_free(s);
 		return -ENOMEM;
 	}
@@ -567,10 +694,32 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 	if (g->kv_dtype == KVD_KV_INT8)
 		run_heads(pool, g->kv_heads, seg_build_kscale, &b);
 	run_heads(pool, g->kv_heads * row_tasks(s), seg_build_rows, &b);
-	for (uint32_t h = 0; h < g->kv_heads; h++)
-		vsum_reduce(b.vpart + (size_t)h * row_tasks(s) * g->d, row_tasks(s), g->d,
-			    s->h[h].vsum);
+	for (uint32_t h = 0; h < g->kv_heads; h++) {
+		const double *vp = b.vpart + (size_t)h * row_tasks(s) * 2 * g->d;
+		double *sums = malloc((size_t)row_tasks(s) * 2 * g->d * sizeof *sums);
+
+		if (!sums) {
+			free(b.vpart);
+			free(b.mpart);
+			kvd_seg_free(s);
+			return -ENOMEM;
+		}
+		/* [chunk][V d | K d] into the V and K halves reduce_* read */
+		for (uint32_t c = 0; c < row_tasks(s); c++) {
+			memcpy(sums + (size_t)c * g->d, vp + (size_t)c * 2 * g->d,
+			       g->d * sizeof *sums);
+			memcpy(sums + ((size_t)row_tasks(s) + c) * g->d,
+			       vp + (size_t)c * 2 * g->d + g->d, g->d * sizeof *sums);
+		}
+		vsum_reduce(sums, row_tasks(s), g->d, s->h[h].vsum);
+		if (g->moments)
+			mom_reduce(sums + (size_t)row_tasks(s) * g->d,
+				   b.mpart + (size_t)h * row_tasks(s) * g->d * g->d, row_tasks(s),
+				   g->d, &s->h[h]);
+		free(sums);
+	}
 	free(b.vpart);
+	free(b.mpart);
 	kvd_pool_yield();
 	double t = now_ms();
 
@@ -640,16 +789,23 @@ int kvd_seg_upgrade_r8(const struct kvd_geom *g, uint32_t n, void *mem)
 	return 0;
 }
 
-void kvd_seg_vsum(const struct kvd_geom *g, uint32_t n, const void *mem, float *out)
+int kvd_seg_sums(const struct kvd_geom *g, uint32_t n, void *io, float *vsum)
 {
 	for (uint32_t h = 0; h < g->kv_heads; h++) {
-		struct head_parts hp = head_parts(g, n, (void *)mem, h);
+		struct head_parts hp = head_parts(g, n, (char *)io + IO_PAGE, h);
+		float *m = (float *)((char *)io + mom_off(g, n)) + h * mom_floats(g);
 		struct kvd_seg_head sh = {
-			.v = (uint16_t *)hp.v, .v8 = (int8_t *)hp.v, .r8 = (struct kvd_row8 *)hp.r8,
+			.k = (uint16_t *)hp.k, .v = (uint16_t *)hp.v, .k8 = (int8_t *)hp.k,
+			.v8 = (int8_t *)hp.v, .kscale = (float *)hp.kscale,
+			.r8 = (struct kvd_row8 *)hp.r8, .ksum = m, .kv = m + g->d,
 		};
+		int rc;
 
-		vsum_head(&sh, g->kv_dtype == KVD_KV_INT8, n, g->d, out + (size_t)h * g->d);
+		vsum_head(&sh, g->kv_dtype == KVD_KV_INT8, n, g->d, vsum + (size_t)h * g->d);
+		if (g->moments && (rc = mom_head(&sh, g->kv_dtype == KVD_KV_INT8, n, g->d)))
+			return rc;
 	}
+	return 0;
 }
 
 int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
@@ -669,10 +825,16 @@ int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
 	s->bytes = bytes;
 	for (uint32_t h = 0; h < g->kv_heads; h++) {
 		head_layout(g, s, h);
-		if (vsum)
+		if (vsum) {
 			memcpy(s->h[h].vsum, vsum + (size_t)h * g->d, g->d * sizeof(float));
-		else
+		} else {
 			vsum_head(&s->h[h], g->kv_dtype == KVD_KV_INT8, n, g->d, s->h[h].vsum);
+			if (g->moments &&
+			    mom_head(&s->h[h], g->kv_dtype == KVD_KV_INT8, n, g->d)) {
+				free(s);        /* io is the caller's still */
+				return -ENOMEM;
+			}
+		}
 	}
 	*out = s;
 	return 0;

@@ -37,6 +37,9 @@ struct kvd_geom {
 	uint32_t q_heads, kv_heads, d;  /* d: head_dim, multiple of 16, <= KVD_DMAX */
 	uint32_t K, L, c;               /* K <= 16 bits, L tables, c in {1, 2} */
 	uint32_t kv_dtype;              /* enum kvd_kv_dtype; 0 (bf16) when left out */
+	uint32_t moments;               /* 1: segments keep hybrid_lcv's moments
+					 * (kvd_seg_head.ksum, kv); a profile sets it
+					 * from its estimator, never the wire */
 };
 
 /* "bf16" / "int8"; NULL for an unknown value.  kvd_kv_dtype_parse: 0 and
@@ -76,6 +79,11 @@ struct kvd_seg_head {
 					 * reads them (int8: dequantized), for the control
 					 * variate (engine/attn.h); kept beside the segment,
 					 * not in its payload */
+	float *ksum;                    /* [d]: the sum of the keys as scored */
+	float *kv;                      /* [d][d]: kv[f*d + e] = sum_i k_i[f] v_i[e],
+					 * keys and values as attention reads them;
+					 * ksum and kv are hybrid_lcv's moments, in the
+					 * io buffer after the payload, never in a file */
 };
 
 struct kvd_seg {
@@ -165,19 +173,22 @@ int kvd_seg_upgrade_r8(const struct kvd_geom *g, uint32_t n, void *mem);
 
 /* Wraps an io buffer from kvd_seg_io_alloc(g, n, &bytes) whose payload
  * passed kvd_seg_check() into a segment: head pointers exactly as
- * kvd_seg_build sets them, nothing copied or recomputed but the V sums (tables_ms is 0).
- * vsum: the payload's kvd_seg_vsum, or NULL to compute it here.
+ * kvd_seg_build sets them, nothing copied or recomputed but the sums beside
+ * it (tables_ms is 0).  vsum: from kvd_seg_sums on this io, or NULL to
+ * compute them all here.
  * On success the segment owns io (kvd_seg_free frees it); on failure the
  * caller still does.  0, -KVD_EGEOM, -EINVAL (bytes is not
  * kvd_seg_io_bytes(g, n) or io is not 4096-aligned), -ENOMEM. */
 int kvd_seg_adopt(const struct kvd_geom *g, uint32_t n, void *io, size_t bytes,
 		  const float *vsum, struct kvd_seg **out);
 
-/* The V sums of every kv head ([kv_heads][d], as kvd_seg_head.vsum) of a
- * payload that passed kvd_seg_check, summed in double in row order: one
- * pass over its V rows, which kvd_seg_adopt makes itself when given no
- * vsum (a restore computes them on the spill thread instead, off the
- * daemon's lock).  Pure and thread-safe. */
-void kvd_seg_vsum(const struct kvd_geom *g, uint32_t n, const void *mem, float *out);
+/* The sums kept beside a payload that passed kvd_seg_check, in an io buffer
+ * from kvd_seg_io_alloc: the V sums of every kv head into vsum
+ * ([kv_heads][d], as kvd_seg_head.vsum), summed in double in row order, and
+ * the moments (kvd_seg_head.ksum, kv) into io past the payload.  About d*d
+ * FMAs a row, which kvd_seg_adopt makes itself when given no vsum (a
+ * restore makes them on the spill thread instead, off the daemon's lock).
+ * The same bits as kvd_seg_build's.  Thread-safe; 0 or -ENOMEM. */
+int kvd_seg_sums(const struct kvd_geom *g, uint32_t n, void *io, float *vsum);
 
 #endif

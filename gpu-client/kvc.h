@@ -60,6 +60,7 @@ enum kvc_kv_dtype { KVC_KV_BF16 = 0, KVC_KV_INT8 = 1 };
  * sparse layer), charged to the sequence's uid. */
 enum kvc_estimator {
 	KVC_EST_MAGICPIG = 0, KVC_EST_HYBRID = 1, KVC_EST_ADAPTIVE = 2, KVC_EST_HYBRID_CV = 3,
+	KVC_EST_HYBRID_LCV = 4,
 };
 
 struct kvc_model {

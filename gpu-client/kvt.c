@@ -189,7 +189,8 @@ static_assert((int)KVC_KV_BF16 == (int)KVD_KV_BF16 && (int)KVC_KV_INT8 == (int)K
 static_assert((int)KVC_EST_MAGICPIG == (int)KVD_EST_MAGICPIG &&
 	      (int)KVC_EST_HYBRID == (int)KVD_EST_HYBRID &&
 	      (int)KVC_EST_ADAPTIVE == (int)KVD_EST_ADAPTIVE &&
-	      (int)KVC_EST_HYBRID_CV == (int)KVD_EST_HYBRID_CV, "kvc_estimator");
+	      (int)KVC_EST_HYBRID_CV == (int)KVD_EST_HYBRID_CV &&
+	      (int)KVC_EST_HYBRID_LCV == (int)KVD_EST_HYBRID_LCV, "kvc_estimator");
 
 static const char *dtype_name(uint32_t dt)
 {

@@ -32,7 +32,8 @@ static_assert((int)KVD__ESTIMATOR__ESTIMATOR_MAGICPIG == (int)KVD_EST_MAGICPIG &
 	      (int)KVD__ESTIMATOR__ESTIMATOR_HYBRID == (int)KVD_EST_HYBRID &&
 	      (int)KVD__ESTIMATOR__ESTIMATOR_ADAPTIVE == (int)KVD_EST_ADAPTIVE &&
 	      (int)KVD__ESTIMATOR__ESTIMATOR_HYBRID_CV == (int)KVD_EST_HYBRID_CV &&
-	      KVD_EST_MAX == KVD_EST_HYBRID_CV, "Profile.estimator numbers");
+	      (int)KVD__ESTIMATOR__ESTIMATOR_HYBRID_LCV == (int)KVD_EST_HYBRID_LCV &&
+	      KVD_EST_MAX == KVD_EST_HYBRID_LCV, "Profile.estimator numbers");
 
 __attribute__((format(printf, 3, 4)))
 static int fail(struct kvd_ctl_err *err, int code, const char *fmt, ...)
@@ -183,7 +184,7 @@ int kvd_ctl_check_profile(const Kvd__Profile *p, int filled, struct kvd_ctl_err 
 			    p->kv_dtype);
 	if (p->estimator > KVD_EST_MAX)
 		return fail(err, -EINVAL,
-			    "profile estimator %u is not 0 (magicpig), 1 (hybrid), 2 (adaptive) or 3 (hybrid_cv)",
+			    "profile estimator %u is not 0 (magicpig), 1 (hybrid), 2 (adaptive), 3 (hybrid_cv) or 4 (hybrid_lcv)",
 			    p->estimator);
 	rc = kvd_ctl_profile_to_geom(p, &g);
 	if (rc)
@@ -275,6 +276,7 @@ int kvd_ctl_profile_to_geom(const Kvd__Profile *p, struct kvd_geom *g)
 	g->L = p->tables;
 	g->c = p->min_collisions;
 	g->kv_dtype = p->kv_dtype;
+	g->moments = p->estimator == KVD_EST_HYBRID_LCV;
 	return kvd_geom_check(g);
 }
 

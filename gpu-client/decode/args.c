@@ -52,13 +52,13 @@ void dec_usage(FILE *f)
 	      "  --steps N             decode steps measured (default 32)\n"
 	      "  --warmup N            decode steps before measuring (default 2)\n"
 	      "  --layers N            the first N of the 32 layers (default 32; for quick runs)\n"
-	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 80, 2;\n"
+	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 50, 2;\n"
 	      "                        MagicPIG's own: 10, 150, 2)\n"
 	      "  --sink N --window N   tokens kept on the GPU in kvd mode (default 4, 64)\n"
 	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default int8)\n"
-	      "  --estimator magicpig|hybrid|adaptive|hybrid_cv   how kvd estimates\n"
-	      "                        attention over sealed segments in kvd mode\n"
-	      "                        (default hybrid_cv)\n"
+	      "  --estimator magicpig|hybrid|adaptive|hybrid_cv|hybrid_lcv   how kvd\n"
+	      "                        estimates attention over sealed segments in kvd\n"
+	      "                        mode (default hybrid_lcv)\n"
 	      "  --share none|attach|fork   kvd mode, --batch > 1: sequence 0 prefills the\n"
 	      "                        prompt and the others share it (attach: published under\n"
 	      "                        content keys and attached, --ctx a multiple of 256;\n"
@@ -168,7 +168,7 @@ int dec_args_parse(struct dec_args *a, int argc, char **argv, char *msg, size_t 
 		}
 		if (!strcmp(name, "--estimator")) {
 			if (!val || kvd_estimator_parse(val, &a->estimator)) {
-				snprintf(msg, len, "--estimator: magicpig, hybrid, adaptive or hybrid_cv, not %s",
+				snprintf(msg, len, "--estimator: magicpig, hybrid, adaptive, hybrid_cv or hybrid_lcv, not %s",
 					 val ? val : "nothing");
 				return -EINVAL;
 			}

@@ -248,9 +248,10 @@ static int rec_check(const uint8_t *pl, uint64_t bytes, struct kvd_sfmt_profile_
 	    !all_zero(r->reserved, sizeof r->reserved))
 		return fail(msg, msglen, "PROFILE record: name padding or reserved bytes not zero");
 	if (r->estimator > KVD_EST_MAX)
-		return fail(msg, msglen, "PROFILE estimator %u is not 0, 1 or 2", r->estimator);
+		return fail(msg, msglen, "PROFILE estimator %u is not 0 to %d", r->estimator,
+			    KVD_EST_MAX);
 
-	struct kvd_geom g = { r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c, r->kv_dtype };
+	struct kvd_geom g = { r->q_heads, r->kv_heads, r->d, r->K, r->L, r->c, r->kv_dtype, 0 };
 
 	if (kvd_geom_check(&g))
 		return fail(msg, msglen,
@@ -322,7 +323,8 @@ int kvd_sfmt_profile_get(const void *payload, uint64_t bytes, struct kvd_profile
 		return rc;
 	memcpy(out->name, r.name, KVD_NAME_MAX);
 	out->name[KVD_NAME_MAX] = 0;
-	out->g = (struct kvd_geom){ r.q_heads, r.kv_heads, r.d, r.K, r.L, r.c, r.kv_dtype };
+	out->g = (struct kvd_geom){ r.q_heads, r.kv_heads, r.d, r.K, r.L, r.c, r.kv_dtype,
+				    r.estimator == KVD_EST_HYBRID_LCV };
 	out->layers = r.layers;
 	out->sink = r.sink;
 	out->window = r.window;

@@ -520,7 +520,8 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		const struct ext *e = &r->ext[i];
 		uint32_t nseg = 0;
 
-		need += e->bytes;
+		/* a segment's io buffer holds its moments past the extent */
+		need += e->kind == KVD_SFMT_SEG ? kvd_seg_io_bytes(g, e->n) : e->bytes;
 		if (e->kind == KVD_SFMT_HEAVY)
 			need += kvd_store_heavy_bytes(q);
 		if (e->kind != KVD_SFMT_LAYER)
@@ -545,10 +546,13 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		size_t b = r->ext[i].bytes;
 
 		if (r->ext[i].kind == KVD_SFMT_SEG) {
+			size_t io = 0;
+
 			r->buf[i].p = kvd_seg_io_alloc_node(g, r->ext[i].n,
-							    kvd_store_mem_node(t->st, q), &b);
-			if (r->buf[i].p && b != r->ext[i].bytes) {
-				kvd_seg_io_free(r->buf[i].p, b);
+							    kvd_store_mem_node(t->st, q), &io);
+			if (r->buf[i].p &&
+			    b != kvd_sfmt_extent_bytes(kvd_seg_bytes(g, r->ext[i].n))) {
+				kvd_seg_io_free(r->buf[i].p, io);
 				r->buf[i].p = NULL;
 				snprintf(msg, msglen, "extent %u: %zu bytes, the file says %llu", i, b,
 					 (unsigned long long)r->ext[i].bytes);
@@ -561,6 +565,7 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		}
 		r->buf[i].bytes = b;
 		r->mine[i] = r->ext[i].kind == KVD_SFMT_SEG ? MINE_SEG : MINE_PAGE;
+		r->iob[i] = kvd_seg_io_bytes(g, r->ext[i].n);
 		if (!r->buf[i].p || kvd_tier_read_prep(t, r, i))
 			goto nomem;
 	}

@@ -56,6 +56,8 @@ struct rec {
 	struct kvd_spill_buf *buf;      /* job.ext */
 	uint8_t *mine;                  /* [next]: buf[i] is ours to free at the end:
 					 * MINE_PAGE or MINE_SEG (kvd_seg_io_alloc) */
+	size_t *iob;                    /* [next]: a MINE_SEG buffer's io bytes, more
+					 * than the extent in buf (the moments) */
 	struct ext *wext;               /* WRITE: the extents being written */
 	struct kvd_seg **wseg;          /* WRITE: the segments whose header pages it uses */
 	unsigned nwseg;

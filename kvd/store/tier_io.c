@@ -134,7 +134,7 @@ static void fill_layer(void *arg, void *payload)
 struct rfill {
 	const struct kvd_profile *p;
 	struct kvd_tail *tail;          /* LAYER: NULL once installed */
-	float *vsum;                    /* SEG: [kv_heads][d], kvd_seg_vsum of the payload */
+	float *vsum;                    /* SEG: [kv_heads][d], kvd_seg_sums of the payload */
 	uint32_t layer, n;
 	int filled;                     /* set on the spill thread before its progress
 					 * result, read after that result is reaped */
@@ -161,9 +161,9 @@ static void drain_layer(void *arg, void *page)
 	f->filled = 1;
 }
 
-/* A SEG extent's V sums (kvd_seg_vsum), made here on the spill thread:
- * one pass over the segment's V rows, which the install would otherwise
- * make under the daemon's lock. */
+/* A SEG extent's sums (kvd_seg_sums: V sums, moments), made here on the
+ * spill thread: a pass over the segment's rows, which the install would
+ * otherwise make under the daemon's lock. */
 static void drain_seg(void *arg, void *page)
 {
 	struct rfill *f = arg;
@@ -176,8 +176,7 @@ static void drain_seg(void *arg, void *page)
 	    h->kv_heads != g->kv_heads || h->d != g->d || h->K != g->K || h->L != g->L ||
 	    kvd_sfmt_seg_dtype(h) != g->kv_dtype)
 		return;
-	kvd_seg_vsum(g, f->n, (char *)page + PAGE, f->vsum);
-	f->filled = 1;
+	f->filled = kvd_seg_sums(g, f->n, page, f->vsum) == 0;
 }
 
 static int read_seg(struct rec *r, unsigned i)
@@ -234,8 +233,8 @@ void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 	for (unsigned i = 0; r->buf && r->mine && i < r->job.next; i++) {
 		if (!r->mine[i] || !r->buf[i].p)
 			continue;
-		if (r->mine[i] == MINE_SEG)
-			kvd_seg_io_free(r->buf[i].p, r->buf[i].bytes);
+		if (r->mine[i] == MINE_SEG)     /* an io buffer, longer than its extent */
+			kvd_seg_io_free(r->buf[i].p, r->iob[i]);
 		else
 			kvd_tier_page_free(r->buf[i].p, r->buf[i].bytes);
 	}
@@ -246,9 +245,11 @@ void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 	r->nwseg = 0;
 	free(r->buf);
 	free(r->mine);
+	free(r->iob);
 	free(r->wext);
 	r->buf = NULL;
 	r->mine = NULL;
+	r->iob = NULL;
 	r->wext = NULL;
 	t->reserved -= r->reserved;
 	if (lim(t))
@@ -263,7 +264,8 @@ int kvd_tier_job_alloc(struct rec *r, unsigned n)
 {
 	r->buf = calloc(n, sizeof *r->buf);
 	r->mine = calloc(n, 1);
-	return r->buf && r->mine ? 0 : -ENOMEM;
+	r->iob = calloc(n, sizeof *r->iob);
+	return r->buf && r->mine && r->iob ? 0 : -ENOMEM;
 }
 
 /* ---- write-back --------------------------------------------------------- */
@@ -465,14 +467,16 @@ heavy:
 
 			sg->wbusy = 1;
 			r->wseg[r->nwseg++] = sg;
+			/* the header page and the payload: the moments past
+			 * it stay out of the file (kvd_seg_sums remakes them) */
 			r->buf[i].p = sg->io;
-			r->buf[i].bytes = sg->bytes;
+			r->buf[i].bytes = kvd_sfmt_extent_bytes(kvd_seg_bytes(&q->p->g, sg->n));
 			h = sg->io;
 			e = (struct kvd_sfmt_ext){ .kind = KVD_SFMT_SEG, .index = i, .layer = ly,
 						   .n = sg->n, .tok_begin = tok };
 			kvd_sfmt_hdr_fill(h, &f, &e);
 			tok += sg->n;
-			r->wext[i] = (struct ext){ KVD_SFMT_SEG, ly, sg->n, 0, sg->bytes, h->tok_begin,
+			r->wext[i] = (struct ext){ KVD_SFMT_SEG, ly, sg->n, 0, r->buf[i].bytes, h->tok_begin,
 						   h->tok_end };
 			i++;
 		}
@@ -584,7 +588,7 @@ int kvd_tier_install(struct kvd_tier *t, struct rec *r, unsigned i)
 			return -KVD_EFORMAT;
 		struct rfill *f = r->rfill ? &r->rfill[i] : NULL;
 
-		rc = kvd_seg_adopt(g, e->n, r->buf[i].p, r->buf[i].bytes,
+		rc = kvd_seg_adopt(g, e->n, r->buf[i].p, r->iob[i],
 				   f && f->filled ? f->vsum : NULL, &sg);
 		if (rc)
 			return rc;

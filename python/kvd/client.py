@@ -22,7 +22,7 @@ BACKENDS = {"cpu": 0, "cuda": 1, "auto": 2}
 KV_DTYPES = {"bf16": 0, "int8": 1}
 # Model.estimator: how kvd estimates attention over sealed segments
 # (enum kvc_estimator).
-ESTIMATORS = {"magicpig": 0, "hybrid": 1, "adaptive": 2, "hybrid_cv": 3}
+ESTIMATORS = {"magicpig": 0, "hybrid": 1, "adaptive": 2, "hybrid_cv": 3, "hybrid_lcv": 4}
 SEQ_STATES = ("ram", "spilling", "disk", "restoring", "lost")
 
 
@@ -33,9 +33,9 @@ class Model:
     kvd stores the K/V rows of sealed segments, "int8" (the default) or
     "bf16" (what is sent is the same either way; int8 takes about half the
     memory and is approximate).  estimator: how kvd estimates attention over
-    sealed segments, "hybrid_cv" (the default), "magicpig", "hybrid" or
-    "adaptive" (all but magicpig keep a small state per sequence and layer
-    in kvd)."""
+    sealed segments, "hybrid_lcv" (the default), "magicpig", "hybrid",
+    "adaptive" or "hybrid_cv" (all but magicpig keep a small state per
+    sequence and layer in kvd)."""
     name: str
     layers: int
     q_heads: int
@@ -43,10 +43,10 @@ class Model:
     head_dim: int
     # K, L, c, kv_dtype and estimator default to kvd's recommended
     # configuration (KVD_EST_CFG_DEFAULT, engine/attn.h): MagicPIG K10
-    # L150 bf16's accuracy for about 0.4 of its CPU.  MagicPIG's own is
+    # L150 bf16's accuracy for about 0.3 of its CPU.  MagicPIG's own is
     # K=10, L=150, kv_dtype="bf16", estimator="magicpig".
     K: int = 10                 # bits per table
-    L: int = 80                 # tables
+    L: int = 50                 # tables
     c: int = 2                  # collisions needed (1 or 2)
     sink: int = 4               # tokens kept by the client at the start
     window: int = 64            # recent tokens kept by the client
@@ -55,7 +55,7 @@ class Model:
     segment_tokens: int = 0
     seal_tokens: int = 0
     kv_dtype: str = "int8"
-    estimator: str = "hybrid_cv"
+    estimator: str = "hybrid_lcv"
 
     @property
     def group(self):

@@ -72,12 +72,12 @@ def test_profile_round_trip(sock):
             c.sequence()
         m = c.profile(name="py-defaults", layers=2, q_heads=Q, kv_heads=H, head_dim=D)
         # the client's defaults: kvd's recommended configuration
-        assert (m.K, m.L, m.c, m.sink, m.window) == (10, 80, 2, 4, 64)
-        assert (m.kv_dtype, m.estimator) == ("int8", "hybrid_cv")
+        assert (m.K, m.L, m.c, m.sink, m.window) == (10, 50, 2, 4, 64)
+        assert (m.kv_dtype, m.estimator) == ("int8", "hybrid_lcv")
         assert m.segment_tokens > 0 and m.seal_tokens > 0      # kvd's defaults
         assert c.model is m and m.group == Q // H
         w = c.w
-        assert w.shape == (D, 10 * 80) and w.dtype == np.float32
+        assert w.shape == (D, 10 * 50) and w.dtype == np.float32
         assert np.isfinite(w).all() and abs(float(w.std()) - 1) < 0.05
         with pytest.raises(kvd.KvdError, match="already has a profile") as e:
             c.profile(m)
@@ -284,11 +284,11 @@ def test_estimator_profile(sock):
             c.profile(dataclasses.replace(mh, name="py-bad-est", estimator=7))
         assert e.value.name == "EINVAL"
         with pytest.raises(ValueError,
-                           match="estimator: 'exact' is not one of magicpig, hybrid, adaptive, hybrid_cv"):
+                           match="estimator: 'exact' is not one of magicpig, hybrid, adaptive, hybrid_cv, hybrid_lcv"):
             c.profile(dataclasses.replace(mh, estimator="exact"))
         assert c.profile(mh).estimator == "hybrid"  # the connection is still good
         assert kvd.ESTIMATORS == {"magicpig": 0, "hybrid": 1, "adaptive": 2,
-                                  "hybrid_cv": 3}
+                                  "hybrid_cv": 3, "hybrid_lcv": 4}
 
 
 # ---- the merge -----------------------------------------------------------

@@ -89,7 +89,7 @@ static void back(void *h, const void *d, size_t bytes)
 static void rows_and_codes(uint32_t H, uint32_t d, uint32_t K, uint32_t L, uint32_t n,
 			   uint32_t t0, uint32_t cnt, int dtype, uint64_t seed)
 {
-	const struct kvd_geom g = { H, H, d, K, L, 1, KVD_KV_BF16 };
+	const struct kvd_geom g = { H, H, d, K, L, 1, KVD_KV_BF16, 0 };
 	const uint32_t KL = K * L;
 	float *W = xmalloc((size_t)d * KL * 4), *mean = xmalloc((size_t)H * d * 4);
 	float *k = xmalloc((size_t)H * n * d * 4), *v = xmalloc((size_t)H * n * d * 4);
@@ -171,7 +171,7 @@ static void test_codes_equal_cpu(void **state)
 
 static void test_query_codes_equal_cpu(void **state)
 {
-	const struct kvd_geom g = { 32, 8, 128, 10, 150, 2, KVD_KV_BF16 };
+	const struct kvd_geom g = { 32, 8, 128, 10, 150, 2, KVD_KV_BF16, 0 };
 	const uint32_t nseq = 5, Hq = g.q_heads, d = g.d, KL = g.K * g.L;
 	float *W = xmalloc((size_t)d * KL * 4), *q = xmalloc((size_t)nseq * Hq * d * 4);
 	double *scr = xmalloc(KL * sizeof *scr);

@@ -103,7 +103,7 @@ static const struct kvc_model model_other = {
 	.K = 10, .L = NT, .c = 2, .sink = 4, .window = 64, .dense_layers = dense_layers,
 	.n_dense = 1, .seed = 8, .segment_tokens = 1024, .seal_tokens = 256,
 };
-static const struct kvd_geom geom = { HQ, HKV, D, 10, NT, 2, 0 };
+static const struct kvd_geom geom = { HQ, HKV, D, 10, NT, 2, 0, 0 };
 
 static struct daemon D_;
 static char spill[128];

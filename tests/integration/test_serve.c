@@ -93,7 +93,8 @@ static struct kvc *connect_client(const char *name)
 static int check_equal_to_engine(struct kvc *c, uint64_t seed, int verbose)
 {
 	const struct kvc_model *m = kvc_model_of(c);
-	struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c, m->kv_dtype };
+	struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c, m->kv_dtype,
+			      m->estimator == KVC_EST_HYBRID_LCV };
 	struct kvc_seq *s;
 	struct kvd_synth w[LAYERS];
 	float o[8 * 128], lse[8], ro[8 * 128], rl[8];
@@ -691,7 +692,7 @@ static int decode_equal_to_engine(struct kvc *c, const struct kvd_synth *w, uint
 {
 	const struct kvc_model *m = kvc_model_of(c);
 	const struct kvd_geom g = { m->q_heads, m->kv_heads, m->head_dim, m->K, m->L, m->c,
-				    m->kv_dtype };
+				    m->kv_dtype, m->estimator == KVC_EST_HYBRID_LCV };
 	const uint32_t n = n0 + steps, H = 2, d = 128, L = m->L, S = m->seal_tokens;
 	const uint32_t E = steps / APPEND_BATCH * APPEND_BATCH;    /* rows appended to kvd */
 	const uint32_t nseal = E / S, tn = E - nseal * S;

@@ -44,6 +44,13 @@ static const struct kvc_model model_int8 = {
 	.seal_tokens = 256,
 };
 
+static const struct kvc_model model_lcv = {
+	.name = "tier-hybrid-lcv", .layers = LAYERS, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
+	.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .estimator = KVC_EST_HYBRID_LCV,
+	.dense_layers = dense_layers, .n_dense = 1, .seed = 11, .segment_tokens = 4096,
+	.seal_tokens = 256,
+};
+
 static struct daemon D;
 static char spill[128];
 
@@ -641,19 +648,22 @@ static int same_step(struct kvc *c, struct session *x, struct session *y, int s)
  * that step otherwise, so the lists are what is compared.  The steps after
  * the restore change the lists: the next eviction writes the file again
  * (it is no longer current), and after a PREFETCH x still answers as y. */
-/* hybrid_cv's segments come back from disk with the V sums they were built
- * with (made on the spill thread from the payload): x, evicted after WARM
- * steps and restored by ATTEND, answers each step bit for bit as its twin
- * y, and otherwise than hybrid on the same rows. */
-static void test_spill_cv_answers_as_twin(void **state)
+/* hybrid_cv's and hybrid_lcv's segments come back from disk with the V
+ * sums and moments they were built with (made on the spill thread from the
+ * payload): x, evicted after WARM steps and restored by ATTEND, answers
+ * each step bit for bit as its twin y, and otherwise than hybrid on the
+ * same rows. */
+static void cv_twin(const struct kvc_model *m, const char *name)
 {
 	float oy[LAYERS][8 * 128], ly[LAYERS][8], oz[LAYERS][8 * 128], lz[LAYERS][8];
 	struct kvc *cc, *ch;
 	struct session x, y, h;
+	char hn[64];
 
 	assert_int_equal(up(NULL, NULL), 0);
-	cc = client_of("spill-cv", &model_cv);
-	ch = client_of("spill-cv-hybrid", &model_hybrid);
+	snprintf(hn, sizeof hn, "%s-hybrid", name);
+	cc = client_of(name, m);
+	ch = client_of(hn, &model_hybrid);
 	assert_int_equal(build(cc, &x, 4), 0);
 	assert_int_equal(build(cc, &y, 4), 0);
 	assert_int_equal(build(ch, &h, 4), 0);
@@ -679,6 +689,16 @@ static void test_spill_cv_answers_as_twin(void **state)
 	drop_session(ch, &h);
 	kvc_close(cc);
 	kvc_close(ch);
+}
+
+static void test_spill_cv_answers_as_twin(void **state)
+{
+	cv_twin(&model_cv, "spill-cv");
+}
+
+static void test_spill_lcv_answers_as_twin(void **state)
+{
+	cv_twin(&model_lcv, "spill-lcv");
 }
 
 static void test_spill_keeps_estimator_state(void **state)
@@ -1017,6 +1037,7 @@ int main(void)
 		cmocka_unit_test_teardown(test_persist_int8_restart, down),
 		cmocka_unit_test_teardown(test_spill_keeps_estimator_state, down),
 		cmocka_unit_test_teardown(test_spill_cv_answers_as_twin, down),
+		cmocka_unit_test_teardown(test_spill_lcv_answers_as_twin, down),
 		cmocka_unit_test_teardown(test_persist_hybrid_restart, down),
 		cmocka_unit_test_teardown(test_persist_version1_file, down),
 		cmocka_unit_test_teardown(test_crash_during_spill_burst, down),

@@ -594,8 +594,8 @@ static void test_profile_fields(void **state)
 		F(seal_tokens, 40000, -EINVAL, "seal_tokens 40000"),
 		F(kv_dtype, 2, -EINVAL, "profile kv_dtype 2 is not 0 (bf16) or 1 (int8)"),
 		F(kv_dtype, UINT32_MAX, -EINVAL, "kv_dtype 4294967295"),
-		F(estimator, 4, -EINVAL,
-		  "profile estimator 4 is not 0 (magicpig), 1 (hybrid), 2 (adaptive) or 3 (hybrid_cv)"),
+		F(estimator, 5, -EINVAL,
+		  "profile estimator 5 is not 0 (magicpig), 1 (hybrid), 2 (adaptive), 3 (hybrid_cv) or 4 (hybrid_lcv)"),
 		F(estimator, UINT32_MAX, -EINVAL, "estimator 4294967295"),
 #undef F
 	};
@@ -1250,7 +1250,7 @@ static void test_response_checks(void **state)
 	d = DECODE(1);
 	assert_null(d);
 	assert_int_equal(e.code, -KVD_EPROTO);
-	assert_non_null(strstr(e.msg, "estimator 4"));
+	assert_non_null(strstr(e.msg, "estimator 5"));
 	prof.estimator = KVD_EST_HYBRID;
 	d = DECODE(1);
 	assert_non_null(d);

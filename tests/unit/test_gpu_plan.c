@@ -166,7 +166,7 @@ static void test_chunks_and_slots(void **state)
  * from 0.  Queries likewise against kvd_prep_query_codes. */
 static void test_pack_layout_matches_prep(void **state)
 {
-	const struct kvd_geom g = { 8, 2, 128, 10, 24, 2, KVD_KV_BF16 };
+	const struct kvd_geom g = { 8, 2, 128, 10, 24, 2, KVD_KV_BF16, 0 };
 	const uint32_t H = g.kv_heads, d = g.d, K = g.K, L = g.L, KL = K * L, n = 97;
 	float *W = xmalloc((size_t)d * KL * sizeof *W);
 	float *k = xmalloc((size_t)H * n * d * 4), *v = xmalloc((size_t)H * n * d * 4);
@@ -440,7 +440,7 @@ static void test_decode_args(void **state)
 	assert_int_equal(parse(&a, msg, "--estimator=adaptive", NULL), 0);
 	assert_int_equal(a.estimator, KVD_EST_ADAPTIVE);
 	assert_int_equal(parse(&a, msg, "--estimator=exact", NULL), -EINVAL);
-	assert_non_null(strstr(msg, "--estimator: magicpig, hybrid, adaptive or hybrid_cv, not exact"));
+	assert_non_null(strstr(msg, "--estimator: magicpig, hybrid, adaptive, hybrid_cv or hybrid_lcv, not exact"));
 	assert_int_equal(parse(&a, msg, "--estimator", NULL), -EINVAL);
 	assert_int_equal(parse(&a, msg, "--attn=gpu-dense", "--ctx", "96k", "--batch=8",
 			       "--steps", "10", "--K", "8", "--L=75", "--c", "1", "--json", NULL), 0);

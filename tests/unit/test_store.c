@@ -46,7 +46,7 @@ static struct kvd_profile profile(const char *name, uint64_t seed)
 
 	memset(&p, 0, sizeof p);
 	snprintf(p.name, sizeof p.name, "%s", name);
-	p.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2, KVD_KV_BF16 };
+	p.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2, KVD_KV_BF16, 0 };
 	p.layers = LAYERS;
 	p.sink = 4;
 	p.window = 64;

@@ -109,7 +109,7 @@ static void env_open(struct env *e, uint64_t limit, uint64_t high, uint64_t low,
 
 	memset(&want, 0, sizeof want);
 	snprintf(want.name, sizeof want.name, "tier-policy");
-	want.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2, KVD_KV_BF16 };
+	want.g = (struct kvd_geom){ 4, KV, D, KB, LT, 2, KVD_KV_BF16, 0 };
 	want.layers = LAYERS;
 	want.sink = 4;
 	want.window = 64;
