@@ -256,10 +256,13 @@ struct layer_call {
 	struct kvd_attn_stats *st;
 };
 
+/* c->tab is [2] as a profile's (kvd/store/store.h): the second hybrid_lcv's
+ * reduced budget, as the daemon passes it. */
 static void layer_once(const struct layer_call *c)
 {
 	struct kvd_attn_req r = { .g = c->g, .tab = c->tab, .lv = c->lv, .q = c->q, .qc = c->qc,
-				  .o = c->o, .lse = c->lse, .est = c->est, .heavy = c->heavy };
+				  .o = c->o, .lse = c->lse, .est = c->est, .heavy = c->heavy,
+				  .tab_lo = c->est == KVD_EST_HYBRID_LCV ? c->tab + 1 : NULL };
 	int rc;
 
 	if (c->dense) {
@@ -346,7 +349,7 @@ static void cfg_setup(const struct opts *op, struct kvd_pool *pool, const struct
 	cf->lse = malloc((size_t)ne * nq * sizeof *cf->lse);
 	cf->od = malloc((size_t)nq * d * sizeof *cf->od);
 	cf->lsed = malloc(nq * sizeof *cf->lsed);
-	cf->tab = malloc(sizeof *cf->tab);
+	cf->tab = malloc(2 * sizeof *cf->tab);
 	cf->scr = calloc(nw, sizeof *cf->scr);
 	if (!cf->W || !cf->qc || !cf->o || !cf->lse || !cf->od || !cf->lsed || !cf->tab || !cf->scr)
 		die("buffers", -ENOMEM);
@@ -358,6 +361,7 @@ static void cfg_setup(const struct opts *op, struct kvd_pool *pool, const struct
 	if (rc)
 		die("prefill", rc);
 	kvd_logp_tab_init(cf->tab, (int)K, (int)L, (int)op->c);
+	kvd_logp_tab_init(cf->tab + 1, (int)K, (int)KVD_LCV_LO(L), (int)op->c);
 	for (unsigned w = 0; w < nw; w++)
 		if ((rc = kvd_attn_scratch_init(&cf->scr[w], op->seg)))
 			die("scratch", rc);

@@ -94,6 +94,7 @@ static void empty_result(int G, int d, float *o, float *lse)
 struct heavy_in {
 	const uint32_t *id[KVD_GMAX];           /* packed (segment << 16 | row) */
 	uint32_t n[KVD_GMAX];
+	uint8_t lo[KVD_GMAX];                   /* hybrid_lcv: the reduced budget */
 	uint32_t seg;
 };
 
@@ -426,7 +427,8 @@ static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *r
  * others get the empty result and no report: the layer driver spreads a
  * group over several tasks. */
 static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
-		    const struct kvd_logp_tab *tab, const struct kvd_seg *seg, uint32_t h,
+		    const struct kvd_logp_tab *tab, const struct kvd_logp_tab *tab_lo,
+		    const struct kvd_seg *seg, uint32_t h,
 		    const float *q, const uint16_t *qc, struct kvd_attn_scratch *s, float *o,
 		    float *lse, struct kvd_attn_stats *st, const struct heavy_in *hv,
 		    struct heavy_top *top, int cv, const float *lm, int g0, int gstep)
@@ -441,15 +443,18 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 	for (int gi = g0; gi < G; gi += gstep) {
 		const float *qg = q + (size_t)gi * d;
 		float *og = o + (size_t)gi * d;
-		uint32_t nc = kvd_lsh_candidates(&sh->tab, qc + (size_t)gi * L, (int)g->c,
-						 &s->lsh, s->cand), m, nh, hidx[KVD_HEAVY_MAX];
+		/* the reduced budget: a sample of the first tab_lo->L tables */
+		const struct kvd_logp_tab *tb = tab_lo && hv && hv->lo[gi] ? tab_lo : tab;
+		uint32_t nc = kvd_lsh_candidates_n(&sh->tab, qc + (size_t)gi * L, (uint32_t)tb->L,
+						   (int)g->c, &s->lsh, s->cand), m, nh,
+			 hidx[KVD_HEAVY_MAX];
 		float hraw[KVD_HEAVY_MAX], nn = 0.0f;
 
 		cand += nc;
 		if (st) {
 			const uint16_t *ids;
 
-			for (int t = 0; t < L; t++)
+			for (int t = 0; t < tb->L; t++)
 				walked += kvd_lsh_bucket(&sh->tab, (uint32_t)t,
 							 qc[(size_t)gi * L + t], &ids);
 		}
@@ -484,7 +489,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			for (uint32_t i = 0; i < m; i++)
 				s->t[i] = sc[i] * scale;
 
-		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tab);
+		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tb);
 		for (uint32_t j = 0; j < nh; j++)
 			sc[hidx[j]] = hraw[j] * scale;
 		lse[gi] = cv == 2 ? softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows, s->vsc, m,
@@ -506,7 +511,7 @@ void kvd_attn_sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		      const float *q, const uint16_t *qc, struct kvd_attn_scratch *s,
 		      float *o, float *lse, struct kvd_attn_stats *st)
 {
-	sampled(kk, g, tab, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, NULL, 0, 1);
+	sampled(kk, g, tab, NULL, seg, h, q, qc, s, o, lse, st, NULL, NULL, 0, NULL, 0, 1);
 }
 
 /* ---- exact attention over contiguous rows ------------------------------- */
@@ -741,7 +746,7 @@ static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t seg
 	hv->seg = seg;
 	for (uint32_t gi = 0; gi < G; gi++) {
 		const uint32_t *e = heavy + (size_t)(h * G + gi) * (1 + KVD_HEAVY_MAX);
-		uint32_t cnt = e[0] < KVD_HEAVY_MAX ? e[0] : KVD_HEAVY_MAX, k = 0;
+		uint32_t c0 = e[0] & 0xffff, cnt = c0 < KVD_HEAVY_MAX ? c0 : KVD_HEAVY_MAX, k = 0;
 
 		for (uint32_t i = 0; i < cnt; i++) {
 			uint32_t x = e[1 + i], j = k;
@@ -758,6 +763,7 @@ static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t seg
 		}
 		hv->id[gi] = ids[gi];
 		hv->n[gi] = k;
+		hv->lo[gi] = !!(e[0] & KVD_HEAVY_LO);
 	}
 }
 
@@ -825,7 +831,8 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 			};
 			heavy_of(r->heavy, h, G, part, lv->seg[part]->n, ids, &hv);
 		}
-		sampled(j->kk, g, r->tab, lv->seg[part], h, q, r->qc + (size_t)h * G * g->L, s,
+		sampled(j->kk, g, r->tab, r->tab_lo, lv->seg[part], h, q,
+			r->qc + (size_t)h * G * g->L, s,
 			o, lse, j->st ? &j->st[worker] : NULL, state ? &hv : NULL,
 			state ? &top : NULL,
 			lcv ? 2 : r->est == KVD_EST_HYBRID_CV || r->est == KVD_EST_HYBRID_LCV,
@@ -914,6 +921,22 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 			e[1 + i] = x;
 		}
 		e[0] = cnt;
+		/* hybrid_lcv's budget for the next step: the reduced one
+		 * unless half the list or more holds keys of at least
+		 * 2^-KVD_HEAVY_SHARE_LOG2 of the head's mass.  Such a head
+		 * may have more of them than the list takes out, left to the
+		 * sample, which wants every table; half, not all, so that a
+		 * head on the reduced budget, which finds fewer, still comes
+		 * back (a full list as the test held mixed's heads there). */
+		if (r->est == KVD_EST_HYBRID_LCV && r->tab_lo) {
+			float sig = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
+			uint32_t big = 0;
+
+			for (uint32_t k = 0; k < n; k++)
+				big += hs[k] >= sig;
+			if (big < KVD_HEAVY_MAX / 2)
+				e[0] |= KVD_HEAVY_LO;
+		}
 	}
 }
 
@@ -927,6 +950,9 @@ static int req_check(const struct kvd_attn_req *r, const struct kvd_attn_scratch
 		return rc;
 	if (r->tab && ((int)r->tab->K != (int)g->K || (int)r->tab->L != (int)g->L ||
 		       (int)r->tab->c != (int)g->c))
+		return -KVD_ESHAPE;
+	if (r->tab_lo && (!r->tab || r->tab_lo->K != r->tab->K || r->tab_lo->c != r->tab->c ||
+			  r->tab_lo->L < 1 || r->tab_lo->L > r->tab->L))
 		return -KVD_ESHAPE;
 	for (uint32_t i = 0; i < lv->nseg; i++)
 		if (lv->seg[i]->kv_heads != g->kv_heads || lv->seg[i]->d != g->d ||

@@ -110,11 +110,16 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
  *   from the segment's moments (kvd_seg_head.ksum, kv), and alpha, beta
  *   are a weighted least-squares fit on the sample (consistent, not
  *   unbiased; "The linear control variate"), falling back to hybrid_cv's
- *   constant, then to hybrid's own.
+ *   constant, then to hybrid's own.  Its budget is per q head: a head
+ *   whose list did not fill with keys of at least 2^-KVD_HEAVY_SHARE_LOG2
+ *   of its mass last step walks only the first KVD_LCV_LO(L) tables
+ *   (tab_lo in the request), a sample of that many tables, weighted by
+ *   their P; the others walk all L ("The per-head budget").
  *
  * The state of one layer is kvd_heavy_words(g) uint32 words, zero-filled
  * when new (empty lists): per q head a count then KVD_HEAVY_MAX entries
- * (segment << 16 | row), ascending.  Attention reads it; kvd_attn_layers
+ * (segment << 16 | row), ascending; hybrid_lcv keeps its budget in bit 16
+ * of the count word.  Attention reads it; kvd_attn_layers
  * rewrites it after the step.  Entries that no longer name a row of the
  * view are ignored, so any bytes there are safe. */
 enum kvd_estimator {
@@ -127,6 +132,8 @@ enum kvd_estimator {
 #define KVD_EST_MAX KVD_EST_HYBRID_LCV
 #define KVD_HEAVY_MAX 32
 #define KVD_HEAVY_SHARE_LOG2 10
+#define KVD_HEAVY_LO (1u << 16)         /* count word: the reduced budget */
+#define KVD_LCV_LO(L) ((L) / 2 ? (L) / 2 : 1)
 /* "magicpig" / "hybrid" / "adaptive" / "hybrid_cv" / "hybrid_lcv"; NULL for
  * an unknown value.
  * kvd_estimator_parse: 0 and *out, or -EINVAL. */
@@ -141,14 +148,14 @@ size_t kvd_heavy_words(const struct kvd_geom *g);
  * KVD_EST_CFG_DEFAULT is what kvd recommends, what the client libraries'
  * profiles get unless they say otherwise (the Python Model, kvd-decode;
  * on the wire 0 stays magicpig and bf16), and what kvbench's `--estimator
- * default` measures against MagicPIG's: hybrid_lcv at 50 tables in int8,
+ * default` measures against MagicPIG's: hybrid_lcv at 70 tables in int8,
  * which met MagicPIG's accuracy on every workload measured
  * (docs/ARCHITECTURE.md, "The default"). */
 struct kvd_est_cfg {
 	uint32_t est, K, L, c, kv_dtype;
 };
 #define KVD_EST_CFG_MAGICPIG ((struct kvd_est_cfg){ KVD_EST_MAGICPIG, 10, 150, 2, KVD_KV_BF16 })
-#define KVD_EST_CFG_DEFAULT  ((struct kvd_est_cfg){ KVD_EST_HYBRID_LCV, 10, 50, 2, KVD_KV_INT8 })
+#define KVD_EST_CFG_DEFAULT  ((struct kvd_est_cfg){ KVD_EST_HYBRID_LCV, 10, 70, 2, KVD_KV_INT8 })
 
 /* Several layers' requests (of any sequences and profiles) in one pool job,
  * so requests from different clients share one pass over the workers.
@@ -168,6 +175,9 @@ struct kvd_attn_req {
 	float *o, *lse;
 	uint32_t est;                   /* enum kvd_estimator; magicpig without heavy */
 	uint32_t *heavy;                /* kvd_heavy_words(g), or NULL (no state) */
+	/* hybrid_lcv: the logp table of (K, KVD_LCV_LO(L), c) for heads on
+	 * the reduced budget; NULL: every head walks all L tables */
+	const struct kvd_logp_tab *tab_lo;
 	int rc;
 };
 int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,

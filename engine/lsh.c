@@ -437,7 +437,13 @@ static void fold(uint8_t *cnt, size_t n)
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out)
 {
-	if (t->n > s->cap || c < 1 || c > 2)
+	return kvd_lsh_candidates_n(t, qcodes, t->L, c, s, out);
+}
+
+uint32_t kvd_lsh_candidates_n(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
+			      uint32_t nt, int c, struct kvd_lsh_scratch *s, uint16_t *out)
+{
+	if (t->n > s->cap || c < 1 || c > 2 || nt < 1 || nt > t->L)
 		return 0;
 
 	uint8_t *restrict cnt = s->cnt;
@@ -446,13 +452,13 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 	const uint16_t *ids[2][CAND_BATCH];
 	uint32_t len[2][CAND_BATCH];
 
-	for (uint32_t tab = 0; tab < t->L; tab++)
+	for (uint32_t tab = 0; tab < nt; tab++)
 		__builtin_prefetch(t->off + (size_t)tab * ((1u << t->K) + 1) + (qcodes[tab] & mask));
-	for (uint32_t t0 = 0; t0 < t->L + CAND_BATCH; t0 += CAND_BATCH) {
+	for (uint32_t t0 = 0; t0 < nt + CAND_BATCH; t0 += CAND_BATCH) {
 		/* look up and prefetch batch t0; walk batch t0 - CAND_BATCH */
 		uint32_t cur = t0 / CAND_BATCH & 1;
 
-		for (uint32_t k = 0; k < CAND_BATCH && t0 + k < t->L; k++) {
+		for (uint32_t k = 0; k < CAND_BATCH && t0 + k < nt; k++) {
 			len[cur][k] = kvd_lsh_bucket(t, t0 + k, qcodes[t0 + k] & mask, &ids[cur][k]);
 			__builtin_prefetch(ids[cur][k]);
 			for (uint32_t l = 32; l < len[cur][k]; l += 32)
@@ -463,7 +469,7 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 			continue;
 
 		uint32_t prev = cur ^ 1, p0 = t0 - CAND_BATCH;
-		uint32_t pn = t->L - p0 < CAND_BATCH ? t->L - p0 : CAND_BATCH;
+		uint32_t pn = nt - p0 < CAND_BATCH ? nt - p0 : CAND_BATCH;
 
 		for (uint32_t k = 0; k < pn; k += 2) {
 			const uint16_t *restrict a = ids[prev][k];
@@ -480,7 +486,7 @@ uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcod
 			for (uint32_t i = j; i < lb; i++)
 				cnt[b[i]]++;
 		}
-		if ((p0 + CAND_BATCH) % FOLD == 0 && p0 + CAND_BATCH < t->L)
+		if ((p0 + CAND_BATCH) % FOLD == 0 && p0 + CAND_BATCH < nt)
 			fold(cnt, (size_t)words * 64);
 	}
 	kvd_kern_get()->ge8(cnt, words, (uint8_t)c, s->bits);

@@ -109,6 +109,11 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s);
  * the total length of the L buckets visited, plus n/64 words to drain. */
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out);
+/* The same over the first nt tables only (1 <= nt <= L; 0 returned
+ * otherwise): the candidates of a segment with nt tables, so a sample
+ * weighted by P over nt tables (hybrid_lcv's reduced budget). */
+uint32_t kvd_lsh_candidates_n(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
+			      uint32_t nt, int c, struct kvd_lsh_scratch *s, uint16_t *out);
 
 /* Collision probability of a key at angle theta from the query, exactly as in
  * docs/ARCHITECTURE.md: p = (1 - theta/pi)^K; P(c=1) = 1-(1-p)^L;

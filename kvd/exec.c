@@ -493,6 +493,7 @@ static int unit_prepare(struct kvd_server *s, struct client *c, uint32_t i, unsi
 		.o = (float *)((char *)xb->o + k * xb->ob),
 		.lse = (float *)((char *)xb->lse + k * xb->lb),
 		.est = p->estimator,
+		.tab_lo = p->estimator == KVD_EST_HYBRID_LCV ? &p->tab[1] : NULL,
 		/* Taken on the loop (kvd_store_attend_view), not in the pool
 		 * job: the store is the loop's.  NULL (magicpig, dense, no room
 		 * for it) attends the layer without state. */

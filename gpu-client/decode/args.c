@@ -52,7 +52,7 @@ void dec_usage(FILE *f)
 	      "  --steps N             decode steps measured (default 32)\n"
 	      "  --warmup N            decode steps before measuring (default 2)\n"
 	      "  --layers N            the first N of the 32 layers (default 32; for quick runs)\n"
-	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 50, 2;\n"
+	      "  --K N --L N --c 1|2   SimHash bits, tables, collisions (default 10, 70, 2;\n"
 	      "                        MagicPIG's own: 10, 150, 2)\n"
 	      "  --sink N --window N   tokens kept on the GPU in kvd mode (default 4, 64)\n"
 	      "  --kv-dtype bf16|int8  how kvd stores sealed K/V in kvd mode (default int8)\n"

@@ -64,7 +64,7 @@ static struct kvd_prof *prof_of(const struct kvd_profile *p)
 size_t kvd_store_profile_bytes(const struct kvd_profile *p)
 {
 	return sizeof(struct kvd_prof) + p->layers +
-	       (size_t)p->g.d * p->g.K * p->g.L * sizeof(float) + sizeof(struct kvd_logp_tab);
+	       (size_t)p->g.d * p->g.K * p->g.L * sizeof(float) + 2 * sizeof(struct kvd_logp_tab);
 }
 
 const struct kvd_profile *kvd_profiles_find(const struct kvd_profiles *t, uint32_t ns,
@@ -97,7 +97,7 @@ int kvd_profiles_add(struct kvd_profiles *t, uint32_t ns, uint32_t uid,
 		x->p = *want;
 		x->p.dense = malloc(want->layers);
 		x->p.W = malloc(wn * sizeof *x->p.W);
-		x->p.tab = malloc(sizeof *x->p.tab);
+		x->p.tab = malloc(2 * sizeof *x->p.tab);
 	}
 	if (!x || !x->p.dense || !x->p.W || !x->p.tab) {
 		profile_free(x);
@@ -112,7 +112,8 @@ int kvd_profiles_add(struct kvd_profiles *t, uint32_t ns, uint32_t uid,
 		memcpy(x->p.W, want->W, wn * sizeof *x->p.W);
 	else
 		kvd_lsh_make_w(x->p.seed, (int)x->p.g.d, (int)x->p.g.K, (int)x->p.g.L, x->p.W);
-	kvd_logp_tab_init(x->p.tab, (int)x->p.g.K, (int)x->p.g.L, (int)x->p.g.c);
+	kvd_logp_tab_init(&x->p.tab[0], (int)x->p.g.K, (int)x->p.g.L, (int)x->p.g.c);
+	kvd_logp_tab_init(&x->p.tab[1], (int)x->p.g.K, (int)KVD_LCV_LO(x->p.g.L), (int)x->p.g.c);
 	x->next_id = t->by_id[pid_bucket(x->p.id)];
 	t->by_id[pid_bucket(x->p.id)] = x;
 	x->next_name = t->by_name[pname_bucket(ns, x->p.name)];

@@ -83,7 +83,8 @@ struct kvd_profile {
 	};
 	uint8_t *dense;                 /* [layers]: 1 = stays on the GPU */
 	float *W;                       /* [d][K*L] */
-	struct kvd_logp_tab *tab;
+	struct kvd_logp_tab *tab;       /* [2]: L tables, then KVD_LCV_LO(L) (hybrid_lcv's
+					 * reduced budget) */
 };
 
 /* Where a sequence's data is (kvd/store/tier.c moves it). */

@@ -43,10 +43,10 @@ class Model:
     head_dim: int
     # K, L, c, kv_dtype and estimator default to kvd's recommended
     # configuration (KVD_EST_CFG_DEFAULT, engine/attn.h): MagicPIG K10
-    # L150 bf16's accuracy for about 0.3 of its CPU.  MagicPIG's own is
+    # L150 bf16's accuracy for about 0.4 of its CPU.  MagicPIG's own is
     # K=10, L=150, kv_dtype="bf16", estimator="magicpig".
     K: int = 10                 # bits per table
-    L: int = 50                 # tables
+    L: int = 70                 # tables
     c: int = 2                  # collisions needed (1 or 2)
     sink: int = 4               # tokens kept by the client at the start
     window: int = 64            # recent tokens kept by the client

@@ -72,12 +72,12 @@ def test_profile_round_trip(sock):
             c.sequence()
         m = c.profile(name="py-defaults", layers=2, q_heads=Q, kv_heads=H, head_dim=D)
         # the client's defaults: kvd's recommended configuration
-        assert (m.K, m.L, m.c, m.sink, m.window) == (10, 50, 2, 4, 64)
+        assert (m.K, m.L, m.c, m.sink, m.window) == (10, 70, 2, 4, 64)
         assert (m.kv_dtype, m.estimator) == ("int8", "hybrid_lcv")
         assert m.segment_tokens > 0 and m.seal_tokens > 0      # kvd's defaults
         assert c.model is m and m.group == Q // H
         w = c.w
-        assert w.shape == (D, 10 * 50) and w.dtype == np.float32
+        assert w.shape == (D, 10 * 70) and w.dtype == np.float32
         assert np.isfinite(w).all() and abs(float(w.std()) - 1) < 0.05
         with pytest.raises(kvd.KvdError, match="already has a profile") as e:
             c.profile(m)

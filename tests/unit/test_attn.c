@@ -1032,14 +1032,15 @@ static size_t heavy_at(uint32_t qh)
 	return (size_t)qh * (1 + KVD_HEAVY_MAX);
 }
 
-static int layer_est(struct kvd_pool *pool, const struct kvd_kern *k, const struct layer_fix *f,
-		     const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv, uint32_t est,
-		     uint32_t *heavy, float *o, float *lse)
+static int layer_est_b(struct kvd_pool *pool, const struct kvd_kern *k,
+		       const struct layer_fix *f, const struct kvd_logp_tab *tab,
+		       const struct kvd_logp_tab *tab_lo, const struct kvd_layer_view *lv,
+		       uint32_t est, uint32_t *heavy, float *o, float *lse)
 {
 	unsigned nw = kvd_pool_size(pool);
 	struct kvd_attn_scratch scr[nw];
 	struct kvd_attn_req r = { .g = &f->g, .tab = tab, .lv = lv, .q = f->w.q, .qc = f->qc,
-				  .o = o, .lse = lse, .est = est, .heavy = heavy };
+				  .o = o, .lse = lse, .est = est, .heavy = heavy, .tab_lo = tab_lo };
 	int rc;
 
 	for (unsigned w = 0; w < nw; w++)
@@ -1048,6 +1049,13 @@ static int layer_est(struct kvd_pool *pool, const struct kvd_kern *k, const stru
 	for (unsigned w = 0; w < nw; w++)
 		kvd_attn_scratch_free(&scr[w]);
 	return rc ? rc : r.rc;
+}
+
+static int layer_est(struct kvd_pool *pool, const struct kvd_kern *k, const struct layer_fix *f,
+		     const struct kvd_logp_tab *tab, const struct kvd_layer_view *lv, uint32_t est,
+		     uint32_t *heavy, float *o, float *lse)
+{
+	return layer_est_b(pool, k, f, tab, NULL, lv, est, heavy, o, lse);
 }
 
 /* The control variates in double (engine/attn.c, softmax_v_cv and
@@ -1158,9 +1166,10 @@ static void cv_ref(const float *vf, uint32_t n, int d, const uint32_t *idx, uint
 /* The hybrid estimator in double: per segment, the rows q head qh sampled or
  * holds as heavy; heavy rows weigh exp(score), the others exp(score) / P.
  * cv 1: hybrid_cv's, the same rows through cv_ref; 2: hybrid_lcv's,
- * through lcv_ref. */
-static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, int cv, double *o,
-		       double *lse)
+ * through lcv_ref, and with budget a head whose count word says so
+ * samples the first KVD_LCV_LO(L) tables only. */
+static void hybrid_ref_b(const struct layer_fix *f, const uint32_t *heavy, int cv, int budget,
+			 double *o, double *lse)
 {
 	const struct kvd_geom *g = &f->g;
 	uint32_t G = kvd_geom_group(g), d = g->d;
@@ -1176,6 +1185,8 @@ static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, int cv,
 		const float *q = f->w.q + (size_t)qh * d;
 		const uint32_t *e = heavy + heavy_at(qh);
 		double *oq = o + (size_t)qh * d, qn = 0;
+		uint32_t nt = budget && (e[0] & KVD_HEAVY_LO) ? KVD_LCV_LO(g->L) : g->L;
+		uint32_t ne = e[0] & 0xffff;
 
 		for (uint32_t j = 0; j < d; j++)
 			qn += (double)q[j] * q[j];
@@ -1183,14 +1194,15 @@ static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, int cv,
 		lse[qh] = -INFINITY;
 		for (uint32_t s = 0; s < f->p.nseg; s++) {
 			const struct kvd_seg *seg = f->p.seg[s];
-			uint32_t m = kvd_lsh_candidates(&seg->h[qh / G].tab, f->qc + (size_t)qh * g->L,
-							(int)g->c, &ls, cand), nr = 0;
+			uint32_t m = kvd_lsh_candidates_n(&seg->h[qh / G].tab,
+							  f->qc + (size_t)qh * g->L, nt, (int)g->c,
+							  &ls, cand), nr = 0;
 			float *kf = xmalloc((size_t)seg->n * d * 4), *vf = xmalloc((size_t)seg->n * d * 4);
 
 			memset(hv, 0, seg->n);
 			for (uint32_t i = 0; i < m; i++)
 				hv[cand[i]] = 1;
-			for (uint32_t i = 0; i < e[0]; i++)
+			for (uint32_t i = 0; i < ne; i++)
 				if (e[1 + i] >> 16 == s)
 					hv[e[1 + i] & 0xffff] = 2;
 			seg_rows_f32(seg, qh / G, kf, vf);
@@ -1207,7 +1219,7 @@ static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, int cv,
 				idx[nr] = i;
 				w[nr] = dot / sqrt(d);
 				lp[nr] = hv[i] == 1 ? kvd_lsh_logp(dot / sqrt(kn * qn), (int)g->K,
-								   (int)g->L, (int)g->c) : 0.0;
+								   (int)nt, (int)g->c) : 0.0;
 				w[nr] -= lp[nr];
 				nr++;
 			}
@@ -1229,6 +1241,12 @@ static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, int cv,
 	free(w);
 	free(lp);
 	free(raw);
+}
+
+static void hybrid_ref(const struct layer_fix *f, const uint32_t *heavy, int cv, double *o,
+		       double *lse)
+{
+	hybrid_ref_b(f, heavy, cv, 0, o, lse);
 }
 
 /* Exact score in double of row `row` of segment s for q head qh (the
@@ -1533,6 +1551,81 @@ static void test_hybrid_cv_all_heavy_is_hybrid(void **state)
 		kvd_attn_scratch_free(&scr[w]);
 	kvd_pool_destroy(pool);
 	free(tab);
+}
+
+/* hybrid_lcv's per-head budget: after a step, a head whose list holds
+ * fewer than KVD_HEAVY_MAX / 2 keys of at least 2^-KVD_HEAVY_SHARE_LOG2 of
+ * its mass (exact scores against the step's lse) is marked for the reduced
+ * budget (every head on needle, most on dense at 6000 keys, none on
+ * mixed, whose 64 keys of weight fill the list), the list itself is hybrid's;
+ * and the next step answers, with every kernel, what the double reference
+ * answers sampling the first KVD_LCV_LO(L) tables for the marked heads. */
+static void test_lcv_budget(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	struct kvd_logp_tab *tab = xmalloc(2 * sizeof *tab);
+	float o[8 * 128], lse[8], lse0[8];
+	double ro[8 * 128], rl[8];
+
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
+		fix_make_dt(&f, (enum kvd_wl)wl, test_size(6000, 3000), test_size(2048, 1024), 10,
+			    150, 2, 500 + wl, KVD_KV_INT8);
+		kvd_logp_tab_init(&tab[0], 10, 150, 2);
+		kvd_logp_tab_init(&tab[1], 10, KVD_LCV_LO(150), 2);
+
+		struct kvd_layer_view lv = kvd_prep_view(&f.p);
+		size_t hw = kvd_heavy_words(&f.g);
+		uint32_t *h0 = xmalloc(hw * sizeof *h0), *h1 = xmalloc(hw * sizeof *h1);
+		uint32_t *heavy = xmalloc(hw * sizeof *heavy), lo = 0;
+
+		memset(h0, 0, hw * sizeof *h0);
+		memset(h1, 0, hw * sizeof *h1);
+		assert_int_equal(layer_est_b(pool, kvd_kern_get(), &f, tab, &tab[1], &lv,
+					     KVD_EST_HYBRID_LCV, h0, o, lse0), 0);
+		assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID, h1,
+					   o, lse), 0);
+		for (uint32_t qh = 0; qh < 8; qh++) {
+			uint32_t *e = h0 + heavy_at(qh), big = 0;
+
+			for (uint32_t k = 0; k < (e[0] & 0xffff); k++)
+				big += score_d(&f, qh, e[1 + k] >> 16, e[1 + k] & 0xffff) >=
+				       lse0[qh] - KVD_HEAVY_SHARE_LOG2 * M_LN2;
+			assert_int_equal(!!(e[0] & KVD_HEAVY_LO), big < KVD_HEAVY_MAX / 2);
+			lo += !!(e[0] & KVD_HEAVY_LO);
+			e[0] &= ~KVD_HEAVY_LO;
+			assert_memory_equal(e, h1 + heavy_at(qh), (1 + KVD_HEAVY_MAX) * sizeof *e);
+			e[0] = h1[heavy_at(qh)] | (h0[heavy_at(qh)] & KVD_HEAVY_LO);
+		}
+		print_message("  %s: %u of 8 heads on the reduced budget\n",
+			      kvd_wl_name((enum kvd_wl)wl), lo);
+		if (wl == KVD_WL_MIXED)
+			assert_int_equal(lo, 0);
+		else
+			assert_true(lo >= (wl == KVD_WL_NEEDLE ? 8u : test_quick() ? 1u : 6u));
+		/* with the marks back, a step of each kernel against the reference */
+		hybrid_ref_b(&f, h0, 2, 1, ro, rl);
+		for (int i = 0; i < nkv; i++) {
+			memcpy(heavy, h0, hw * sizeof *h0);
+			assert_int_equal(layer_est_b(pool, kv[i], &f, tab, &tab[1], &lv,
+						     KVD_EST_HYBRID_LCV, heavy, o, lse), 0);
+			for (int qh = 0; qh < 8; qh++) {
+				double e = rel_err_fd(o + qh * 128, ro + qh * 128, 128);
+
+				if (e > 1e-3 || fabs(lse[qh] - rl[qh]) > 1e-3)
+					fail_msg("%s %s head %d: rel %.2e, lse %.6f vs %.6f",
+						 kv[i]->name, kvd_wl_name((enum kvd_wl)wl), qh, e,
+						 lse[qh], rl[qh]);
+			}
+		}
+		free(heavy);
+		free(h0);
+		free(h1);
+		fix_free(&f);
+	}
+	free(tab);
+	kvd_pool_destroy(pool);
 }
 
 /* The state is the daemon's, but it may name rows a layer no longer has:
@@ -1874,6 +1967,7 @@ int main(void)
 		cmocka_unit_test(test_hybrid_matches_double),
 		cmocka_unit_test(test_hybrid_cv_matches_double),
 		cmocka_unit_test(test_hybrid_cv_all_heavy_is_hybrid),
+		cmocka_unit_test(test_lcv_budget),
 		cmocka_unit_test(test_heavy_state_bounds_and_adaptive),
 		cmocka_unit_test(test_heavy_in_sample_counted_once),
 		cmocka_unit_test(test_hybrid_unbiased_given_heavy),
