@@ -212,20 +212,30 @@ static void weighted_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
  * zero; returns the lse, or -inf when no score is above -inf.  int8: vsc
  * holds the rows' vscale as rows_consts read it (reading r8 here again
  * was a second random pass, ~4 % of a sampled int8 head). */
+/* softmax_v's end, once the weights exp(sc - mx) summing to sum are in sc:
+ * also the control variates' where they fall back to none, so that those
+ * answer its bits. */
+static float plain_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
+		     const struct kvd_seg_head *sh, int d, float *sc, const uint32_t *rows,
+		     const float *vsc, uint32_t m, int16_t *w16, float *og, float mx, float sum)
+{
+	float r = sum > 0.0f ? 1.0f / sum : 0.0f;
+
+	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
+	for (int e = 0; e < d; e++)
+		og[e] *= r;
+	return mx + logf(sum);
+}
+
 static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 		       const struct kvd_seg_head *sh, int d, float *sc, const uint32_t *rows,
 		       const float *vsc, uint32_t m, int16_t *w16, float *og)
 {
-	float mx = kk->max(sc, m), sum, r;
+	float mx = kk->max(sc, m);
 
 	if (mx == -INFINITY)
 		return -INFINITY;
-	sum = kk->expsum(sc, m, mx);
-	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
-	r = sum > 0.0f ? 1.0f / sum : 0.0f;
-	for (int e = 0; e < d; e++)
-		og[e] *= r;
-	return mx + logf(sum);
+	return plain_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og, mx, kk->expsum(sc, m, mx));
 }
 
 /* softmax_v with the control variate (hybrid_cv).  t holds each row's raw
@@ -269,14 +279,8 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 	z = (double)c * seg->n + sum - (double)c * ips;
 	if (!(c > 0.0f) || !(z > 0.0) || !(z <= DBL_MAX))
 		c = 0.0f;
-	if (c == 0.0f) {                                /* as softmax_v */
-		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
-
-		weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
-		for (int e = 0; e < d; e++)
-			og[e] *= r;
-		return mx + logf(sum);
-	}
+	if (c == 0.0f)
+		return plain_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og, mx, sum);
 	for (uint32_t i = 0; i < m; i++)
 		sc[i] -= c * t[i];
 	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
@@ -342,14 +346,8 @@ static float softmax_v_lcv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 			break;
 		al = be = 0.0;
 	}
-	if (al == 0.0 && be == 0.0) {                   /* as softmax_v */
-		float r = sum > 0.0f ? 1.0f / sum : 0.0f;
-
-		weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
-		for (int e = 0; e < d; e++)
-			og[e] *= r;
-		return mx + logf(sum);
-	}
+	if (al == 0.0 && be == 0.0)
+		return plain_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og, mx, sum);
 	for (uint32_t i = 0; i < m; i++)
 		sc[i] -= (float)((al + be * x[i]) * t[i]);
 	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
