@@ -1557,7 +1557,8 @@ static void test_hybrid_cv_all_heavy_is_hybrid(void **state)
  * fewer than KVD_HEAVY_MAX / 2 keys of at least 2^-KVD_HEAVY_SHARE_LOG2 of
  * its mass (exact scores against the step's lse) is marked for the reduced
  * budget (every head on needle, most on dense at 6000 keys, none on
- * mixed, whose 64 keys of weight fill the list), the list itself is hybrid's;
+ * mixed, whose 64 keys of weight fill the list at least half), the list
+ * itself is hybrid's;
  * and the next step answers, with every kernel, what the double reference
  * answers sampling the first KVD_LCV_LO(L) tables for the marked heads. */
 static void test_lcv_budget(void **state)
@@ -1600,8 +1601,11 @@ static void test_lcv_budget(void **state)
 		}
 		print_message("  %s: %u of 8 heads on the reduced budget\n",
 			      kvd_wl_name((enum kvd_wl)wl), lo);
+		/* the rule is checked head by head above; these say it picks
+		 * what it is meant to (at the sanitizer builds' 3000 keys a
+		 * mixed head may hold fewer than 16 such keys) */
 		if (wl == KVD_WL_MIXED)
-			assert_int_equal(lo, 0);
+			assert_true(lo <= (test_quick() ? 2u : 0u));
 		else
 			assert_true(lo >= (wl == KVD_WL_NEEDLE ? 8u : test_quick() ? 1u : 6u));
 		/* with the marks back, a step of each kernel against the reference */
