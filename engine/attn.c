@@ -207,11 +207,6 @@ static void weighted_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 	}
 }
 
-/* One q head's softmax over the m corrected scores sc of rows (overwritten
- * with weights) and the weighted sum of their V rows into og, which is
- * zero; returns the lse, or -inf when no score is above -inf.  int8: vsc
- * holds the rows' vscale as rows_consts read it (reading r8 here again
- * was a second random pass, ~4 % of a sampled int8 head). */
 /* softmax_v's end, once the weights exp(sc - mx) summing to sum are in sc:
  * also the control variates' where they fall back to none, so that those
  * answer its bits. */
@@ -227,6 +222,11 @@ static float plain_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 	return mx + logf(sum);
 }
 
+/* One q head's softmax over the m corrected scores sc of rows (overwritten
+ * with weights) and the weighted sum of their V rows into og, which is
+ * zero; returns the lse, or -inf when no score is above -inf.  int8: vsc
+ * holds the rows' vscale as rows_consts read it (reading r8 here again
+ * was a second random pass, ~4 % of a sampled int8 head). */
 static float softmax_v(const struct kvd_kern *kk, const struct kvd_seg *seg,
 		       const struct kvd_seg_head *sh, int d, float *sc, const uint32_t *rows,
 		       const float *vsc, uint32_t m, int16_t *w16, float *og)
@@ -486,7 +486,6 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		if (cv)
 			for (uint32_t i = 0; i < m; i++)
 				s->t[i] = sc[i] * scale;
-
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tb);
 		for (uint32_t j = 0; j < nh; j++)
 			sc[hidx[j]] = hraw[j] * scale;

@@ -233,8 +233,8 @@ struct seg_build {
 	struct kvd_seg *seg;
 	const uint16_t *k, *v, *codes;
 	size_t ld;                      /* rows between heads in k, v and codes' tables */
-	double *vpart;                  /* [kv_heads][row_tasks][2d]: each row task's V and
-					 * K sums */
+	double *vpart;                  /* [kv_heads][2][row_tasks][d]: each row task's V
+					 * sums, then its K sums */
 	float *mpart;                   /* [kv_heads][row_tasks][d*d]: its k v^T sums */
 };
 
@@ -595,10 +595,10 @@ static void seg_build_rows(void *arg, uint32_t task, unsigned worker)
 		kvd_kern_get()->kinv(sh->k + r0 * d, r1 - r0, (int)d, sh->kinv + r0);
 	}
 	vsum_chunk(sh, s->kv_dtype == KVD_KV_INT8, d, r0, r1,
-		   b->vpart + ((size_t)h * per + chunk) * 2 * d);
+		   b->vpart + ((size_t)h * 2 * per + chunk) * d);
 	if (b->mpart)
 		mom_chunk(sh, s->kv_dtype == KVD_KV_INT8, d, r0, r1,
-			  b->vpart + ((size_t)h * per + chunk) * 2 * d + d,
+			  b->vpart + (((size_t)h * 2 + 1) * per + chunk) * d,
 			  b->mpart + ((size_t)h * per + chunk) * d * d);
 
 	char *tab = head_parts(b->g, s->n, s->mem, h).tab;
@@ -695,28 +695,13 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 		run_heads(pool, g->kv_heads, seg_build_kscale, &b);
 	run_heads(pool, g->kv_heads * row_tasks(s), seg_build_rows, &b);
 	for (uint32_t h = 0; h < g->kv_heads; h++) {
-		const double *vp = b.vpart + (size_t)h * row_tasks(s) * 2 * g->d;
-		double *sums = malloc((size_t)row_tasks(s) * 2 * g->d * sizeof *sums);
+		const double *vp = b.vpart + (size_t)h * 2 * row_tasks(s) * g->d;
 
-		if (!sums) {
-			free(b.vpart);
-			free(b.mpart);
-			kvd_seg_free(s);
-			return -ENOMEM;
-		}
-		/* [chunk][V d | K d] into the V and K halves reduce_* read */
-		for (uint32_t c = 0; c < row_tasks(s); c++) {
-			memcpy(sums + (size_t)c * g->d, vp + (size_t)c * 2 * g->d,
-			       g->d * sizeof *sums);
-			memcpy(sums + ((size_t)row_tasks(s) + c) * g->d,
-			       vp + (size_t)c * 2 * g->d + g->d, g->d * sizeof *sums);
-		}
-		vsum_reduce(sums, row_tasks(s), g->d, s->h[h].vsum);
+		vsum_reduce(vp, row_tasks(s), g->d, s->h[h].vsum);
 		if (g->moments)
-			mom_reduce(sums + (size_t)row_tasks(s) * g->d,
+			mom_reduce(vp + (size_t)row_tasks(s) * g->d,
 				   b.mpart + (size_t)h * row_tasks(s) * g->d * g->d, row_tasks(s),
 				   g->d, &s->h[h]);
-		free(sums);
 	}
 	free(b.vpart);
 	free(b.mpart);
