@@ -1273,6 +1273,74 @@ static double score_d(const struct layer_fix *f, uint32_t qh, uint32_t s, uint32
 	return dot / sqrt(d);
 }
 
+/* Head by head, the list in heavy (as hybrid leaves it after a step from no
+ * state) is valid and ascending, and is the best of the head's own sample:
+ * nothing sampled and left out beats its worst entry (beyond float
+ * rounding), or is above its segment's floor where the list is not full.
+ * Returns the most rows one (segment, head) sampled. */
+static uint32_t check_lists(const struct layer_fix *f, const uint32_t *heavy, const char *what)
+{
+	uint32_t widest = 0;
+
+	for (uint32_t qh = 0; qh < 8; qh++) {
+		const uint32_t *e = heavy + heavy_at(qh);
+		double worst = INFINITY;
+
+		assert_true(e[0] > 0 && e[0] <= KVD_HEAVY_MAX);
+		for (uint32_t i = 0; i < e[0]; i++) {
+			assert_true(e[1 + i] >> 16 < f->p.nseg);
+			assert_true((e[1 + i] & 0xffff) < f->p.seg[e[1 + i] >> 16]->n);
+			if (i)
+				assert_true(e[1 + i] > e[i]);
+			double sc = score_d(f, qh, e[1 + i] >> 16, e[1 + i] & 0xffff);
+
+			worst = sc < worst ? sc : worst;
+		}
+		/* Nothing the head sampled and the list left out beats
+		 * its worst entry (beyond float rounding), or is above
+		 * its segment's floor where the list is not full. */
+		struct kvd_lsh_scratch ls;
+		uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
+
+		assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
+		for (uint32_t s = 0; s < f->p.nseg; s++) {
+			/* rows below 2^-10 of the segment's best weight are
+			 * never heavy */
+			double best = -INFINITY;
+
+			for (int pass = 0; pass < 2; pass++) {
+				uint32_t m = kvd_lsh_candidates(&f->p.seg[s]->h[qh / 4].tab,
+								f->qc + (size_t)qh * f->g.L, (int)f->g.c,
+								&ls, cand);
+
+				for (uint32_t i = 0; i < m; i++) {
+					double x = score_d(f, qh, s, cand[i]);
+					int listed = 0;
+
+					if (pass == 0) {
+						best = x > best ? x : best;
+						widest = m > widest ? m : widest;
+						continue;
+					}
+					for (uint32_t j = 0; j < e[0]; j++)
+						listed |= e[1 + j] == (s << 16 | cand[i]);
+					/* a list not full holds every row
+					 * above the floor */
+					if (!listed && (e[0] < KVD_HEAVY_MAX ||
+							x > worst + 1e-3 * (1 + fabs(worst))) &&
+					    x > best - KVD_HEAVY_SHARE_LOG2 * M_LN2 + 1e-3)
+						fail_msg("%s head %u: row %u of segment %u (score %f) "
+						 "left out, the list's worst is %f",
+						 what, qh, cand[i], s, x, worst);
+				}
+			}
+		}
+		kvd_lsh_scratch_free(&ls);
+		free(cand);
+	}
+	return widest;
+}
+
 /* With no state, hybrid answers exactly what magicpig answers and leaves,
  * per q head, the best rows of its own sample (ascending, valid, no more
  * than KVD_HEAVY_MAX); with that state (every key of it in the head's
@@ -1307,58 +1375,7 @@ static void test_hybrid_matches_double(void **state)
 					   heavy, o, lse), 0);
 		assert_memory_equal(o, om, sizeof o);
 		assert_memory_equal(lse, lm, sizeof lse);
-		for (uint32_t qh = 0; qh < 8; qh++) {
-			const uint32_t *e = heavy + heavy_at(qh);
-			double worst = INFINITY;
-
-			assert_true(e[0] > 0 && e[0] <= KVD_HEAVY_MAX);
-			for (uint32_t i = 0; i < e[0]; i++) {
-				assert_true(e[1 + i] >> 16 < f.p.nseg);
-				assert_true((e[1 + i] & 0xffff) < f.p.seg[e[1 + i] >> 16]->n);
-				if (i)
-					assert_true(e[1 + i] > e[i]);
-				double sc = score_d(&f, qh, e[1 + i] >> 16, e[1 + i] & 0xffff);
-
-				worst = sc < worst ? sc : worst;
-			}
-			/* Nothing the head sampled and the list left out beats
-			 * its worst entry (beyond float rounding). */
-			struct kvd_lsh_scratch ls;
-			uint16_t *cand = xmalloc(KVD_SEG_MAX * sizeof *cand);
-
-			assert_int_equal(kvd_lsh_scratch_init(&ls, KVD_SEG_MAX), 0);
-			for (uint32_t s = 0; s < f.p.nseg && e[0] == KVD_HEAVY_MAX; s++) {
-				/* rows below 2^-10 of the segment's best weight are
-				 * never heavy */
-				double best = -INFINITY;
-
-				for (int pass = 0; pass < 2; pass++) {
-					uint32_t m = kvd_lsh_candidates(&f.p.seg[s]->h[qh / 4].tab,
-									f.qc + (size_t)qh * 150, 2,
-									&ls, cand);
-
-					for (uint32_t i = 0; i < m; i++) {
-						double x = score_d(&f, qh, s, cand[i]);
-						int listed = 0;
-
-						if (pass == 0) {
-							best = x > best ? x : best;
-							continue;
-						}
-						for (uint32_t j = 0; j < e[0]; j++)
-							listed |= e[1 + j] == (s << 16 | cand[i]);
-						if (!listed && x > worst + 1e-3 * (1 + fabs(worst)) &&
-						    x > best - KVD_HEAVY_SHARE_LOG2 * M_LN2 + 1e-3)
-							fail_msg("%s head %u: row %u of segment %u (score %f) "
-								 "left out, the list's worst is %f",
-								 kvd_wl_name((enum kvd_wl)wl), qh, cand[i],
-								 s, x, worst);
-					}
-				}
-			}
-			kvd_lsh_scratch_free(&ls);
-			free(cand);
-		}
+		check_lists(&f, heavy, kvd_wl_name((enum kvd_wl)wl));
 		memcpy(h0, heavy, hw * sizeof *h0);
 		hybrid_ref(&f, h0, 0, ro, rl);
 		for (int i = 0; i < nkv; i++) {
@@ -1403,6 +1420,40 @@ static void test_hybrid_matches_double(void **state)
 		}
 		free(heavy);
 		free(h0);
+		fix_free(&f);
+	}
+	free(tab);
+	kvd_pool_destroy(pool);
+}
+
+/* The lists of heads whose sample is wide (c = 1: a row once in L buckets),
+ * where a (segment, head) pair scores many more rows than a list holds and
+ * the scan that picks them starts from a floor under the list's last. */
+static void test_heavy_list_of_wide_sample(void **state)
+{
+	struct kvd_pool *pool;
+	struct layer_fix f;
+	struct kvd_logp_tab *tab = xmalloc(sizeof *tab);
+	float o[8 * 128], lse[8];
+
+	(void)state;
+	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
+	kvd_logp_tab_init(tab, 10, 100, 1);
+	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
+	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
+		fix_make_dt(&f, (enum kvd_wl)wl, test_size(6000, 3000), 2048, 10, 100, 1, 900 + wl,
+			    dt);
+
+		struct kvd_layer_view lv = kvd_prep_view(&f.p);
+		size_t hw = kvd_heavy_words(&f.g);
+		uint32_t *heavy = xmalloc(hw * sizeof *heavy);
+
+		memset(heavy, 0, hw * sizeof *heavy);
+		assert_int_equal(layer_est(pool, kvd_kern_get(), &f, tab, &lv, KVD_EST_HYBRID,
+					   heavy, o, lse), 0);
+		assert_true(check_lists(&f, heavy, kvd_wl_name((enum kvd_wl)wl)) >=
+			    4 * KVD_HEAVY_MAX);
+		free(heavy);
 		fix_free(&f);
 	}
 	free(tab);
@@ -1969,6 +2020,7 @@ int main(void)
 		cmocka_unit_test(test_int8_key_scale_search),
 		cmocka_unit_test(test_batched_layers_equal_alone),
 		cmocka_unit_test(test_hybrid_matches_double),
+		cmocka_unit_test(test_heavy_list_of_wide_sample),
 		cmocka_unit_test(test_hybrid_cv_matches_double),
 		cmocka_unit_test(test_hybrid_cv_all_heavy_is_hybrid),
 		cmocka_unit_test(test_lcv_budget),
