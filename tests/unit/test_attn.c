@@ -1428,7 +1428,8 @@ static void test_hybrid_matches_double(void **state)
 
 /* The lists of heads whose sample is wide (c = 1: a row once in L buckets),
  * where a (segment, head) pair scores many more rows than a list holds and
- * the scan that picks them starts from a floor under the list's last. */
+ * the scan that picks them starts from a floor under the list's last.  The
+ * sanitizer builds take int8 only (the scan is the same code for both). */
 static void test_heavy_list_of_wide_sample(void **state)
 {
 	struct kvd_pool *pool;
@@ -1439,7 +1440,7 @@ static void test_heavy_list_of_wide_sample(void **state)
 	(void)state;
 	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
 	kvd_logp_tab_init(tab, 10, 100, 1);
-	for (uint32_t dt = 0; dt <= KVD_KV_DTYPE_MAX; dt++)
+	for (uint32_t dt = test_quick() ? KVD_KV_INT8 : 0; dt <= KVD_KV_DTYPE_MAX; dt++)
 	for (int wl = 0; wl < KVD_WL_COUNT; wl++) {
 		fix_make_dt(&f, (enum kvd_wl)wl, test_size(6000, 3000), 2048, 10, 100, 1, 900 + wl,
 			    dt);
