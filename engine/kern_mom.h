@@ -30,8 +30,6 @@ static inline void mom_st(float *p, mom_v x)
 	memcpy(p, &x, sizeof x);
 }
 
-/* kv[f*d + e] += sum_i a[i*d + f] * b[i*d + e] over r rows: blocks of 4
- * rows of kv by 16 columns, their accumulators held across the rows. */
 /* Contracted to FMAs where the ISA has them (GCC keeps a*b+c apart in ISO
  * C mode): the same bits for build and restore, which use one kernel
  * table.  clang's fuzz build does not time it. */
@@ -41,6 +39,8 @@ static inline void mom_st(float *p, mom_v x)
 #define MOM_CONTRACT __attribute__((optimize("fp-contract=fast")))
 #endif
 
+/* kv[f*d + e] += sum_i a[i*d + f] * b[i*d + e] over r rows: blocks of 4
+ * rows of kv by 16 columns, their accumulators held across the rows. */
 MOM_CONTRACT
 static void mom_kern(const float *a, const float *b, size_t r, int d, float *kv)
 {
