@@ -4,6 +4,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #include "attn.h"
@@ -76,6 +77,7 @@ void kvd_attn_scratch_free(struct kvd_attn_scratch *s)
 	free(s->w16);
 	free(s->t);
 	free(s->s);
+	free(s->job);
 	memset(s, 0, sizeof *s);
 }
 
@@ -431,6 +433,68 @@ static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *r
 	top->n[gi] = hn;
 }
 
+/* hybrid_lcv's moments of a (kv head, segment) pair against q heads of its
+ * group: kv q_g into lm[g*d..] and the mean raw score mu_g = scale q_g .
+ * ksum / n into lm[G*d + g], for g0, g0 + gstep, ... < G. */
+static void lcv_moments(const struct kvd_kern *kk, const struct kvd_seg *seg, uint32_t h,
+			const float *q, uint32_t G, uint32_t d, uint32_t g0, uint32_t gstep,
+			float *lm)
+{
+	const struct kvd_seg_head *sh = &seg->h[h];
+	const float scale = 1.0f / sqrtf((float)d);
+
+	if (gstep == 1)
+		kk->mv(sh->kv, (int)d, q, (int)G, lm);
+	for (uint32_t gi = g0; gi < G; gi += gstep) {
+		double qk = 0.0;
+
+		if (gstep != 1)
+			kk->mv(sh->kv, (int)d, q + (size_t)gi * d, 1, lm + (size_t)gi * d);
+		for (uint32_t e = 0; e < d; e++)
+			qk += (double)q[(size_t)gi * d + e] * sh->ksum[e];
+		lm[G * d + gi] = (float)(scale * qk / seg->n);
+	}
+}
+
+/*
+ * Where a task finds a pair's moments.  The first task of the pair to start
+ * makes them for the whole group (reading kv, d*d floats, once) into
+ * `shared` and marks it ready; a q head needs its own only at the end of
+ * its sample, by when they are most often there.  A task that finds them
+ * not ready makes its heads' own (a head's product does not depend on the
+ * others': kern.h, mv), so no task ever waits on another.  Made in a pool
+ * job of their own before the layer's tasks, they cost that job's wait and
+ * wake-ups: ~15 % of a dense layer's CPU time (98304 tokens, 2 threads,
+ * Zen 5); made by every task, 4x the reads of kv, more still.
+ */
+static size_t lcv_floats(const struct kvd_geom *g)
+{
+	return (size_t)kvd_geom_group(g) * (g->d + 1);
+}
+
+static int is_lcv(const struct kvd_attn_req *r)
+{
+	return r->est == KVD_EST_HYBRID_LCV && r->heavy && r->tab;
+}
+
+struct lcv_src {
+	const struct kvd_kern *kk;
+	const struct kvd_seg *seg;
+	uint32_t h, G, d;
+	const float *q;                 /* the group's [G][d] */
+	float *shared;                  /* [G * (d + 1)] */
+	_Atomic uint32_t *ready;
+	float *own;                     /* [G * (d + 1)], this task's */
+};
+
+static const float *lcv_of(const struct lcv_src *ls, uint32_t gi)
+{
+	if (atomic_load_explicit(ls->ready, memory_order_acquire) == 2)
+		return ls->shared;
+	lcv_moments(ls->kk, ls->seg, ls->h, ls->q, ls->G, ls->d, gi, ls->G, ls->own);
+	return ls->own;
+}
+
 /* Sampled attention of one segment-head.  Each q head gathers, scores,
  * weighs and sums only its own rows: its sample and, with hv, its heavy
  * keys, attended exactly (weight 1, their raw dot products kept across the
@@ -449,7 +513,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		    const struct kvd_seg *seg, uint32_t h,
 		    const float *q, const uint16_t *qc, struct kvd_attn_scratch *s, float *o,
 		    float *lse, struct kvd_attn_stats *st, const struct heavy_in *hv,
-		    struct heavy_top *top, int cv, const float *lm, int g0, int gstep)
+		    struct heavy_top *top, int cv, const struct lcv_src *ls, int g0, int gstep)
 {
 	const struct kvd_seg_head *sh = &seg->h[h];
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
@@ -467,6 +531,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 						   (int)g->c, &s->lsh, s->cand), m, nh,
 			 hidx[KVD_HEAVY_MAX];
 		float hraw[KVD_HEAVY_MAX], nn = 0.0f;
+		const float *lm;
 
 		cand += nc;
 		if (st) {
@@ -509,6 +574,8 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tb);
 		for (uint32_t j = 0; j < nh; j++)
 			sc[hidx[j]] = hraw[j] * scale;
+		if (cv == 2)
+			lm = lcv_of(ls, (uint32_t)gi);
 		lse[gi] = cv == 2 ? softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows, s->vsc, m,
 						  s->w16, og, lm + (size_t)gi * d, lm[G * d + gi],
 						  scale) :
@@ -728,24 +795,19 @@ struct layer_job {
 	uint32_t *top_id[KVD_ATTN_BATCH_MAX], *top_n[KVD_ATTN_BATCH_MAX];
 	struct kvd_attn_stats *st;          /* [workers] */
 	/* hybrid_lcv requests: per (kv head, part) pair, lcv_floats() from
-	 * lcv[ri] on, in pair order; lfirst as first, over the pairs. */
+	 * lcv[ri] on and a ready flag from lready[ri] on (0: not made, 1:
+	 * being made, 2: made), in pair order. */
 	float *lcv[KVD_ATTN_BATCH_MAX];
-	uint32_t lfirst[KVD_ATTN_BATCH_MAX + 1];
+	_Atomic uint32_t *lready[KVD_ATTN_BATCH_MAX];
+	/* Per (request, kv head), from hfirst[ri] on: its tasks not yet done.
+	 * The task that takes it to zero finishes the head (head_done). */
+	_Atomic uint32_t *left;
+	uint32_t hfirst[KVD_ATTN_BATCH_MAX];
+	/* Whether head_done updates request i's lists: not when another
+	 * request of the batch holds the same state, which its tasks may
+	 * still be reading (kvd_attn_layers updates those after the job). */
+	uint8_t own_state[KVD_ATTN_BATCH_MAX];
 };
-
-/* A (kv head, segment) pair's moments against its G q heads, made once for
- * the group before the layer's tasks (reading kv, d*d floats, once rather
- * than in each of the G tasks that use it): kv q_g ([G][d]) then the mean
- * raw score mu_g = scale q_g . ksum / n ([G]). */
-static size_t lcv_floats(const struct kvd_geom *g)
-{
-	return (size_t)kvd_geom_group(g) * (g->d + 1);
-}
-
-static int is_lcv(const struct kvd_attn_req *r)
-{
-	return r->est == KVD_EST_HYBRID_LCV && r->heavy && r->tab;
-}
 
 static int has_state(const struct kvd_attn_req *r)
 {
@@ -808,6 +870,8 @@ static void rows_of(size_t n, uint32_t sub, uint32_t split, size_t *a, size_t *b
 	*b = *a + per < n ? *a + per : n;
 }
 
+static void head_done(struct layer_job *j, uint32_t ri, uint32_t h);
+
 static void layer_task(void *arg, uint32_t task, unsigned worker)
 {
 	struct layer_job *j = arg;
@@ -837,6 +901,8 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		int lcv = state && r->est == KVD_EST_HYBRID_LCV && lv->seg[part]->h[h].kv;
 		size_t pair = (size_t)h * nparts + part;
 		uint32_t ids[KVD_GMAX][KVD_HEAVY_MAX];
+		float own[KVD_GMAX * (KVD_DMAX + 1)];
+		struct lcv_src ls;
 		struct heavy_in hv;
 		struct heavy_top top;
 
@@ -848,12 +914,25 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 			};
 			heavy_of(r->heavy, h, G, part, lv->seg[part]->n, ids, &hv);
 		}
+		if (lcv) {
+			uint32_t none = 0;
+
+			ls = (struct lcv_src){ j->kk, lv->seg[part], h, G, d, q,
+					       j->lcv[ri] + pair * lcv_floats(g),
+					       j->lready[ri] + pair, own };
+			if (atomic_compare_exchange_strong_explicit(ls.ready, &none, 1,
+								    memory_order_relaxed,
+								    memory_order_relaxed)) {
+				lcv_moments(j->kk, lv->seg[part], h, q, G, d, 0, 1, ls.shared);
+				atomic_store_explicit(ls.ready, 2, memory_order_release);
+			}
+		}
 		sampled(j->kk, g, r->tab, r->tab_lo, lv->seg[part], h, q,
 			r->qc + (size_t)h * G * g->L, s,
 			o, lse, j->st ? &j->st[worker] : NULL, state ? &hv : NULL,
 			state ? &top : NULL,
 			lcv ? 2 : r->est == KVD_EST_HYBRID_CV || r->est == KVD_EST_HYBRID_LCV,
-			lcv ? j->lcv[ri] + pair * lcv_floats(g) : NULL, (int)sub, (int)split);
+			lcv ? &ls : NULL, (int)sub, (int)split);
 	} else if (part < lv->nseg) {
 		rows_of(lv->seg[part]->n, sub, split, &a, &b);
 		dense_seg_rows(j->kk, q, (int)G, lv->seg[part], h, a, b, o, lse, s->s);
@@ -864,37 +943,9 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		kvd_attn_dense(j->kk, q, (int)G, (int)d, lv->tail_k + off + a * d,
 			       lv->tail_v + off + a * d, b - a, o, lse, s->s);
 	}
-}
-
-static void lcv_task(void *arg, uint32_t task, unsigned worker)
-{
-	struct layer_job *j = arg;
-	uint32_t ri = 0;
-
-	(void)worker;
-	while (task >= j->lfirst[ri + 1])
-		ri++;
-	task -= j->lfirst[ri];
-
-	const struct kvd_attn_req *r = &j->r[ri];
-	const struct kvd_geom *g = r->g;
-	uint32_t G = kvd_geom_group(g), d = g->d, nparts = nparts_of(r->lv);
-	uint32_t h = task / r->lv->nseg, part = task % r->lv->nseg;
-	const struct kvd_seg *seg = r->lv->seg[part];
-	const struct kvd_seg_head *sh = &seg->h[h];
-	const float *q = r->q + (size_t)h * G * d, scale = 1.0f / sqrtf((float)d);
-	float *out = j->lcv[ri] + ((size_t)h * nparts + part) * lcv_floats(g);
-
-	if (!sh->kv)
-		return;
-	j->kk->mv(sh->kv, (int)d, q, (int)G, out);
-	for (uint32_t gi = 0; gi < G; gi++) {
-		double qk = 0.0;
-
-		for (uint32_t e = 0; e < d; e++)
-			qk += (double)q[(size_t)gi * d + e] * sh->ksum[e];
-		out[G * d + gi] = (float)(scale * qk / seg->n);
-	}
+	/* acq_rel: the last task of the head sees every other's slot and report */
+	if (atomic_fetch_sub_explicit(&j->left[j->hfirst[ri] + h], 1, memory_order_acq_rel) == 1)
+		head_done(j, ri, h);
 }
 
 /* The next step's heavy lists of the q heads of kv head h of request r
@@ -918,7 +969,25 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 		 * every report before the heap sees it */
 		if (r->est == KVD_EST_ADAPTIVE)
 			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
+		/* The full report whose least entry is largest first: the heap
+		 * is full from then on with its root at least that, the floor
+		 * every other report's entries must clear, so most cost one
+		 * compare (in segment order, ~6k cycles a head on dense, 98304
+		 * tokens: 15 % of the layer).  The list kept does not depend on
+		 * the order: the k largest under a total order. */
+		uint32_t best = 0;
+		float bmin = -INFINITY;
+
 		for (uint32_t p = 0; p < nseg; p++) {
+			size_t t = ((size_t)h * nparts + p) * G + gi;
+
+			if (tn[t] == KVD_HEAVY_MAX && ts[t * KVD_HEAVY_MAX] > bmin) {
+				bmin = ts[t * KVD_HEAVY_MAX];
+				best = p;
+			}
+		}
+		for (uint32_t pi = 0; pi < nseg; pi++) {
+			uint32_t p = pi == 0 ? best : pi <= best ? pi - 1 : pi;
 			size_t t = ((size_t)h * nparts + p) * G + gi;
 
 			for (uint32_t k = 0; k < tn[t]; k++)
@@ -957,6 +1026,28 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 	}
 }
 
+/* Head h of request ri, by whichever task of it finished last: its parts
+ * merged into the request's answer in part order (so the bits do not depend
+ * on which task that was), then its q heads' lists for the next step.  Done
+ * after the job by one thread, this was ~15 % of a dense layer's wall time
+ * (98304 tokens, 2 threads, Zen 5), the other worker idle. */
+static void head_done(struct layer_job *j, uint32_t ri, uint32_t h)
+{
+	struct kvd_attn_req *r = &j->r[ri];
+	uint32_t G = kvd_geom_group(r->g), d = r->g->d, nslots = nparts_of(r->lv) * split_of(r);
+	float *oh = r->o + (size_t)h * G * d, *lh = r->lse + (size_t)h * G;
+
+	empty_result((int)G, (int)d, oh, lh);
+	for (uint32_t p = 0; p < nslots; p++) {
+		size_t t = (size_t)h * nslots + p;
+
+		kvd_attn_merge(oh, lh, j->part_o + j->po[ri] + t * G * d,
+			       j->part_lse + j->pl[ri] + t * G, (int)G, (int)d);
+	}
+	if (j->own_state[ri] && has_state(r))
+		heavy_update(r, h, j->top_s[ri], j->top_id[ri], j->top_n[ri]);
+}
+
 static int req_check(const struct kvd_attn_req *r, const struct kvd_attn_scratch *scr)
 {
 	const struct kvd_geom *g = r->g;
@@ -977,6 +1068,34 @@ static int req_check(const struct kvd_attn_req *r, const struct kvd_attn_scratch
 		    lv->seg[i]->kv_dtype != g->kv_dtype || lv->seg[i]->n > scr[0].cap)
 			return -KVD_ESHAPE;
 	return 0;
+}
+
+/* A job's buffers, kept in the first worker's scratch between calls up to
+ * KVD_ATTN_JOB_KEEP bytes: a block of 128 KiB or more is a mapping of its
+ * own in kvd (kvd/main.c), and mapping, faulting in and unmapping ~1 MiB a
+ * call (a batch of 4 sequences at 98304 tokens) cost ~5 % of kvd's CPU time
+ * in kvbench decode.  Larger blocks are the call's own. */
+static void *job_buf(struct kvd_attn_scratch *s, size_t bytes)
+{
+	if (bytes <= s->job_bytes)
+		return s->job;
+	if (bytes > KVD_ATTN_JOB_KEEP)
+		return aligned_alloc(64, ALIGN64(bytes));
+
+	void *p = aligned_alloc(64, ALIGN64(bytes));
+
+	if (!p)
+		return NULL;
+	free(s->job);
+	s->job = p;
+	s->job_bytes = ALIGN64(bytes);
+	return p;
+}
+
+static void job_done(struct kvd_attn_scratch *s, void *blk)
+{
+	if (blk != s->job)
+		free(blk);
 }
 
 int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
@@ -1020,35 +1139,46 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 			nt += (size_t)nparts_of(r[i].lv) * r[i].g->kv_heads * kvd_geom_group(r[i].g);
 	}
 
-	/* hybrid_lcv: a pair per (kv head, segment) */
-	size_t nlf = 0, lw[KVD_ATTN_BATCH_MAX];
-	uint32_t lfirst[KVD_ATTN_BATCH_MAX + 1];
+	/* Per (request, kv head): its tasks left; hybrid_lcv: per (kv head,
+	 * part) pair, the moments and their flag */
+	uint32_t hfirst[KVD_ATTN_BATCH_MAX], nh = 0;
+	size_t lw[KVD_ATTN_BATCH_MAX], nlf = 0, nlp = 0, lp[KVD_ATTN_BATCH_MAX];
 
-	lfirst[0] = 0;
 	for (uint32_t i = 0; i < n; i++) {
-		uint32_t pairs = !r[i].rc && is_lcv(&r[i]) ? r[i].lv->nseg * r[i].g->kv_heads : 0;
+		size_t pairs = !r[i].rc && is_lcv(&r[i]) ?
+			       (size_t)nparts_of(r[i].lv) * r[i].g->kv_heads : 0;
 
+		hfirst[i] = nh;
+		nh += r[i].rc ? 0 : r[i].g->kv_heads;
 		lw[i] = nlf;
-		lfirst[i + 1] = lfirst[i] + pairs;
-		nlf += pairs ? (size_t)nparts_of(r[i].lv) * r[i].g->kv_heads * lcv_floats(r[i].g) : 0;
+		lp[i] = nlp;
+		nlf += pairs ? pairs * lcv_floats(r[i].g) : 0;
+		nlp += pairs;
 	}
 
-	float *part_o = malloc((no + nl) * sizeof(float));
-	uint32_t *topbuf = nt ? malloc(nt * (2 * KVD_HEAVY_MAX + 1) * sizeof(uint32_t)) : NULL;
-	float *lcvbuf = nlf ? malloc(nlf * sizeof(float)) : NULL;
+	/* One block: part_o and part_lse, the reports, the counters, the
+	 * moments, each 64-byte aligned. */
+	size_t b_o = ALIGN64((no + nl) * sizeof(float));
+	size_t b_top = ALIGN64(nt * (2 * KVD_HEAVY_MAX + 1) * sizeof(uint32_t));
+	size_t b_left = ALIGN64((nh + nlp) * sizeof(_Atomic uint32_t));
+	size_t b_lcv = ALIGN64(nlf * sizeof(float));
+	char *blk = job_buf(&scr[0], b_o + b_top + b_left + b_lcv);
 
-	if (!part_o || (nt && !topbuf) || (nlf && !lcvbuf)) {
-		free(part_o);
-		free(topbuf);
-		free(lcvbuf);
+	if (!blk) {
 		for (uint32_t i = 0; i < n; i++)
 			r[i].rc = r[i].rc ? r[i].rc : -ENOMEM;
 		return -ENOMEM;
 	}
+
+	float *part_o = (float *)blk;
+	uint32_t *topbuf = nt ? (uint32_t *)(blk + b_o) : NULL;
+	_Atomic uint32_t *left = (_Atomic uint32_t *)(blk + b_o + b_top);
+	float *lcvbuf = nlf ? (float *)(blk + b_o + b_top + b_left) : NULL;
+
 	memset(wst, 0, sizeof wst);
 	struct layer_job j = {
 		.scr = scr, .kk = kk, .r = r, .n = n, .first = first, .po = po, .pl = pl,
-		.part_o = part_o, .part_lse = part_o + no, .st = st ? wst : NULL,
+		.part_o = part_o, .part_lse = part_o + no, .st = st ? wst : NULL, .left = left,
 	};
 
 	for (uint32_t i = 0; topbuf && i < n; i++) {
@@ -1058,43 +1188,30 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	}
 	if (topbuf)
 		memset(topbuf + 2 * nt * KVD_HEAVY_MAX, 0, nt * sizeof *topbuf);
-	memcpy(j.lfirst, lfirst, sizeof lfirst);
-	for (uint32_t i = 0; lcvbuf && i < n; i++)
-		j.lcv[i] = lcvbuf + lw[i];
-	if (lfirst[n])
-		kvd_pool_run(pool, lfirst[n], lcv_task, &j);
+	for (uint32_t i = 0; i < n; i++) {
+		j.hfirst[i] = hfirst[i];
+		for (uint32_t h = 0; !r[i].rc && h < r[i].g->kv_heads; h++)
+			atomic_init(&left[hfirst[i] + h], nparts_of(r[i].lv) * split_of(&r[i]));
+		j.lcv[i] = lcvbuf ? lcvbuf + lw[i] : NULL;
+		j.lready[i] = left + nh + lp[i];
+	}
+	for (size_t p = 0; p < nlp; p++)
+		atomic_init(&left[nh + p], 0);
+	for (uint32_t i = 0; i < n; i++) {
+		/* A request reads the state as it was before the job, even when
+		 * the batch holds the same layer twice. */
+		j.own_state[i] = !r[i].rc && has_state(&r[i]);
+		for (uint32_t k = 0; j.own_state[i] && k < n; k++)
+			if (k != i && !r[k].rc && has_state(&r[k]) && r[k].heavy == r[i].heavy)
+				j.own_state[i] = 0;
+	}
 
 	kvd_pool_run(pool, first[n], layer_task, &j);
 
-	for (uint32_t i = 0; i < n; i++) {
-		const struct kvd_geom *g = r[i].g;
-		uint32_t G, d, nslots;
-
-		if (r[i].rc)
-			continue;
-		G = kvd_geom_group(g);
-		d = g->d;
-		nslots = nparts_of(r[i].lv) * split_of(&r[i]);
-		for (uint32_t h = 0; h < g->kv_heads; h++) {
-			float *oh = r[i].o + (size_t)h * G * d, *lh = r[i].lse + (size_t)h * G;
-
-			empty_result((int)G, (int)d, oh, lh);
-			for (uint32_t p = 0; p < nslots; p++) {
-				uint32_t t = h * nslots + p;
-
-				kvd_attn_merge(oh, lh, part_o + po[i] + (size_t)t * G * d,
-					       part_o + no + pl[i] + (size_t)t * G, (int)G, (int)d);
-			}
-		}
-	}
-	/* After every task of the job: a request reads the state as it was
-	 * before the job, even when the batch holds the same layer twice. */
 	for (uint32_t i = 0; topbuf && i < n; i++)
-		if (!r[i].rc && has_state(&r[i]))
+		if (!r[i].rc && has_state(&r[i]) && !j.own_state[i])
 			for (uint32_t h = 0; h < r[i].g->kv_heads; h++)
 				heavy_update(&r[i], h, j.top_s[i], j.top_id[i], j.top_n[i]);
-	free(topbuf);
-	free(lcvbuf);
 	if (st) {
 		memset(st, 0, sizeof *st);
 		for (unsigned w = 0; w < nw; w++) {
@@ -1104,7 +1221,7 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 			st->bucket_ids += wst[w].bucket_ids;
 		}
 	}
-	free(part_o);
+	job_done(&scr[0], blk);
 	return 0;
 }
 

@@ -41,7 +41,12 @@ struct kvd_attn_scratch {
 	int16_t *w16;                   /* [cap]: one q head's weights for pv8 */
 	float *s;                       /* [max(cap, KVD_ATTN_DENSE_SCRATCH)]: scores */
 	float *t;                       /* [cap]: hybrid_cv's raw scores, then 1/P */
+	/* kvd_attn_layers()'s buffers when this is the first of its scratch
+	 * array (up to KVD_ATTN_JOB_KEEP bytes, kept between calls) */
+	void *job;
+	size_t job_bytes;
 };
+#define KVD_ATTN_JOB_KEEP (2u << 20)
 
 int kvd_attn_scratch_init(struct kvd_attn_scratch *s, uint32_t cap);
 void kvd_attn_scratch_free(struct kvd_attn_scratch *s);
@@ -164,7 +169,9 @@ struct kvd_est_cfg {
  * request (0, -KVD_EGEOM, -KVD_ESHAPE, -ENOMEM); a bad request does not stop
  * the rest.  tab NULL in a request means exact (dense) attention.  st, when
  * not NULL, sums over all requests.  n <= KVD_ATTN_BATCH_MAX; returns 0,
- * or -EINVAL / -ENOMEM when nothing ran. */
+ * or -EINVAL / -ENOMEM when nothing ran.  scr is the pool's scratch, one a
+ * worker; the call keeps its buffers in scr[0] (freed with it), so calls
+ * with the same scr must not overlap. */
 #define KVD_ATTN_BATCH_MAX 64
 struct kvd_attn_req {
 	const struct kvd_geom *g;
