@@ -386,6 +386,26 @@ static uint32_t own_rows(const uint16_t *cand, uint32_t nc, const uint32_t *hid,
 	return m;
 }
 
+/* cm[c] = max(cm[c], x[c]) for c < KVD_HEAVY_MAX, a NaN in x never taken:
+ * in vectors of 4 (the baseline ISA this file is built for). */
+_Static_assert(KVD_HEAVY_MAX % 4 == 0, "lane_max takes the lanes 4 at a time");
+typedef float top_v __attribute__((vector_size(16)));
+typedef int32_t top_m __attribute__((vector_size(16)));
+
+static inline void lane_max(float *cm, const float *x)
+{
+	for (int c = 0; c < KVD_HEAVY_MAX; c += 4) {
+		top_v a, b;
+		top_m gt;
+
+		memcpy(&a, cm + c, sizeof a);
+		memcpy(&b, x + c, sizeof b);
+		gt = b > a;
+		a = (top_v)(((top_m)b & gt) | ((top_m)a & ~gt));
+		memcpy(cm + c, &a, sizeof a);
+	}
+}
+
 /* Head gi's KVD_HEAVY_MAX rows of largest exact score among its m scored
  * rows (raw dot products in sc), into top's slot gi.  A row below
  * 2^-KVD_HEAVY_SHARE_LOG2 of the best weight here is below that share of
@@ -401,23 +421,28 @@ static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *r
 	float floor = kk->max(sc, m) - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2) / scale;
 	float root = -INFINITY;
 
-	/* The least of the maxima of KVD_HEAVY_MAX disjoint chunks: those are
-	 * as many distinct rows, so the list's last score is at least that, and
-	 * a row below it never enters.  Rows arrive in no order of score, so
-	 * ~k ln(m/k) of them are pushed and evicted again; skipping those below
-	 * it took ~16 % off this function on mixed (~1200 rows a pair, 98304
-	 * tokens, cycle counts on a 2-core EPYC VM).  Only the list's order in
-	 * the heap changes, and nothing reads that order. */
+	/* The least of the maxima of KVD_HEAVY_MAX disjoint sets of rows:
+	 * those are as many distinct rows, so the list's last score is at
+	 * least that, and a row below it never enters.  Rows arrive in no
+	 * order of score, so ~k ln(m/k) of them are pushed and evicted again;
+	 * skipping those below it took ~16 % off this function on mixed
+	 * (~1200 rows a pair, 98304 tokens, cycle counts on a 2-core EPYC VM).
+	 * Set c is the rows i with i mod KVD_HEAVY_MAX = c, so the maxima are
+	 * lane-wise over whole blocks of rows, without a branch (in contiguous
+	 * chunks, each chunk's end was a mispredicted branch).  Only the
+	 * list's order in the heap changes, and nothing reads that order. */
 	if (m >= 4 * KVD_HEAVY_MAX) {
-		float lo = INFINITY;
+		float cm[KVD_HEAVY_MAX], lo = INFINITY;
+		uint32_t i = 0;
 
-		for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++) {
-			float cm = -INFINITY;
-
-			for (uint32_t i = c * m / KVD_HEAVY_MAX; i < (c + 1) * m / KVD_HEAVY_MAX; i++)
-				cm = sc[i] > cm ? sc[i] : cm;
-			lo = cm < lo ? cm : lo;
-		}
+		for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++)
+			cm[c] = -INFINITY;
+		for (; i + KVD_HEAVY_MAX <= m; i += KVD_HEAVY_MAX)
+			lane_max(cm, sc + i);
+		for (; i < m; i++)
+			cm[i % KVD_HEAVY_MAX] = sc[i] > cm[i % KVD_HEAVY_MAX] ? sc[i] : cm[i % KVD_HEAVY_MAX];
+		for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++)
+			lo = cm[c] < lo ? cm[c] : lo;
 		if (lo > floor)
 			floor = lo;
 	}
@@ -1206,6 +1231,11 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 				j.own_state[i] = 0;
 	}
 
+	/* A request with no part (kvd holds nothing of the layer) has no task
+	 * to finish its heads: its answer is the empty one. */
+	for (uint32_t i = 0; i < n; i++)
+		if (!r[i].rc && first[i + 1] == first[i])
+			empty_result((int)r[i].g->q_heads, (int)r[i].g->d, r[i].o, r[i].lse);
 	kvd_pool_run(pool, first[n], layer_task, &j);
 
 	for (uint32_t i = 0; topbuf && i < n; i++)

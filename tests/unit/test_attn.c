@@ -982,8 +982,9 @@ static void test_batched_layers_equal_alone(void **state)
 	struct layer_fix f[3];
 	struct kvd_logp_tab *tab[3];
 	struct kvd_layer_view lv[3];
-	struct kvd_attn_req r[4];
-	float o1[3][8 * 128], l1[3][8], o2[4][8 * 128], l2[4][8];
+	struct kvd_layer_view none = { 0 };
+	struct kvd_attn_req r[5];
+	float o1[3][8 * 128], l1[3][8], o2[5][8 * 128], l2[5][8];
 	unsigned nw;
 
 	assert_int_equal(kvd_pool_create(2, 0, &pool), 0);
@@ -1009,13 +1010,31 @@ static void test_batched_layers_equal_alone(void **state)
 	r[3].tab = tab[1];
 	r[3].o = o2[3];
 	r[3].lse = l2[3];
-	assert_int_equal(kvd_attn_layers(pool, scr, kvd_kern_get(), r, 4, NULL), 0);
-	for (int i = 0; i < 3; i++) {
-		assert_int_equal(r[i].rc, 0);
-		assert_memory_equal(o1[i], o2[i], sizeof o1[i]);
-		assert_memory_equal(l1[i], l2[i], sizeof l1[i]);
+	/* A layer kvd holds nothing of (a sequence all sinks and window): no
+	 * task of its own, and still the empty answer, whatever its buffers
+	 * held before. */
+	r[4] = r[1];
+	r[4].lv = &none;
+	r[4].o = o2[4];
+	r[4].lse = l2[4];
+	for (int rep = 0; rep < 2; rep++) {
+		for (size_t e = 0; e < 8 * 128; e++)
+			o2[4][e] = NAN;
+		for (int e = 0; e < 8; e++)
+			l2[4][e] = NAN;
+		assert_int_equal(kvd_attn_layers(pool, scr, kvd_kern_get(), r, 5, NULL), 0);
+		for (int i = 0; i < 3; i++) {
+			assert_int_equal(r[i].rc, 0);
+			assert_memory_equal(o1[i], o2[i], sizeof o1[i]);
+			assert_memory_equal(l1[i], l2[i], sizeof l1[i]);
+		}
+		assert_int_equal(r[3].rc, -KVD_ESHAPE);
+		assert_int_equal(r[4].rc, 0);
+		for (size_t e = 0; e < f[1].g.q_heads * f[1].g.d; e++)
+			assert_true(o2[4][e] == 0.0f);
+		for (uint32_t e = 0; e < f[1].g.q_heads; e++)
+			assert_true(isinf(l2[4][e]) && l2[4][e] < 0);
 	}
-	assert_int_equal(r[3].rc, -KVD_ESHAPE);
 	for (int i = 0; i < 3; i++) {
 		free(tab[i]);
 		fix_free(&f[i]);
