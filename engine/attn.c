@@ -406,56 +406,118 @@ static inline void lane_max(float *cm, const float *x)
 	}
 }
 
+/* The least of the maxima of KVD_HEAVY_MAX disjoint sets of the n >=
+ * KVD_HEAVY_MAX scores s: those are as many distinct entries, so the
+ * KVD_HEAVY_MAX-th largest score is at least that.  Set c is the entries i
+ * with i mod KVD_HEAVY_MAX = c, so the maxima are lane-wise over whole
+ * blocks, without a branch (contiguous chunks, whose ends mispredicted,
+ * came before). */
+static float lanes_floor(const float *s, uint32_t n)
+{
+	float cm[KVD_HEAVY_MAX], lo = INFINITY;
+	uint32_t i = 0;
+
+	for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++)
+		cm[c] = -INFINITY;
+	for (; i + KVD_HEAVY_MAX <= n; i += KVD_HEAVY_MAX)
+		lane_max(cm, s + i);
+	for (; i < n; i++)
+		cm[i % KVD_HEAVY_MAX] = s[i] > cm[i % KVD_HEAVY_MAX] ? s[i] : cm[i % KVD_HEAVY_MAX];
+	for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++)
+		lo = cm[c] < lo ? cm[c] : lo;
+	return lo;
+}
+
+/*
+ * The KVD_HEAVY_MAX largest of the n entries (s[i], id[i]) under
+ * top_less's order (ids distinct, no NaN), left in s[0..) and id[0..) in
+ * no order; returns how many: min(n, KVD_HEAVY_MAX).  Entries below
+ * lanes_floor() cannot be among them, so each pass keeps only those at or
+ * above it (in place, without a branch) and the next pass's floor, over
+ * fewer entries, is higher; what is left over after a few passes is
+ * dropped least first, or by the heap when many are.  A heap over every
+ * entry mispredicted a branch or two a level on each push: on mixed
+ * (~1200 rows a segment and head, 98304 tokens) the lists cost as much as
+ * the scores.  The set kept is exact whatever the passes do: only entries
+ * below the k-th largest score are ever dropped before the end.
+ */
+static uint32_t top_select(float *s, uint32_t *id, uint32_t n)
+{
+	const uint32_t k = KVD_HEAVY_MAX;
+
+	for (int pass = 0; pass < 4 && n > k; pass++) {
+		float lo = lanes_floor(s, n);
+		uint32_t c = 0;
+
+		for (uint32_t i = 0; i < n; i++) {
+			float x = s[i];
+			uint32_t y = id[i];
+
+			s[c] = x;
+			id[c] = y;
+			c += x >= lo;
+		}
+		if (c == n)
+			break;
+		n = c;
+	}
+	if (n > k + k / 2) {
+		float hs[KVD_HEAVY_MAX];
+		uint32_t hid[KVD_HEAVY_MAX], hn = 0;
+
+		for (uint32_t i = 0; i < n; i++)
+			top_push(hs, hid, &hn, k, s[i], id[i]);
+		memcpy(s, hs, hn * sizeof *s);
+		memcpy(id, hid, hn * sizeof *id);
+		return hn;
+	}
+	while (n > k) {
+		uint32_t lo = 0;
+
+		for (uint32_t i = 1; i < n; i++)
+			lo = top_less(s[i], id[i], s[lo], id[lo]) ? i : lo;
+		n--;
+		s[lo] = s[n];
+		id[lo] = id[n];
+	}
+	return n;
+}
+
 /* Head gi's KVD_HEAVY_MAX rows of largest exact score among its m scored
  * rows (raw dot products in sc), into top's slot gi.  A row below
  * 2^-KVD_HEAVY_SHARE_LOG2 of the best weight here is below that share of
- * the head's mass too.  The heap holds dot products (scaled once at the
- * end), so the test against its root is exact and most rows cost one
- * compare: ascending rows make the earlier of equal scores win, as top_less
- * does. */
+ * the head's mass too.  The selection runs on dot products (scaled once
+ * at the end), so its compares are exact; ties go to the lower row, as
+ * top_less orders them.  cs and cid are scratch of m entries. */
 static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *rows, uint32_t m,
-		   uint32_t seg, float scale, struct heavy_top *top, int gi)
+		   uint32_t seg, float scale, struct heavy_top *top, int gi, float *cs,
+		   uint32_t *cid)
 {
 	float *hs = top->s + gi * KVD_HEAVY_MAX;
-	uint32_t *hid = top->id + gi * KVD_HEAVY_MAX, hn = 0;
+	uint32_t *hid = top->id + gi * KVD_HEAVY_MAX, c = 0;
 	float floor = kk->max(sc, m) - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2) / scale;
-	float root = -INFINITY;
 
-	/* The least of the maxima of KVD_HEAVY_MAX disjoint sets of rows:
-	 * those are as many distinct rows, so the list's last score is at
-	 * least that, and a row below it never enters.  Rows arrive in no
-	 * order of score, so ~k ln(m/k) of them are pushed and evicted again;
-	 * skipping those below it took ~16 % off this function on mixed
-	 * (~1200 rows a pair, 98304 tokens, cycle counts on a 2-core EPYC VM).
-	 * Set c is the rows i with i mod KVD_HEAVY_MAX = c, so the maxima are
-	 * lane-wise over whole blocks of rows, without a branch (in contiguous
-	 * chunks, each chunk's end was a mispredicted branch).  Only the
-	 * list's order in the heap changes, and nothing reads that order. */
+	/* Rows arrive in no order of score: on a sample of 128 rows or more
+	 * the lanes' floor turns most of them away before anything else. */
 	if (m >= 4 * KVD_HEAVY_MAX) {
-		float cm[KVD_HEAVY_MAX], lo = INFINITY;
-		uint32_t i = 0;
+		float lo = lanes_floor(sc, m);
 
-		for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++)
-			cm[c] = -INFINITY;
-		for (; i + KVD_HEAVY_MAX <= m; i += KVD_HEAVY_MAX)
-			lane_max(cm, sc + i);
-		for (; i < m; i++)
-			cm[i % KVD_HEAVY_MAX] = sc[i] > cm[i % KVD_HEAVY_MAX] ? sc[i] : cm[i % KVD_HEAVY_MAX];
-		for (uint32_t c = 0; c < KVD_HEAVY_MAX; c++)
-			lo = cm[c] < lo ? cm[c] : lo;
 		if (lo > floor)
 			floor = lo;
 	}
 	for (uint32_t i = 0; i < m; i++) {
-		if (!(sc[i] >= floor) || sc[i] <= root)
-			continue;
-		top_push(hs, hid, &hn, KVD_HEAVY_MAX, sc[i], seg << 16 | rows[i]);
-		if (hn == KVD_HEAVY_MAX)
-			root = hs[0];
+		float x = sc[i];
+
+		cs[c] = x;
+		cid[c] = seg << 16 | rows[i];
+		c += x > -INFINITY && x >= floor;
 	}
-	for (uint32_t k = 0; k < hn; k++)
-		hs[k] *= scale;
-	top->n[gi] = hn;
+	c = top_select(cs, cid, c);
+	for (uint32_t k = 0; k < c; k++) {
+		hs[k] = cs[k] * scale;
+		hid[k] = cid[k];
+	}
+	top->n[gi] = c;
 }
 
 /* hybrid_lcv's moments of a (kv head, segment) pair against q heads of its
@@ -588,7 +650,8 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		}
 		rows_consts(seg, sh, s->rows, m, sc, s->kinv, s->vsc);
 		if (top)
-			top_of(kk, sc, s->rows, m, hv->seg, scale, top, gi);
+			top_of(kk, sc, s->rows, m, hv->seg, scale, top, gi, s->t,
+			       (uint32_t *)(s->t + s->cap));
 		for (int e = 0; e < d; e++)
 			nn += qg[e] * qg[e];
 		for (uint32_t j = 0; j < nh; j++)
@@ -839,16 +902,18 @@ static int has_state(const struct kvd_attn_req *r)
 	return r->est != KVD_EST_MAGICPIG && r->heavy && r->tab;
 }
 
-/* The heavy keys of q heads [h*G, h*G+G) that lie in segment `seg` of n
- * rows, ascending and each once (sampled() merges them with a sample).
+/* The heavy keys of q heads h*G + g0, h*G + g0 + gstep, ... < h*G + G (the
+ * heads one task attends; the others' slots are left as they are) that lie
+ * in segment `seg` of n rows, ascending and each once (sampled() merges
+ * them with a sample).
  * Entries that name no row of it are skipped: the state is the daemon's
  * own, but it may predate a change of the layer, and nothing else here
  * relies on its order. */
-static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t seg, uint32_t n,
-		     uint32_t ids[][KVD_HEAVY_MAX], struct heavy_in *hv)
+static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t g0, uint32_t gstep,
+		     uint32_t seg, uint32_t n, uint32_t ids[][KVD_HEAVY_MAX], struct heavy_in *hv)
 {
 	hv->seg = seg;
-	for (uint32_t gi = 0; gi < G; gi++) {
+	for (uint32_t gi = g0; gi < G; gi += gstep) {
 		const uint32_t *e = heavy + (size_t)(h * G + gi) * (1 + KVD_HEAVY_MAX);
 		uint32_t c0 = e[0] & 0xffff, cnt = c0 < KVD_HEAVY_MAX ? c0 : KVD_HEAVY_MAX, k = 0;
 
@@ -937,7 +1002,7 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 				.id = j->top_id[ri] + pair * G * KVD_HEAVY_MAX,
 				.n = j->top_n[ri] + pair * G,
 			};
-			heavy_of(r->heavy, h, G, part, lv->seg[part]->n, ids, &hv);
+			heavy_of(r->heavy, h, G, sub, split, part, lv->seg[part]->n, ids, &hv);
 		}
 		if (lcv) {
 			uint32_t none = 0;
@@ -994,31 +1059,28 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 		 * every report before the heap sees it */
 		if (r->est == KVD_EST_ADAPTIVE)
 			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
-		/* The full report whose least entry is largest first: the heap
-		 * is full from then on with its root at least that, the floor
-		 * every other report's entries must clear, so most cost one
-		 * compare (in segment order, ~6k cycles a head on dense, 98304
-		 * tokens: 15 % of the layer).  The list kept does not depend on
-		 * the order: the k largest under a total order. */
-		uint32_t best = 0;
-		float bmin = -INFINITY;
+		/* The reports in turn, cut back to the list's size whenever the
+		 * next might not fit (top_select). */
+		float bs[4 * KVD_HEAVY_MAX];
+		uint32_t bid[4 * KVD_HEAVY_MAX];
 
 		for (uint32_t p = 0; p < nseg; p++) {
 			size_t t = ((size_t)h * nparts + p) * G + gi;
 
-			if (tn[t] == KVD_HEAVY_MAX && ts[t * KVD_HEAVY_MAX] > bmin) {
-				bmin = ts[t * KVD_HEAVY_MAX];
-				best = p;
+			if (n + tn[t] > 4 * KVD_HEAVY_MAX)
+				n = top_select(bs, bid, n);
+			for (uint32_t k = 0; k < tn[t]; k++) {
+				float x = ts[t * KVD_HEAVY_MAX + k];
+
+				bs[n] = x;
+				bid[n] = tid[t * KVD_HEAVY_MAX + k];
+				n += x >= floor;
 			}
 		}
-		for (uint32_t pi = 0; pi < nseg; pi++) {
-			uint32_t p = pi == 0 ? best : pi <= best ? pi - 1 : pi;
-			size_t t = ((size_t)h * nparts + p) * G + gi;
-
-			for (uint32_t k = 0; k < tn[t]; k++)
-				if (ts[t * KVD_HEAVY_MAX + k] >= floor)
-					top_push(hs, hid, &n, KVD_HEAVY_MAX, ts[t * KVD_HEAVY_MAX + k],
-						 tid[t * KVD_HEAVY_MAX + k]);
+		n = top_select(bs, bid, n);
+		for (uint32_t k = 0; k < n; k++) {
+			hs[k] = bs[k];
+			hid[k] = bid[k];
 		}
 		/* ascending ids by insertion: at most 32, and qsort's calls
 		 * were half of this function's time */
