@@ -474,11 +474,11 @@ static uint32_t rank_keep(float *s, uint32_t *id, uint32_t n)
  * above it (in place, without a branch) and the next pass's floor, over
  * fewer entries, is higher; of the at most 2k left after a few passes,
  * those beaten by fewer than k others are kept (rank_keep), and a heap
- * takes any more.  A heap over every
- * entry mispredicted a branch or two a level on each push: on mixed
- * (~1200 rows a segment and head, 98304 tokens) the lists cost as much as
- * the scores.  The set kept is exact whatever the passes do: only entries
- * below the k-th largest score are ever dropped before the end.
+ * takes any more.  A heap over every entry mispredicted a branch or two a
+ * level on each push: on mixed (~1200 rows a segment and head, 98304
+ * tokens) the lists cost as much as the scores.  The set kept is exact
+ * whatever the passes do: only entries below the k-th largest score are
+ * ever dropped before the end.
  */
 static uint32_t top_select(float *s, uint32_t *id, uint32_t n)
 {
