@@ -575,6 +575,16 @@ static void lcv_moments(const struct kvd_kern *kk, const struct kvd_seg *seg, ui
 	}
 }
 
+static size_t lcv_floats(const struct kvd_geom *g)
+{
+	return (size_t)kvd_geom_group(g) * (g->d + 1);
+}
+
+static int is_lcv(const struct kvd_attn_req *r)
+{
+	return r->est == KVD_EST_HYBRID_LCV && r->heavy && r->tab;
+}
+
 /*
  * Where a task finds a pair's moments.  The first task of the pair to start
  * makes them for the whole group (reading kv, d*d floats, once) into
@@ -586,16 +596,6 @@ static void lcv_moments(const struct kvd_kern *kk, const struct kvd_seg *seg, ui
  * wake-ups: ~15 % of a dense layer's CPU time (98304 tokens, 2 threads,
  * Zen 5); made by every task, 4x the reads of kv, more still.
  */
-static size_t lcv_floats(const struct kvd_geom *g)
-{
-	return (size_t)kvd_geom_group(g) * (g->d + 1);
-}
-
-static int is_lcv(const struct kvd_attn_req *r)
-{
-	return r->est == KVD_EST_HYBRID_LCV && r->heavy && r->tab;
-}
-
 struct lcv_src {
 	const struct kvd_kern *kk;
 	const struct kvd_seg *seg;
@@ -922,7 +922,7 @@ struct layer_job {
 	/* Per (request, kv head), from hfirst[ri] on: its tasks not yet done.
 	 * The task that takes it to zero finishes the head (head_done). */
 	_Atomic uint32_t *left;
-	uint32_t hfirst[KVD_ATTN_BATCH_MAX];
+	const uint32_t *hfirst;             /* [n] */
 	/* Whether head_done updates request i's lists: not when another
 	 * request of the batch holds the same state, which its tasks may
 	 * still be reading (kvd_attn_layers updates those after the job). */
@@ -1084,36 +1084,30 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 	for (uint32_t qh = h * G; qh < h * G + G; qh++) {
 		uint32_t gi = qh % G, n = 0, cnt = 0;
 		uint32_t *e = r->heavy + (size_t)qh * (1 + KVD_HEAVY_MAX);
-		float hs[KVD_HEAVY_MAX], floor = -INFINITY;
-		uint32_t hid[KVD_HEAVY_MAX];
-
-		/* adaptive's floor first: on a diffuse head it turns away
-		 * every report before the heap sees it */
-		if (r->est == KVD_EST_ADAPTIVE)
-			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
 		/* The reports in turn, cut back to the list's size whenever the
 		 * next might not fit (top_select). */
-		float bs[4 * KVD_HEAVY_MAX];
-		uint32_t bid[4 * KVD_HEAVY_MAX];
+		float hs[4 * KVD_HEAVY_MAX], floor = -INFINITY;
+		uint32_t hid[4 * KVD_HEAVY_MAX];
+
+		/* adaptive's floor first: on a diffuse head it turns away
+		 * every report before the selection sees it */
+		if (r->est == KVD_EST_ADAPTIVE)
+			floor = r->lse[qh] - (float)(KVD_HEAVY_SHARE_LOG2 * M_LN2);
 
 		for (uint32_t p = 0; p < nseg; p++) {
 			size_t t = ((size_t)h * nparts + p) * G + gi;
 
 			if (n + tn[t] > 4 * KVD_HEAVY_MAX)
-				n = top_select(bs, bid, n);
+				n = top_select(hs, hid, n);
 			for (uint32_t k = 0; k < tn[t]; k++) {
 				float x = ts[t * KVD_HEAVY_MAX + k];
 
-				bs[n] = x;
-				bid[n] = tid[t * KVD_HEAVY_MAX + k];
+				hs[n] = x;
+				hid[n] = tid[t * KVD_HEAVY_MAX + k];
 				n += x >= floor;
 			}
 		}
-		n = top_select(bs, bid, n);
-		for (uint32_t k = 0; k < n; k++) {
-			hs[k] = bs[k];
-			hid[k] = bid[k];
-		}
+		n = top_select(hs, hid, n);
 		/* ascending ids by insertion: at most 32, and qsort's calls
 		 * were half of this function's time */
 		for (uint32_t k = 0; k < n; k++) {
@@ -1196,18 +1190,16 @@ static int req_check(const struct kvd_attn_req *r, const struct kvd_attn_scratch
  * in kvbench decode.  Larger blocks are the call's own. */
 static void *job_buf(struct kvd_attn_scratch *s, size_t bytes)
 {
+	void *p;
+
 	if (bytes <= s->job_bytes)
 		return s->job;
-	if (bytes > KVD_ATTN_JOB_KEEP)
-		return aligned_alloc(64, ALIGN64(bytes));
-
-	void *p = aligned_alloc(64, ALIGN64(bytes));
-
-	if (!p)
-		return NULL;
-	free(s->job);
-	s->job = p;
-	s->job_bytes = ALIGN64(bytes);
+	p = aligned_alloc(64, ALIGN64(bytes));
+	if (p && bytes <= KVD_ATTN_JOB_KEEP) {
+		free(s->job);
+		s->job = p;
+		s->job_bytes = ALIGN64(bytes);
+	}
 	return p;
 }
 
@@ -1298,6 +1290,7 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	struct layer_job j = {
 		.scr = scr, .kk = kk, .r = r, .n = n, .first = first, .po = po, .pl = pl,
 		.part_o = part_o, .part_lse = part_o + no, .st = st ? wst : NULL, .left = left,
+		.hfirst = hfirst,
 	};
 
 	for (uint32_t i = 0; topbuf && i < n; i++) {
@@ -1307,29 +1300,25 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	}
 	if (topbuf)
 		memset(topbuf + 2 * nt * KVD_HEAVY_MAX, 0, nt * sizeof *topbuf);
+	for (size_t p = 0; p < nlp; p++)
+		atomic_init(&left[nh + p], 0);
 	for (uint32_t i = 0; i < n; i++) {
-		j.hfirst[i] = hfirst[i];
 		for (uint32_t h = 0; !r[i].rc && h < r[i].g->kv_heads; h++)
 			atomic_init(&left[hfirst[i] + h], nparts_of(r[i].lv) * split_of(&r[i]));
 		j.lcv[i] = lcvbuf ? lcvbuf + lw[i] : NULL;
 		j.lready[i] = left + nh + lp[i];
-	}
-	for (size_t p = 0; p < nlp; p++)
-		atomic_init(&left[nh + p], 0);
-	for (uint32_t i = 0; i < n; i++) {
 		/* A request reads the state as it was before the job, even when
 		 * the batch holds the same layer twice. */
 		j.own_state[i] = !r[i].rc && has_state(&r[i]);
 		for (uint32_t k = 0; j.own_state[i] && k < n; k++)
 			if (k != i && !r[k].rc && has_state(&r[k]) && r[k].heavy == r[i].heavy)
 				j.own_state[i] = 0;
-	}
-
-	/* A request with no part (kvd holds nothing of the layer) has no task
-	 * to finish its heads: its answer is the empty one. */
-	for (uint32_t i = 0; i < n; i++)
+		/* A request with no part (kvd holds nothing of the layer) has no
+		 * task to finish its heads: its answer is the empty one. */
 		if (!r[i].rc && first[i + 1] == first[i])
 			empty_result((int)r[i].g->q_heads, (int)r[i].g->d, r[i].o, r[i].lse);
+	}
+
 	kvd_pool_run(pool, first[n], layer_task, &j);
 
 	for (uint32_t i = 0; topbuf && i < n; i++)
