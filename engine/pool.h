@@ -8,13 +8,20 @@
  * on one worker, so scratch per worker is safe across concurrent jobs.
  * Idle workers spin briefly, then sleep.
  *
- * Pinning: kvd_pool_create() with `pin` pins worker i to the i-th CPU of the
+ * kvd_pool_create(n > 1) starts n - 1 threads: worker n - 1 is whichever
+ * submitter is in kvd_pool_run(), which runs tasks of its own job (ahead
+ * of earlier jobs, if any) instead of only waiting for them; one submitter
+ * at a time, the others wait.  kvd_pool_create_cpus() starts a thread per
+ * worker, all pinned: its submitters may be off the pool's node.
+ *
+ * Pinning: kvd_pool_create() with `pin` pins thread i to the i-th CPU of the
  * calling thread's affinity mask (round-robin), best effort: a worker the
- * kernel will not pin runs unpinned, since pinning only buys locality.
+ * kernel will not pin runs unpinned, since pinning only buys locality (the
+ * submitter's worker runs where the submitter does).
  * kvd_pool_create_cpus() pins worker i to cpus[i % ncpus] and fails if it
  * cannot: it is how a pool is kept on one NUMA node (engine/numa_nodes.h).  Either
- * way the affinity is set before the worker runs, so no task of it ever runs
- * elsewhere.
+ * way the affinity is set before the thread runs, so no task of a pinned
+ * worker ever runs elsewhere.
  */
 #ifndef KVD_POOL_H
 #define KVD_POOL_H
@@ -35,7 +42,8 @@ int kvd_pool_create_cpus(unsigned nthreads, const int *cpus, unsigned ncpus,
 			 struct kvd_pool **out);
 void kvd_pool_destroy(struct kvd_pool *p);
 unsigned kvd_pool_size(const struct kvd_pool *p);
-/* The CPU worker `worker` is pinned to; -1 when unpinned (or no such worker). */
+/* The CPU worker `worker` is pinned to; -1 when unpinned (the submitter's
+ * worker included) or no such worker. */
 int kvd_pool_worker_cpu(const struct kvd_pool *p, unsigned worker);
 void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 

@@ -122,6 +122,92 @@ static void test_idle_pool_sleeps_and_wakes(void **state)
 	kvd_pool_destroy(p);
 }
 
+/* The submitter is the last worker of a kvd_pool_create() pool.  With the
+ * pool's one thread held in job A (one of A's two tasks; the other ran on
+ * A's submitter), job B still completes: its submitter runs every task as
+ * worker 1, and unlinks B, which was never the head of the list, before
+ * returning.  Then A finishes. */
+struct held {
+	struct kvd_pool *p;
+	_Atomic int thread_in, release, bad;
+	_Atomic uint32_t b_ran;
+};
+
+static void held_task(void *arg, uint32_t t, unsigned w)
+{
+	struct held *h = arg;
+	struct timespec ts = { 0, 100 * 1000 };
+
+	(void)t;
+	if (w == 0) {
+		atomic_store(&h->thread_in, 1);
+		while (!atomic_load(&h->release))
+			nanosleep(&ts, NULL);
+	} else {
+		while (!atomic_load(&h->thread_in))
+			nanosleep(&ts, NULL);
+	}
+}
+
+static void b_task(void *arg, uint32_t t, unsigned w)
+{
+	struct held *h = arg;
+
+	(void)t;
+	if (w != 1)
+		atomic_store(&h->bad, 1);
+	atomic_fetch_add(&h->b_ran, 1);
+}
+
+static void *held_main(void *arg)
+{
+	struct held *h = arg;
+
+	kvd_pool_run(h->p, 2, held_task, h);
+	return NULL;
+}
+
+/* Releases the thread after 20 s should B wait on it after all (A's
+ * submitter descheduled between its task and giving up the slot), so the
+ * test fails instead of hanging. */
+static void *watchdog_main(void *arg)
+{
+	struct held *h = arg;
+	struct timespec ts = { 0, 10 * 1000 * 1000 };
+
+	for (int i = 0; i < 2000 && !atomic_load(&h->release); i++)
+		nanosleep(&ts, NULL);
+	atomic_store(&h->release, 2);
+	return NULL;
+}
+
+static void test_submitter_runs_its_job(void **state)
+{
+	struct held h = { 0 };
+	struct timespec ts = { 0, 100 * 1000 };
+	pthread_t th, wd;
+
+	assert_int_equal(kvd_pool_create(2, 0, &h.p), 0);
+	assert_int_equal(kvd_pool_size(h.p), 2);
+	assert_int_equal(pthread_create(&th, NULL, held_main, &h), 0);
+	assert_int_equal(pthread_create(&wd, NULL, watchdog_main, &h), 0);
+	while (!atomic_load(&h.thread_in))
+		nanosleep(&ts, NULL);
+	/* A's submitter leaves its task once the thread is in A: give it
+	 * time to give up the slot */
+	for (int i = 0; i < 100; i++)
+		nanosleep(&ts, NULL);
+	kvd_pool_run(h.p, 4, b_task, &h);
+	assert_int_equal(atomic_load(&h.release), 0);
+	assert_int_equal(atomic_load(&h.b_ran), 4);
+	assert_int_equal(atomic_load(&h.bad), 0);
+	atomic_store(&h.release, 1);
+	pthread_join(th, NULL);
+	pthread_join(wd, NULL);
+	run_and_check(h.p, 100);
+	kvd_pool_destroy(h.p);
+}
+
 /* kvd_pool_run_sliced: without a hook one job; with one, every task runs
  * once, at most a worker's worth between two calls of the hook, the hook
  * runs on the caller between slices (never before the first), and
@@ -286,6 +372,7 @@ int main(void)
 		cmocka_unit_test(test_default_size_and_pinning),
 		cmocka_unit_test(test_concurrent_submitters),
 		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
+		cmocka_unit_test(test_submitter_runs_its_job),
 		cmocka_unit_test(test_sliced_with_yield_hook),
 		cmocka_unit_test(test_prefault),
 		cmocka_unit_test(test_free_behind),
