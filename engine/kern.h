@@ -86,9 +86,10 @@ struct kvd_kern {
 		    const int8_t *base, const uint32_t *idx, size_t m, float *o);
 
 	/* The candidate walk's counts (lsh.c) as bits: bit j of bits[w] =
-	 * (cnt[64w + j] >= c) for w < words, and cnt[0 .. 64 words) zeroed.
-	 * cnt is 64-byte aligned. */
-	void (*ge8)(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits);
+	 * (cnt[64w + j] >= c) for w < words, and cnt[0 .. 64 words) zeroed;
+	 * bit j of nz[s] = (bits[64s + j] != 0), for the (words + 63) / 64
+	 * words of nz (bits past `words` 0).  cnt is 64-byte aligned. */
+	void (*ge8)(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint64_t *nz);
 
 	/* hybrid_lcv's moments (kern_mom.h): mom adds sum_i a_i b_i^T over r
 	 * rows of d floats to kv (kv[f*d + e] += sum_i a[i*d+f] * b[i*d+e]);

@@ -825,15 +825,22 @@ static void hash_avx512(const float *W, int d, int K, int L, const float *x, siz
 	}
 }
 
-static void ge8_avx512(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits)
+static void ge8_avx512(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint64_t *nz)
 {
 	const __m512i t = _mm512_set1_epi8((char)c), z = _mm512_setzero_si512();
+	uint64_t y = 0;
 
 	for (size_t w = 0; w < words; w++) {
 		void *p = cnt + w * 64;
+		uint64_t b = _mm512_cmpge_epu8_mask(_mm512_load_si512(p), t);
 
-		bits[w] = _mm512_cmpge_epu8_mask(_mm512_load_si512(p), t);
+		bits[w] = b;
 		_mm512_store_si512(p, z);
+		y |= (uint64_t)(b != 0) << (w & 63);
+		if ((w & 63) == 63 || w + 1 == words) {
+			nz[w >> 6] = y;
+			y = 0;
+		}
 	}
 }
 

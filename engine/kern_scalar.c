@@ -169,7 +169,7 @@ static void kinv_scalar(const uint16_t *rows, size_t n, int d, float *out)
  * of y is >= c when its top bit is set, or else when (b | 0x80) - c keeps
  * it, which never borrows from the next byte; the eight top bits are then
  * gathered into a byte by one multiply. */
-static void ge8_scalar(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits)
+static void ge8_scalar(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint64_t *nz)
 {
 	const uint64_t H = 0x8080808080808080ull, L = 0x0101010101010101ull;
 
@@ -191,6 +191,9 @@ static void ge8_scalar(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits)
 			x |= ge << (8 * k);
 		}
 		bits[w] = x;
+		if ((w & 63) == 0)
+			nz[w >> 6] = 0;
+		nz[w >> 6] |= (uint64_t)(x != 0) << (w & 63);
 	}
 	memset(cnt, 0, words * 64);
 }

@@ -96,6 +96,7 @@ struct kvd_lsh_scratch {
 	uint32_t slots;         /* the drain's unrolled slots a word (lsh.c), from the last call */
 	uint8_t *cnt;           /* [cap rounded up to 64], 64-byte aligned: tables an id is in */
 	uint64_t *bits;         /* [(cap + 63) / 64]: the ids counted c times or more */
+	uint64_t *nz;           /* [(cap + 4095) / 4096]: the words of bits not 0 */
 };
 
 int kvd_lsh_scratch_init(struct kvd_lsh_scratch *s, uint32_t cap);
@@ -106,7 +107,8 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s);
  * past the returned count may be overwritten with scratch values).
  * Returns how many; 0 when the segment has more tokens than s->cap or c is
  * not 1 or 2.  Codes are masked to K bits (they come from clients).  Cost:
- * the total length of the L buckets visited, plus n/64 words to drain. */
+ * the total length of the L buckets visited, plus n/64 bytes' counts to
+ * compare, and the words holding candidates to drain. */
 uint32_t kvd_lsh_candidates(const struct kvd_lsh_tables *t, const uint16_t *qcodes,
 			    int c, struct kvd_lsh_scratch *s, uint16_t *out);
 /* The same over the first nt tables only (1 <= nt <= L; 0 returned

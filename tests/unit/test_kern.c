@@ -818,7 +818,8 @@ static void test_kinv(void **state)
 
 /* Every variant, scalar included, against the definition: counts of every
  * size (the walk's are mostly 0-2, up to 242; 255 and 128 cross AVX2's
- * signed compares), thresholds from 1 up, and cnt left zero. */
+ * signed compares), thresholds from 1 up, the summary of non-zero words
+ * (bits past the last word 0), and cnt left zero. */
 static void test_ge8(void **state)
 {
 	static const size_t nw[] = { 1, 2, 7, 64, 513, 1024 };
@@ -832,6 +833,7 @@ static void test_ge8(void **state)
 			size_t words = nw[a];
 			uint8_t *cnt = aligned_alloc(64, words * 64), *src = xmalloc(words * 64);
 			uint64_t *bits = xmalloc(words * sizeof *bits);
+			uint64_t *nz = xmalloc((words + 63) / 64 * sizeof *nz);
 
 			assert_non_null(cnt);
 			for (size_t i = 0; i < words * 64; i++) {
@@ -845,7 +847,16 @@ static void test_ge8(void **state)
 
 					memcpy(cnt, src, words * 64);
 					memset(bits, 0xa5, words * sizeof *bits);
-					k->ge8(cnt, words, cs[c], bits);
+					memset(nz, 0xa5, (words + 63) / 64 * sizeof *nz);
+					k->ge8(cnt, words, cs[c], bits, nz);
+					for (size_t w = 0; w < (words + 63) / 64 * 64; w++) {
+						int want = w < words && bits[w] != 0,
+						    got = (int)(nz[w / 64] >> (w % 64) & 1);
+
+						if (got != want)
+							fail_msg("%s ge8 words=%zu c=%u: summary bit %zu %d, want %d",
+								 k->name, words, cs[c], w, got, want);
+					}
 					for (size_t i = 0; i < words * 64; i++) {
 						int want = src[i] >= cs[c], got = (int)(bits[i / 64] >> (i % 64) & 1);
 
@@ -859,6 +870,7 @@ static void test_ge8(void **state)
 			free(cnt);
 			free(src);
 			free(bits);
+			free(nz);
 		}
 	}
 	report("ge8", "%.0f mismatches");
