@@ -45,6 +45,7 @@ struct dec_opts {
 	int json;
 	uint32_t seqs, ctx, layers, steps, measure, K, L, c, est, kv_dtype, threads;
 	int est_default;                /* --estimator default: KVD_EST_CFG_DEFAULT */
+	uint32_t seg_tokens;            /* both profiles' segments (0: kvd's default) */
 	int ctx_given;
 };
 
@@ -361,6 +362,7 @@ static int run(const struct dec_opts *op, uint64_t phys)
 	cf[0].m.c = op->c;
 	cf[0].m.estimator = op->est;
 	cf[0].m.kv_dtype = op->kv_dtype;
+	cf[0].m.segment_tokens = op->seg_tokens;
 	cf[1].m = llama(S);
 	cf[1].m.name = "decode-magicpig";
 	cf[1].m.K = KVD_EST_CFG_MAGICPIG.K;
@@ -368,6 +370,8 @@ static int run(const struct dec_opts *op, uint64_t phys)
 	cf[1].m.c = KVD_EST_CFG_MAGICPIG.c;
 	cf[1].m.estimator = KVD_EST_CFG_MAGICPIG.est;
 	cf[1].m.kv_dtype = KVD_EST_CFG_MAGICPIG.kv_dtype;
+	/* the candidate's segments: MagicPIG's estimate does not depend on them */
+	cf[1].m.segment_tokens = op->seg_tokens;
 	if (cfg_open(&cf[0], srv.sock, op->est_default ? "default" : "candidate", B) ||
 	    cfg_open(&cf[1], srv.sock, "magicpig", B))
 		goto out;
@@ -498,6 +502,7 @@ int bench_decode_main(int argc, char **argv)
 				op.L = d.L;
 				op.c = d.c;
 				op.kv_dtype = d.kv_dtype;
+				op.seg_tokens = d.seg_tokens;
 			} else if (kvd_estimator_parse(v, &op.est)) {
 				return usage();
 			}

@@ -60,6 +60,7 @@ struct opts {
 	int reps;
 	uint64_t seed;
 	uint32_t seg;
+	int seg_set;                    /* --seg given: --estimator default keeps it */
 	const char *trace;
 	int warm;                       /* --warm: no sweep before the reps */
 	uint32_t dt[KVD_KV_DTYPE_MAX + 1], ndt;
@@ -771,6 +772,7 @@ static void parse(int argc, char **argv, struct opts *op)
 			op->seed = strtoull(v, NULL, 0);
 		} else if (!strcmp(a, "--seg")) {
 			op->seg = (uint32_t)atoi(v);
+			op->seg_set = 1;
 		} else if (!strcmp(a, "--trace")) {
 			op->trace = v;
 		} else if (!strcmp(a, "--estimator")) {
@@ -927,7 +929,10 @@ static void run_dtypes(const struct opts *op, struct kvd_pool *pool, const struc
  * (KVD_EST_CFG_MAGICPIG) on the same data, each its own layer (their K, L,
  * c and row format differ), their cold reps interleaved as run_dtypes does
  * so that core_ms_vs_magicpig compares the same minutes of the machine.
- * Both rows are printed; the magicpig row always, whatever the flags. */
+ * Both layers are cut into the default's segments unless --seg says
+ * otherwise (MagicPIG's estimate does not depend on them, its cost falls
+ * with fewer of them too).  Both rows are printed; the magicpig row
+ * always, whatever the flags. */
 static void run_default(const struct opts *op, struct kvd_pool *pool, const struct layer_in *in,
 			const struct probes *pr, int *header)
 {
@@ -946,6 +951,8 @@ static void run_default(const struct opts *op, struct kvd_pool *pool, const stru
 		o[i].est[0] = want[i].est;
 		o[i].nest = 1;
 		o[i].c = want[i].c;
+		if (!op->seg_set && want[1].seg_tokens)
+			o[i].seg = want[1].seg_tokens;
 		cfg_setup(&o[i], pool, in, want[i].K, want[i].L, want[i].kv_dtype, &cf[i]);
 		sc[i] = cf[i].sc[0];
 		dc[i] = cf[i].dc;

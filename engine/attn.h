@@ -148,19 +148,23 @@ int kvd_estimator_parse(const char *s, uint32_t *out);
 size_t kvd_heavy_words(const struct kvd_geom *g);
 
 /* What a profile chooses for its sparse layers: estimator, bits per table,
- * tables, collisions needed and row format.  KVD_EST_CFG_MAGICPIG is
- * MagicPIG's own choice, the yardstick of every _vs_magicpig figure.
- * KVD_EST_CFG_DEFAULT is what kvd recommends, what the client libraries'
- * profiles get unless they say otherwise (the Python Model, kvd-decode;
- * on the wire 0 stays magicpig and bf16), and what kvbench's `--estimator
- * default` measures against MagicPIG's: hybrid_lcv at 70 tables in int8,
- * which met MagicPIG's accuracy on every workload measured
- * (docs/ARCHITECTURE.md, "The default"). */
+ * tables, collisions needed, row format and tokens per segment (0: kvd's
+ * default, 32768).  KVD_EST_CFG_MAGICPIG is MagicPIG's own choice, the
+ * yardstick of every _vs_magicpig figure; it has no segments, and its
+ * estimate does not depend on them (no state per segment), so kvbench cuts
+ * its layer as the configuration it is compared with.  KVD_EST_CFG_DEFAULT
+ * is what kvd recommends, what the client libraries' profiles get unless
+ * they say otherwise (the Python Model, kvd-decode; on the wire 0 stays
+ * magicpig, bf16 and 32768), and what kvbench's `--estimator default`
+ * measures against MagicPIG's: hybrid_lcv at 70 tables in int8, in
+ * segments of 65536 tokens, which met MagicPIG's accuracy on every
+ * workload measured (docs/ARCHITECTURE.md, "The default"). */
 struct kvd_est_cfg {
-	uint32_t est, K, L, c, kv_dtype;
+	uint32_t est, K, L, c, kv_dtype, seg_tokens;
 };
-#define KVD_EST_CFG_MAGICPIG ((struct kvd_est_cfg){ KVD_EST_MAGICPIG, 10, 150, 2, KVD_KV_BF16 })
-#define KVD_EST_CFG_DEFAULT  ((struct kvd_est_cfg){ KVD_EST_HYBRID_LCV, 10, 70, 2, KVD_KV_INT8 })
+#define KVD_EST_CFG_MAGICPIG ((struct kvd_est_cfg){ KVD_EST_MAGICPIG, 10, 150, 2, KVD_KV_BF16, 0 })
+#define KVD_EST_CFG_DEFAULT                                                           \
+	((struct kvd_est_cfg){ KVD_EST_HYBRID_LCV, 10, 70, 2, KVD_KV_INT8, 65536 })
 
 /* Several layers' requests (of any sequences and profiles) in one pool job,
  * so requests from different clients share one pass over the workers.

@@ -370,11 +370,12 @@ void kvd_lsh_scratch_free(struct kvd_lsh_scratch *s)
  * segment to the hardware, took ~10 % longer per cold call on Zen 4.) */
 #define CAND_BATCH 16
 
-/* The ids set in want[] into out, ascending, and want[] zero again (only
- * the words nz marks hold any), visiting only the words nz marks (ge8's summary, a bit a word): with ~90 candidates among 32k ids,
- * as a dense head has, 5 words in 6 are empty, and visiting all 512 was
- * ~70 % of the drain's time, ~8 % of a sampled head's (Zen 5, 98k tokens,
- * cold).  Sets *nw to the words visited.
+/* The ids set in want[] into out, ascending, and want[] zero again,
+ * visiting only the words nz marks (ge8's summary, a bit a word): with ~90
+ * candidates among 32k ids, as a dense head has, 5 words in 6 are empty,
+ * and visiting all 512 took ~80 % of the drain's time, ~8 % of a dense
+ * sampled head's (Zen 5, 98k tokens, cold; docs/MEASUREMENTS.md).  Sets
+ * *nw to the words visited.
  * A loop that runs once per id mispredicts about once a word (a word holds
  * 1, 2 or 3 candidates at random), which took a quarter of the walk.
  * Instead each word fills W slots unconditionally, each advancing out by

@@ -9,13 +9,14 @@
 
 void dec_args_default(struct dec_args *a)
 {
-	/* The profile's estimator, K, L, c and row format: kvd's recommended
-	 * configuration, as every client's defaults. */
+	/* The profile's estimator, K, L, c, row format and segment size: kvd's
+	 * recommended configuration, as every client's defaults. */
 	const struct kvd_est_cfg d = KVD_EST_CFG_DEFAULT;
 
 	*a = (struct dec_args){
 		.attn = DEC_KVD, .ctx = 4096, .batch = 1, .steps = 32, .warmup = 2, .layers = 32,
 		.K = d.K, .L = d.L, .c = d.c, .kv_dtype = d.kv_dtype, .estimator = d.est,
+		.seg_tokens = d.seg_tokens,
 		.sink = 4, .window = 64, .slots = 16, .slot_size = 4u << 20, .seed = 1,
 	};
 }

@@ -16,6 +16,7 @@ struct dec_args {
 	uint32_t K, L, c, sink, window; /* kvd mode */
 	uint32_t kv_dtype;              /* kvd mode: enum kvd_kv_dtype of the profile */
 	uint32_t estimator;             /* kvd mode: enum kvd_estimator of the profile */
+	uint32_t seg_tokens;            /* kvd mode: the profile's segment size */
 	int share;                      /* kvd mode: enum dec_share, how sequences 1.. get the
 					 * prompt of sequence 0 */
 	uint32_t slots;

@@ -313,7 +313,7 @@ int dec_run(const struct dec_args *a, struct dec_result *r)
 			.kv_heads = KVH, .head_dim = HD, .K = a->K, .L = a->L, .c = a->c,
 			.sink = a->sink, .window = a->window, .estimator = a->estimator,
 			.dense_layers = dense2, .n_dense = NL > 16 ? 2 : 1, .kv_dtype = a->kv_dtype,
-			.seed = a->seed,
+			.seed = a->seed, .segment_tokens = a->seg_tokens,
 		};
 		const size_t pn = (size_t)KVH * a->ctx * HD;
 

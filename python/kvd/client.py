@@ -29,7 +29,8 @@ SEQ_STATES = ("ram", "spilling", "disk", "restoring", "lost")
 @dataclass(frozen=True)
 class Model:
     """A model profile (struct kvc_model).  Zero segment_tokens/seal_tokens:
-    kvd's defaults (read them back from ``Client.model``).  kv_dtype: how
+    kvd's defaults, 32768 and 1024 (read them back from ``Client.model``);
+    segment_tokens defaults to the recommended 65536.  kv_dtype: how
     kvd stores the K/V rows of sealed segments, "int8" (the default) or
     "bf16" (what is sent is the same either way; int8 takes about half the
     memory and is approximate).  estimator: how kvd estimates attention over
@@ -41,9 +42,9 @@ class Model:
     q_heads: int
     kv_heads: int
     head_dim: int
-    # K, L, c, kv_dtype and estimator default to kvd's recommended
-    # configuration (KVD_EST_CFG_DEFAULT, engine/attn.h): MagicPIG K10
-    # L150 bf16's accuracy for about 0.4 of its CPU.  MagicPIG's own is
+    # K, L, c, kv_dtype, estimator and segment_tokens default to kvd's
+    # recommended configuration (KVD_EST_CFG_DEFAULT, engine/attn.h):
+    # MagicPIG K10 L150 bf16's accuracy for about 0.3 of its CPU.  MagicPIG's own is
     # K=10, L=150, kv_dtype="bf16", estimator="magicpig".
     K: int = 10                 # bits per table
     L: int = 70                 # tables
@@ -52,7 +53,7 @@ class Model:
     window: int = 64            # recent tokens kept by the client
     dense_layers: Tuple[int, ...] = ()
     seed: int = 0               # of the projection matrix W
-    segment_tokens: int = 0
+    segment_tokens: int = 65536
     seal_tokens: int = 0
     kv_dtype: str = "int8"
     estimator: str = "hybrid_lcv"

@@ -413,6 +413,7 @@ static void test_decode_args(void **state)
 	assert_int_equal(a.kv_dtype, KVD_EST_CFG_DEFAULT.kv_dtype);
 	assert_int_equal(a.estimator, KVD_EST_CFG_DEFAULT.est);
 	assert_int_equal(a.L, KVD_EST_CFG_DEFAULT.L);
+	assert_int_equal(a.seg_tokens, KVD_EST_CFG_DEFAULT.seg_tokens);
 	assert_int_equal(parse(&a, msg, "--kv-dtype", "bf16", NULL), 0);
 	assert_int_equal(a.kv_dtype, KVD_KV_BF16);
 	assert_int_equal(parse(&a, msg, "--kv-dtype", "int8", NULL), 0);
