@@ -825,22 +825,31 @@ static void hash_avx512(const float *W, int d, int K, int L, const float *x, siz
 	}
 }
 
+/* The summary from the words written, eight a compare: a test per word in
+ * the first loop cost ~40 % more than the loop itself. */
 static void ge8_avx512(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint64_t *nz)
 {
 	const __m512i t = _mm512_set1_epi8((char)c), z = _mm512_setzero_si512();
-	uint64_t y = 0;
 
 	for (size_t w = 0; w < words; w++) {
 		void *p = cnt + w * 64;
-		uint64_t b = _mm512_cmpge_epu8_mask(_mm512_load_si512(p), t);
 
-		bits[w] = b;
+		bits[w] = _mm512_cmpge_epu8_mask(_mm512_load_si512(p), t);
 		_mm512_store_si512(p, z);
-		y |= (uint64_t)(b != 0) << (w & 63);
-		if ((w & 63) == 63 || w + 1 == words) {
-			nz[w >> 6] = y;
-			y = 0;
+	}
+	for (size_t w = 0; w < words; w += 64) {
+		uint64_t y = 0;
+
+		size_t k = 0;
+
+		for (; k + 8 <= 64 && w + k + 8 <= words; k += 8) {
+			__m512i v = _mm512_loadu_si512(bits + w + k);
+
+			y |= (uint64_t)_mm512_test_epi64_mask(v, v) << k;
 		}
+		for (; k < 64 && w + k < words; k++)
+			y |= (uint64_t)(bits[w + k] != 0) << k;
+		nz[w >> 6] = y;
 	}
 }
 
