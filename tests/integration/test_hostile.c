@@ -760,8 +760,10 @@ static void test_loop_not_stalled(void **state)
 	t0 = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 	raw_submit(&x, e, ST_BATCH);
 	/* Let kvd pick A's batches up before B asks (an old kvd then sits in
-	 * them); how long this is changes nothing for a kvd that is right. */
-	daemon_sleep_ms(200);
+	 * them), and no longer: A's three batches took ~200 ms on 2 cores, and
+	 * waiting 200 ms here let a faster kvd finish them all before B asked,
+	 * which fails a kvd that is right.  Too short only lets B in first. */
+	daemon_sleep_ms(10);
 	assert_int_equal(write(go[1], "g", 1), 1);
 	for (uint32_t s = 0; s < ST_BATCH; s++) {
 		struct kvd_cqe c = raw_wait(&x);
