@@ -1203,8 +1203,6 @@ static void hash_avx2(const float *W, int d, int K, int L, const float *x, size_
 static void ge8_avx2(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint64_t *nz)
 {
 	const __m256i t = _mm256_set1_epi8((char)c), z = _mm256_setzero_si256();
-	uint64_t y = 0;
-
 	for (size_t w = 0; w < words; w++) {
 		__m256i *p = (__m256i *)(cnt + w * 64);
 		__m256i a = _mm256_load_si256(p), b = _mm256_load_si256(p + 1);
@@ -1214,12 +1212,8 @@ static void ge8_avx2(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint
 		bits[w] = (uint64_t)hi << 32 | lo;
 		_mm256_store_si256(p, z);
 		_mm256_store_si256(p + 1, z);
-		y |= (uint64_t)(bits[w] != 0) << (w & 63);
-		if ((w & 63) == 63 || w + 1 == words) {
-			nz[w >> 6] = y;
-			y = 0;
-		}
 	}
+	kvd_ge8_summary(bits, words, nz);
 }
 
 const struct kvd_kern kvd_kern_avx2 = {

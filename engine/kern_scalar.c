@@ -191,10 +191,8 @@ static void ge8_scalar(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, ui
 			x |= ge << (8 * k);
 		}
 		bits[w] = x;
-		if ((w & 63) == 0)
-			nz[w >> 6] = 0;
-		nz[w >> 6] |= (uint64_t)(x != 0) << (w & 63);
 	}
+	kvd_ge8_summary(bits, words, nz);
 	memset(cnt, 0, words * 64);
 }
 

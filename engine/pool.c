@@ -196,15 +196,15 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 		pthread_cond_broadcast(&p->work);
 	pthread_mutex_unlock(&p->mu);
 
-	/* Done means every task ran; the job may still be referenced by a
-	 * worker on its way out, and it lives in this frame: wait for the
-	 * last one under the lock (cheap: it is leaving). */
 	/* Acquire and release: the slot's scratch passes from one
 	 * submitter to the next as a worker's does from job to job. */
 	if (p->help && !atomic_exchange_explicit(&p->helping, 1, memory_order_acquire)) {
 		run_tasks(&j, p->n);
 		atomic_store_explicit(&p->helping, 0, memory_order_release);
 	}
+	/* Done means every task ran; the job may still be referenced by a
+	 * worker on its way out, and it lives in this frame: wait for the
+	 * last one under the lock (cheap: it is leaving). */
 	spin(&j.done, ntasks, 0);
 	pthread_mutex_lock(&p->mu);
 	while (atomic_load_explicit(&j.done, memory_order_acquire) != ntasks || j.refs)
