@@ -171,14 +171,3 @@ void kvd_q16_ref(const float *q, int G, int d, int16_t *q16, float *qscale)
 {
 	q16_scalar(q, G, d, q16, qscale);
 }
-
-void kvd_ge8_summary(const uint64_t *bits, size_t words, uint64_t *nz)
-{
-	for (size_t w = 0; w < words; w += 64) {
-		uint64_t y = 0;
-
-		for (size_t k = 0; k < 64 && w + k < words; k++)
-			y |= (uint64_t)(bits[w + k] != 0) << k;
-		nz[w >> 6] = y;
-	}
-}

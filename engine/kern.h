@@ -108,8 +108,17 @@ void kvd_q16(const float *q, int G, int d, int16_t *q16, float *qscale);
 /* The plain C kvd_q16, whatever the CPU (tests compare the two). */
 void kvd_q16_ref(const float *q, int G, int d, int16_t *q16, float *qscale);
 /* ge8's summary nz of bits[0 .. words), in plain C (the scalar and AVX2
- * ge8 end with it). */
-void kvd_ge8_summary(const uint64_t *bits, size_t words, uint64_t *nz);
+ * ge8 end with it; inline, so that no kernel file calls back into kern.c). */
+static inline void kvd_ge8_summary(const uint64_t *bits, size_t words, uint64_t *nz)
+{
+	for (size_t w = 0; w < words; w += 64) {
+		uint64_t y = 0;
+
+		for (size_t k = 0; k < 64 && w + k < words; k++)
+			y |= (uint64_t)(bits[w + k] != 0) << k;
+		nz[w >> 6] = y;
+	}
+}
 
 const struct kvd_kern *kvd_kern_get(void);
 const struct kvd_kern *kvd_kern_by_name(const char *name);
