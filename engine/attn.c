@@ -293,10 +293,12 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 
 /* The control variate of hybrid_lcv: linear in the raw score, c_i = alpha +
  * beta (s_i - mu), mu the mean raw score over the segment-head's n rows.
- * Then sum c_i = alpha n and sum c_i v_i = alpha vsum + beta (scale kv q -
- * mu vsum) exactly, from the segment's moments (sq = kv q), and Z and N are
+ * Then sum c_i = alpha n and sum c_i v_i = alpha vsum + beta scale C^T q,
+ * from the segment's moments (sq = C^T q, C the centered cross moment
+ * sum_i (k_i - ksum/n) v_i^T, kept in int8: seg.h), and Z and N are
  * estimated as in softmax_v_cv with c_i in place of c.  For fixed (alpha,
- * beta) both stay unbiased; the pair that minimizes the variance of Z,
+ * beta) both stay unbiased but for C's rounding (a fixed error of at most
+ * |beta| scale sum_f |q_f| row_f col_e / 2 in N's entry e); the pair that minimizes the variance of Z,
  * sum (e_i - c_i)^2 (1 - P_i) / P_i, is a weighted least-squares fit of
  * e_i on (1, s_i - mu) with weights (1 - P_i) / P_i, estimated from the
  * attended rows with a further 1/P_i (heavy rows weigh 0).  Where the fit
@@ -354,8 +356,7 @@ static float softmax_v_lcv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 		sc[i] -= (float)((al + be * x[i]) * t[i]);
 	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
 	for (int e = 0; e < d; e++)
-		og[e] = (float)((og[e] + al * sh->vsum[e] +
-				 be * ((double)scale * sq[e] - (double)mu * sh->vsum[e])) / z);
+		og[e] = (float)((og[e] + al * sh->vsum[e] + be * (double)scale * sq[e]) / z);
 	return mx + (float)log(z);
 }
 
@@ -553,8 +554,9 @@ static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *r
 }
 
 /* hybrid_lcv's moments of a (kv head, segment) pair against q heads of its
- * group: kv q_g into lm[g*d..] and the mean raw score mu_g = scale q_g .
- * ksum / n into lm[G*d + g], for g0, g0 + gstep, ... < G. */
+ * group: C^T q_g (seg.h: kv, centered) into lm[g*d..] and the mean raw
+ * score mu_g = scale q_g . ksum / n into lm[G*d + g], for g0, g0 + gstep,
+ * ... < G. */
 static void lcv_moments(const struct kvd_kern *kk, const struct kvd_seg *seg, uint32_t h,
 			const float *q, uint32_t G, uint32_t d, uint32_t g0, uint32_t gstep,
 			float *lm)
@@ -563,12 +565,13 @@ static void lcv_moments(const struct kvd_kern *kk, const struct kvd_seg *seg, ui
 	const float scale = 1.0f / sqrtf((float)d);
 
 	if (gstep == 1)
-		kk->mv(sh->kv, (int)d, q, (int)G, lm);
+		kk->mv(sh->kv, sh->kv_row, sh->kv_col, (int)d, q, (int)G, lm);
 	for (uint32_t gi = g0; gi < G; gi += gstep) {
 		double qk = 0.0;
 
 		if (gstep != 1)
-			kk->mv(sh->kv, (int)d, q + (size_t)gi * d, 1, lm + (size_t)gi * d);
+			kk->mv(sh->kv, sh->kv_row, sh->kv_col, (int)d, q + (size_t)gi * d, 1,
+			       lm + (size_t)gi * d);
 		for (uint32_t e = 0; e < d; e++)
 			qk += (double)q[(size_t)gi * d + e] * sh->ksum[e];
 		lm[G * d + gi] = (float)(scale * qk / seg->n);
@@ -587,7 +590,7 @@ static int is_lcv(const struct kvd_attn_req *r)
 
 /*
  * Where a task finds a pair's moments.  The first task of the pair to start
- * makes them for the whole group (reading kv, d*d floats, once) into
+ * makes them for the whole group (reading kv, d*d bytes, once) into
  * `shared` and marks it ready; a q head needs its own only at the end of
  * its sample, by when they are most often there.  A task that finds them
  * not ready makes its heads' own (a head's product does not depend on the
@@ -694,12 +697,18 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		kk->logp(sc, m, s->kinv, nn > 0.0f ? 1.0f / sqrtf(nn) : 0.0f, scale, tb);
 		for (uint32_t j = 0; j < nh; j++)
 			sc[hidx[j]] = hraw[j] * scale;
-		if (cv == 2)
+		/* hybrid_lcv's line only on the reduced budget: a head on
+		 * every table misses mass the sample does not find, which a
+		 * line follows no better than a constant, and a group none of
+		 * whose heads needs the line skips the moments (layer_task). */
+		int cvh = cv == 2 && tab_lo && tb != tab_lo ? 1 : cv;
+
+		if (cvh == 2)
 			lm = lcv_of(ls, (uint32_t)gi);
-		lse[gi] = cv == 2 ? softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows, s->vsc, m,
+		lse[gi] = cvh == 2 ? softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows, s->vsc, m,
 						  s->w16, og, lm + (size_t)gi * d, lm[G * d + gi],
 						  scale) :
-			  cv ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m, s->w16, og)
+			  cvh ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m, s->w16, og)
 			     : softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
 	}
 	if (st) {
@@ -968,6 +977,18 @@ static void heavy_of(const uint32_t *heavy, uint32_t h, uint32_t G, uint32_t g0,
 	}
 }
 
+/* Whether any q head of kv head h's group is on hybrid_lcv's reduced
+ * budget.  Every task of the group reads the same bits: the state is
+ * rewritten only once all of them are done (head_done). */
+static int group_lo(const uint32_t *heavy, uint32_t h, uint32_t G)
+{
+	uint32_t lo = 0;
+
+	for (uint32_t gi = 0; gi < G; gi++)
+		lo |= heavy[(size_t)(h * G + gi) * (1 + KVD_HEAVY_MAX)];
+	return !!(lo & KVD_HEAVY_LO);
+}
+
 static uint32_t nparts_of(const struct kvd_layer_view *lv)
 {
 	return lv->nseg + (lv->tail_n ? 1 : 0);
@@ -1021,6 +1042,8 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 		 * constant (none should reach here: segments are shared only
 		 * within a profile, and the profile's geometry says) */
 		int lcv = state && r->est == KVD_EST_HYBRID_LCV && lv->seg[part]->h[h].kv;
+		/* which sampled() gives the line: heads on the reduced budget */
+		int line = lcv && (!r->tab_lo || group_lo(r->heavy, h, G));
 		size_t pair = (size_t)h * nparts + part;
 		uint32_t ids[KVD_GMAX][KVD_HEAVY_MAX];
 		float own[KVD_GMAX * (KVD_DMAX + 1)];
@@ -1042,9 +1065,9 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
 			ls = (struct lcv_src){ j->kk, lv->seg[part], h, G, d, q,
 					       j->lcv[ri] + pair * lcv_floats(g),
 					       j->lready[ri] + pair, own };
-			if (atomic_compare_exchange_strong_explicit(ls.ready, &none, 1,
-								    memory_order_relaxed,
-								    memory_order_relaxed)) {
+			if (line && atomic_compare_exchange_strong_explicit(ls.ready, &none, 1,
+									    memory_order_relaxed,
+									    memory_order_relaxed)) {
 				lcv_moments(j->kk, lv->seg[part], h, q, G, d, 0, 1, ls.shared);
 				atomic_store_explicit(ls.ready, 2, memory_order_release);
 			}

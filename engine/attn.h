@@ -119,7 +119,9 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
  *   whose list did not fill with keys of at least 2^-KVD_HEAVY_SHARE_LOG2
  *   of its mass last step walks only the first KVD_LCV_LO(L) tables
  *   (tab_lo in the request), a sample of that many tables, weighted by
- *   their P; the others walk all L ("The per-head budget").
+ *   their P, with the line; the others walk all L with hybrid_cv's
+ *   constant, and a group none of whose heads has the line reads no
+ *   moments ("The per-head budget").
  *
  * The state of one layer is kvd_heavy_words(g) uint32 words, zero-filled
  * when new (empty lists): per q head a count then KVD_HEAVY_MAX entries

@@ -93,10 +93,12 @@ struct kvd_kern {
 
 	/* hybrid_lcv's moments (kern_mom.h): mom adds sum_i a_i b_i^T over r
 	 * rows of d floats to kv (kv[f*d + e] += sum_i a[i*d+f] * b[i*d+e]);
-	 * mv sets y[g*d + e] = sum_f x[g*d + f] * kv[f*d + e] for g < G (a
+	 * mv sets y[g*d + e] = col[e] * sum_f x[g*d + f] * row[f] * kv[f*d + e]
+	 * for g < G, kv int8 under row and column scales (kvd_seg_head.kv; a
 	 * head's bits do not depend on G).  d a multiple of 16. */
 	void (*mom)(const float *a, const float *b, size_t r, int d, float *kv);
-	void (*mv)(const float *kv, int d, const float *x, int G, float *y);
+	void (*mv)(const int8_t *kv, const float *row, const float *col, int d, const float *x,
+		   int G, float *y);
 };
 
 /* q[G][d] (floats) as qk8 and pv8 take them (queries, or weights with d the

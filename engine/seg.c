@@ -119,11 +119,21 @@ static int seg_geom_ok(const struct kvd_geom *g, uint32_t n)
 
 #define PAGE_UP(x) (((x) + IO_PAGE - 1) & ~(IO_PAGE - 1))
 
-/* The moments (kvd_seg_head.ksum, kv) of every head: d + d*d floats each,
- * where the geometry asks for them. */
-static size_t mom_floats(const struct kvd_geom *g)
+/* The moments of every head, where the geometry asks for them: ksum,
+ * kv_row and kv_col (d floats each) then kv (d*d bytes), 12d + d^2 bytes,
+ * a multiple of 64 for d a multiple of 16. */
+static size_t mom_bytes(const struct kvd_geom *g)
 {
-	return g->moments ? (size_t)g->d + (size_t)g->d * g->d : 0;
+	return g->moments ? 3 * sizeof(float) * g->d + (size_t)g->d * g->d : 0;
+}
+
+/* Points sh's moments at m (mom_bytes(g) bytes). */
+static void mom_layout(struct kvd_seg_head *sh, char *m, size_t d)
+{
+	sh->ksum = (float *)m;
+	sh->kv_row = sh->ksum + d;
+	sh->kv_col = sh->kv_row + d;
+	sh->kv = (int8_t *)(sh->kv_col + d);
 }
 
 /* Where they lie in the io buffer: past the payload's last page, so that a
@@ -139,7 +149,7 @@ size_t kvd_seg_io_bytes(const struct kvd_geom *g, uint32_t n)
 	if (!seg_geom_ok(g, n))
 		return 0;
 	/* At most 1024 heads of ~330 MiB: far from overflowing. */
-	return mom_off(g, n) + PAGE_UP(g->kv_heads * mom_floats(g) * sizeof(float));
+	return mom_off(g, n) + PAGE_UP(g->kv_heads * mom_bytes(g));
 }
 
 void *kvd_seg_io_alloc(const struct kvd_geom *g, uint32_t n, size_t *bytes)
@@ -204,9 +214,8 @@ static void head_layout(const struct kvd_geom *g, struct kvd_seg *s, uint32_t h)
 		sh->kinv = (float *)hp.kinv;
 	}
 	(void)kvd_lsh_tables_layout(&sh->tab, hp.tab, s->n, (int)s->K, (int)s->L);
-	sh->ksum = g->moments ? (float *)((char *)s->io + mom_off(g, s->n)) + h * mom_floats(g)
-			      : NULL;
-	sh->kv = g->moments ? sh->ksum + g->d : NULL;
+	if (g->moments)
+		mom_layout(sh, (char *)s->io + mom_off(g, s->n) + h * mom_bytes(g), g->d);
 }
 
 static struct kvd_seg *seg_new(const struct kvd_geom *g, uint32_t n)
@@ -322,23 +331,71 @@ static void mom_chunk(const struct kvd_seg_head *sh, int i8, size_t d, size_t r0
 	}
 }
 
-/* Head sh's moments from the chunks' parts (ks [chunks][d], kv [chunks][d*d]). */
+/*
+ * Head sh's moments from acc, the double sums over its n rows of k v^T
+ * ([d][d], f major) then of k ([d]); sh->vsum is already made.  The cross
+ * moment is kept centered, C = sum k v^T - ksum vsum^T / n: attention needs
+ * only C q (the line's slope term, engine/attn.c), and uncentered the
+ * large common part ksum vsum^T / n would cancel in it after rounding.  C
+ * is kept in int8 under a scale per row and per column, C[f][e] ~ kv[f][e]
+ * kv_row[f] kv_col[e], each entry within kv_row[f] kv_col[e] / 2: a quarter
+ * of a float matrix's bytes, which every step reads cold.  A non-finite
+ * entry (a client's NaN or infinite rows) makes its column's scale NaN, so
+ * the product's entry is NaN as a float matrix's would be.  acc is
+ * overwritten.  Build and restore both end here, so their bits agree.
+ */
+static void mom_store(struct kvd_seg_head *sh, double *acc, uint32_t n, size_t d)
+{
+	for (size_t e = 0; e < d; e++)
+		sh->ksum[e] = (float)acc[d * d + e];
+	for (size_t e = 0; e < d; e++) {
+		double mx = 0.0;
+
+		for (size_t f = 0; f < d; f++) {
+			double *c = &acc[f * d + e];
+
+			*c -= (double)sh->ksum[f] * sh->vsum[e] / n;
+			mx = isfinite(*c) && isfinite(mx) ? fmax(mx, fabs(*c)) : NAN;
+		}
+		sh->kv_col[e] = (float)mx;
+	}
+	for (size_t f = 0; f < d; f++) {
+		double mx = 0.0;
+
+		for (size_t e = 0; e < d; e++)
+			if (sh->kv_col[e] > 0.0f)
+				mx = fmax(mx, fabs(acc[f * d + e]) / sh->kv_col[e]);
+		sh->kv_row[f] = (float)(mx / 127.0);
+		for (size_t e = 0; e < d; e++) {
+			double u = (double)sh->kv_row[f] * sh->kv_col[e], x = 0.0;
+
+			if (u > 0.0) {
+				x = nearbyint(acc[f * d + e] / u);
+				x = x > 127.0 ? 127.0 : x < -127.0 ? -127.0 : x;
+			}
+			sh->kv[f * d + e] = (int8_t)x;
+		}
+	}
+}
+
+/* The chunks' parts (ks [chunks][d], kv [chunks][d*d]) summed in double in
+ * chunk order into acc ([d*d + d]), as mom_head sums them. */
 static void mom_reduce(const double *ks, const float *kv, uint32_t chunks, size_t d,
-		       struct kvd_seg_head *sh)
+		       double *acc)
 {
 	for (size_t e = 0; e < d; e++) {
 		double t = 0.0;
 
 		for (uint32_t c = 0; c < chunks; c++)
 			t += ks[c * d + e];
-		sh->ksum[e] = (float)t;
+		acc[d * d + e] = t;
 	}
 	for (size_t x = 0; x < d * d; x++) {
 		double t = 0.0;
 
 		for (uint32_t c = 0; c < chunks; c++)
 			t += kv[c * d * d + x];
-		sh->kv[x] = (float)t;
+		acc[x] = t;
 	}
 }
 
@@ -363,10 +420,7 @@ static int mom_head(struct kvd_seg_head *sh, int i8, size_t n, size_t d)
 		for (size_t x = 0; x < d * d; x++)
 			acc[x] += part[x];
 	}
-	for (size_t e = 0; e < d; e++)
-		sh->ksum[e] = (float)acc[d * d + e];
-	for (size_t x = 0; x < d * d; x++)
-		sh->kv[x] = (float)acc[x];
+	mom_store(sh, acc, (uint32_t)n, d);
 	free(acc);
 	free(part);
 	return 0;
@@ -682,10 +736,12 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 	size_t parts = (size_t)g->kv_heads * row_tasks(s);
 	struct seg_build b = { g, s, k, v, codes, ld, calloc(parts * 2 * g->d, sizeof(double)),
 			       g->moments ? malloc(parts * g->d * g->d * sizeof(float)) : NULL };
+	double *macc = g->moments ? malloc((g->d * g->d + g->d) * sizeof *macc) : NULL;
 
-	if (!b.vpart || (g->moments && !b.mpart)) {
+	if (!b.vpart || (g->moments && (!b.mpart || !macc))) {
 		free(b.vpart);
 		free(b.mpart);
+		free(macc);
 		kvd_seg_free(s);
 		return -ENOMEM;
 	}
@@ -698,13 +754,16 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 		const double *vp = b.vpart + (size_t)h * 2 * row_tasks(s) * g->d;
 
 		vsum_reduce(vp, row_tasks(s), g->d, s->h[h].vsum);
-		if (g->moments)
+		if (g->moments) {
 			mom_reduce(vp + (size_t)row_tasks(s) * g->d,
 				   b.mpart + (size_t)h * row_tasks(s) * g->d * g->d, row_tasks(s),
-				   g->d, &s->h[h]);
+				   g->d, macc);
+			mom_store(&s->h[h], macc, n, g->d);
+		}
 	}
 	free(b.vpart);
 	free(b.mpart);
+	free(macc);
 	kvd_pool_yield();
 	double t = now_ms();
 
@@ -778,14 +837,15 @@ int kvd_seg_sums(const struct kvd_geom *g, uint32_t n, void *io, float *vsum)
 {
 	for (uint32_t h = 0; h < g->kv_heads; h++) {
 		struct head_parts hp = head_parts(g, n, (char *)io + IO_PAGE, h);
-		float *m = (float *)((char *)io + mom_off(g, n)) + h * mom_floats(g);
 		struct kvd_seg_head sh = {
 			.k = (uint16_t *)hp.k, .v = (uint16_t *)hp.v, .k8 = (int8_t *)hp.k,
 			.v8 = (int8_t *)hp.v, .kscale = (float *)hp.kscale,
-			.r8 = (struct kvd_row8 *)hp.r8, .ksum = m, .kv = m + g->d,
+			.r8 = (struct kvd_row8 *)hp.r8, .vsum = vsum + (size_t)h * g->d,
 		};
 		int rc;
 
+		if (g->moments)
+			mom_layout(&sh, (char *)io + mom_off(g, n) + h * mom_bytes(g), g->d);
 		vsum_head(&sh, g->kv_dtype == KVD_KV_INT8, n, g->d, vsum + (size_t)h * g->d);
 		if (g->moments && (rc = mom_head(&sh, g->kv_dtype == KVD_KV_INT8, n, g->d)))
 			return rc;

@@ -80,10 +80,13 @@ struct kvd_seg_head {
 					 * variate (engine/attn.h); kept beside the segment,
 					 * not in its payload */
 	float *ksum;                    /* [d]: the sum of the keys as scored */
-	float *kv;                      /* [d][d]: kv[f*d + e] = sum_i k_i[f] v_i[e],
-					 * keys and values as attention reads them;
-					 * ksum and kv are hybrid_lcv's moments, in the
-					 * io buffer after the payload, never in a file */
+	int8_t *kv;                     /* [d][d]: the centered cross moment
+					 * C[f][e] = sum_i (k_i[f] - ksum[f]/n) v_i[e],
+					 * keys and values as attention reads them, as
+					 * kv[f*d + e] * kv_row[f] * kv_col[e] */
+	float *kv_row, *kv_col;         /* [d] each; ksum, kv and its scales are
+					 * hybrid_lcv's moments, in the io buffer
+					 * after the payload, never in a file */
 };
 
 struct kvd_seg {

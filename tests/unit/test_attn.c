@@ -758,8 +758,12 @@ static void test_vsum_build_equals_restore(void **state)
 			assert_memory_equal(seg->h[h].vsum, ad2->h[h].vsum, d * sizeof(float));
 			assert_memory_equal(seg->h[h].ksum, ad->h[h].ksum, d * sizeof(float));
 			assert_memory_equal(seg->h[h].ksum, ad2->h[h].ksum, d * sizeof(float));
-			assert_memory_equal(seg->h[h].kv, ad->h[h].kv, d * d * sizeof(float));
-			assert_memory_equal(seg->h[h].kv, ad2->h[h].kv, d * d * sizeof(float));
+			assert_memory_equal(seg->h[h].kv, ad->h[h].kv, d * d);
+			assert_memory_equal(seg->h[h].kv, ad2->h[h].kv, d * d);
+			assert_memory_equal(seg->h[h].kv_row, ad->h[h].kv_row, d * sizeof(float));
+			assert_memory_equal(seg->h[h].kv_row, ad2->h[h].kv_row, d * sizeof(float));
+			assert_memory_equal(seg->h[h].kv_col, ad->h[h].kv_col, d * sizeof(float));
+			assert_memory_equal(seg->h[h].kv_col, ad2->h[h].kv_col, d * sizeof(float));
 			seg_rows_f32(seg, h, kf, vf);
 			for (uint32_t e = 0; e < d; e++) {
 				double t = 0, ks = 0, kabs = 0;
@@ -772,19 +776,28 @@ static void test_vsum_build_equals_restore(void **state)
 				assert_true(fabs(seg->h[h].vsum[e] - t) <= 1e-6 * (1 + fabs(t)));
 				assert_true(fabs(seg->h[h].ksum[e] - ks) <= 1e-6 * (1 + kabs));
 			}
+			/* the centered cross moment, within its int8 rounding */
 			for (uint32_t f = 0; f < d; f += 7)
 				for (uint32_t e = 0; e < d; e += 5) {
-					double t = 0, a = 0;
+					const struct kvd_seg_head *sh = &seg->h[h];
+					double t = 0, a = 0, ks = 0, vs = 0;
 
 					for (uint32_t i = 0; i < n; i++) {
-						double x = (double)kf[(size_t)i * d + f] *
+						ks += kf[(size_t)i * d + f];
+						vs += vf[(size_t)i * d + e];
+					}
+					for (uint32_t i = 0; i < n; i++) {
+						double x = ((double)kf[(size_t)i * d + f] - ks / n) *
 							   vf[(size_t)i * d + e];
 
 						t += x;
 						a += fabs(x);
 					}
-					assert_true(fabs(seg->h[h].kv[f * d + e] - t) <=
-						    1e-5 * (1 + a));
+					double u = (double)sh->kv_row[f] * sh->kv_col[e];
+
+					assert_true(u > 0.0);
+					assert_true(fabs(sh->kv[f * d + e] * u - t) <=
+						    0.5 * u + 1e-5 * (1 + a));
 				}
 		}
 		kvd_seg_free(ad);
@@ -1186,7 +1199,8 @@ static void cv_ref(const float *vf, uint32_t n, int d, const uint32_t *idx, uint
  * holds as heavy; heavy rows weigh exp(score), the others exp(score) / P.
  * cv 1: hybrid_cv's, the same rows through cv_ref; 2: hybrid_lcv's,
  * through lcv_ref, and with budget a head whose count word says so
- * samples the first KVD_LCV_LO(L) tables only. */
+ * samples the first KVD_LCV_LO(L) tables only and the others, on every
+ * table, take hybrid_cv's constant (cv_ref). */
 static void hybrid_ref_b(const struct layer_fix *f, const uint32_t *heavy, int cv, int budget,
 			 double *o, double *lse)
 {
@@ -1206,6 +1220,7 @@ static void hybrid_ref_b(const struct layer_fix *f, const uint32_t *heavy, int c
 		double *oq = o + (size_t)qh * d, qn = 0;
 		uint32_t nt = budget && (e[0] & KVD_HEAVY_LO) ? KVD_LCV_LO(g->L) : g->L;
 		uint32_t ne = e[0] & 0xffff;
+		int cvh = cv == 2 && budget && !(e[0] & KVD_HEAVY_LO) ? 1 : cv;
 
 		for (uint32_t j = 0; j < d; j++)
 			qn += (double)q[j] * q[j];
@@ -1242,9 +1257,9 @@ static void hybrid_ref_b(const struct layer_fix *f, const uint32_t *heavy, int c
 				w[nr] -= lp[nr];
 				nr++;
 			}
-			if (cv == 2)
+			if (cvh == 2)
 				lcv_ref(vf, seg->n, (int)d, idx, nr, w, lp, raw, po, &pl);
-			else if (cv)
+			else if (cvh)
 				cv_ref(vf, seg->n, (int)d, idx, nr, w, lp, po, &pl);
 			else
 				kvd_ref_softmax_v(vf, (int)d, idx, nr, w, po, &pl);

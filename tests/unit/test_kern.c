@@ -814,6 +814,68 @@ static void test_kinv(void **state)
 	report("kinv", "worst relative error %.2e");
 }
 
+/* ---- mv -------------------------------------------------------------------- */
+
+/* hybrid_lcv's product with the int8 moments, every kernel the scalar one
+ * included, against double: col[e] * sum_f x[f] row[f] kv[f][e], within
+ * float rounding of the sum of the terms' sizes; and a head's result is
+ * the same bits whatever its group (G = 1 against its place in G). */
+static void test_mv(void **state)
+{
+	static const int dm[] = { 16, 64, 128 };
+
+	(void)state;
+	for (size_t s = 0; s < NSEEDS; s++) {
+		struct kvd_rng r = kvd_rng_make(seeds[s] ^ 0x3b);
+
+		for (size_t a = 0; a < N_OF(dm); a++) {
+			const int d = dm[a], G = 8;
+			int8_t *kv = xmalloc((size_t)d * d);
+			float *row = xmalloc(d * sizeof *row), *col = xmalloc(d * sizeof *col);
+			float *x = xmalloc((size_t)G * d * sizeof *x), *y = xmalloc((size_t)G * d * sizeof *y);
+			float y1[256];
+
+			for (int i = 0; i < d * d; i++)
+				kv[i] = (int8_t)((int)kvd_rng_below(&r, 255) - 127);
+			for (int f = 0; f < d; f++) {
+				row[f] = (float)(0.01 + kvd_rng_below(&r, 1000) / 100.0);
+				col[f] = (float)(0.01 + kvd_rng_below(&r, 1000) / 1000.0);
+			}
+			for (int i = 0; i < G * d; i++)
+				x[i] = (float)((int)kvd_rng_below(&r, 2001) - 1000) / 100.0f;
+			for (size_t v = 0; v <= nvar; v++) {
+				const struct kvd_kern *kk = v ? var[v - 1] : ref;
+
+				kk->mv(kv, row, col, d, x, G, y);
+				for (int g = 0; g < G; g++) {
+					for (int e = 0; e < d; e++) {
+						double t = 0, m = 0;
+
+						for (int f = 0; f < d; f++) {
+							double u = (double)x[g * d + f] * row[f] * kv[f * d + e];
+
+							t += u;
+							m += fabs(u);
+						}
+						t *= col[e];
+						m *= col[e];
+						if (!(fabs(y[g * d + e] - t) <= 1e-5 * m + 1e-30))
+							fail_msg("%s mv d=%d g=%d e=%d: %g, double %g", kk->name,
+								 d, g, e, y[g * d + e], t);
+					}
+					kk->mv(kv, row, col, d, x + (size_t)g * d, 1, y1);
+					assert_memory_equal(y1, y + (size_t)g * d, (size_t)d * sizeof *y1);
+				}
+			}
+			free(kv);
+			free(row);
+			free(col);
+			free(x);
+			free(y);
+		}
+	}
+}
+
 /* ---- ge8 ------------------------------------------------------------------- */
 
 /* Every variant, scalar included, against the definition: counts of every
@@ -990,6 +1052,7 @@ int main(void)
 		cmocka_unit_test(test_logp),
 		cmocka_unit_test(test_logp_nan),
 		cmocka_unit_test(test_kinv),
+		cmocka_unit_test(test_mv),
 		cmocka_unit_test(test_ge8),
 		cmocka_unit_test(test_hash),
 	};

@@ -702,8 +702,8 @@ static void test_io_buffers(void **state)
 		assert_int_equal(bytes, want);
 		assert_int_equal(bytes % PAGE, 0);
 		/* the header page, the payload's pages, the moments' pages */
-		size_t mom = gs[i]->moments ? gs[i]->kv_heads * (gs[i]->d + gs[i]->d * gs[i]->d) *
-						      sizeof(float) : 0;
+		size_t mom = gs[i]->moments ? gs[i]->kv_heads * (3 * gs[i]->d * sizeof(float) +
+							      gs[i]->d * gs[i]->d) : 0;
 
 		assert_int_equal(bytes, PAGE + (kvd_seg_bytes(gs[i], n) + PAGE - 1) / PAGE * PAGE +
 					       (mom + PAGE - 1) / PAGE * PAGE);
