@@ -298,7 +298,8 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
  * sum_i (k_i - ksum/n) v_i^T, kept in int8: seg.h), and Z and N are
  * estimated as in softmax_v_cv with c_i in place of c.  For fixed (alpha,
  * beta) both stay unbiased but for C's rounding (a fixed error of at most
- * |beta| scale sum_f |q_f| row_f col_e / 2 in N's entry e); the pair that minimizes the variance of Z,
+ * |beta| scale sum_f |q_f| row_f col_e / 2 in N's entry e); the pair that
+ * minimizes the variance of Z,
  * sum (e_i - c_i)^2 (1 - P_i) / P_i, is a weighted least-squares fit of
  * e_i on (1, s_i - mu) with weights (1 - P_i) / P_i, estimated from the
  * attended rows with a further 1/P_i (heavy rows weigh 0).  Where the fit
