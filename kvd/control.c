@@ -621,6 +621,9 @@ static void handle_request(struct kvd_server *s, struct client *c, const Kvd__Re
 		}
 	}
 	kvd_metrics_control(s->metrics, (unsigned)rq->body_case, kvd_ctl_sent_code);
+	/* a free, an evict or a drop may be the room an entry waits for */
+	if (kvd_tier_waiting(s->tier))
+		kvd_exec_notify(s);
 	if (rc)
 		kvd_client_kick(s, c, "cannot reply on the control socket");
 }

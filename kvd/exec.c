@@ -125,6 +125,7 @@ static void finish(struct kvd_server *s, struct client *c, int res, const char *
 	kvd_metrics_ring(s->metrics, j->e.op, res);
 	j->active = 0;
 	j->cqe = NULL;
+	kvd_tier_unwait(s->tier, c->id);
 }
 
 /* ---- readiness ---------------------------------------------------------- */
@@ -376,6 +377,7 @@ static void run_whole(struct kvd_server *s, struct client *c)
 	int rc = 0;
 
 	kvd_tier_begin(s->tier);
+	kvd_tier_part(s->tier, c->id);
 	switch (e->op) {
 	case KVD_OP_FREE:
 	case KVD_OP_PREFETCH: {
@@ -435,6 +437,7 @@ static int unit_prepare(struct kvd_server *s, struct client *c, uint32_t i, unsi
 		finish(s, c, -EINVAL, "batch: no record left");
 		return -1;
 	}
+	kvd_tier_part(s->tier, c->id);
 	rc = kvd_store_attend_view(s->store, j->ids[i], c->tenant, j->pid, e->layer, *pool, &v, m,
 				   sizeof m);
 	if (rc == 1)
@@ -712,6 +715,16 @@ static void slice_yield(void *arg)
 static int exec_pass(struct kvd_server *s)
 {
 	struct client **top = s->xb->top;
+
+	if (kvd_tier_waiting(s->tier)) {
+		uint64_t who;
+		int all = kvd_tier_due(s->tier, kvd_now_ns(), &who);
+
+		for (struct client *o = s->clients; o; o = o->next)
+			if (all || o->id == who)
+				o->parked = 0;
+	}
+
 	unsigned n = pick(s, top), m = 0;
 
 	if (!n)

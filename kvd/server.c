@@ -95,7 +95,10 @@ static void client_drop(struct kvd_server *s, struct client *c, const char *why)
 		*pp = c->next;
 	s->nclients--;
 	/* Its own sequences only (the store keeps them per owner). */
+	kvd_tier_unwait(s->tier, c->id);
 	nseq = c->owns ? kvd_tier_free_owner(s->tier, c->id) : 0;
+	if (nseq && kvd_tier_waiting(s->tier))
+		kvd_exec_notify(s);
 	kvd_control_release(s, c);
 	kvd_limits_uncharge(s->limits, c->uid, KVD_RES_CONNECTIONS, 1);
 	kvd_fair_log(c->fair, c->hello ? LOG_INFO : LOG_DEBUG,

@@ -69,6 +69,7 @@ void kvd_tier_lru_use(struct kvd_tier *t, struct rec *r)
 	t->tail = r;
 	r->in_lru = 1;
 	r->epoch = t->epoch;
+	r->who = t->who;
 }
 
 /* Gives back the spill bytes r's file was charged (the file is going, or
@@ -578,6 +579,9 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 		return rc;
 	}
 	r->busy = 1;
+	r->rhold = need;
+	t->restoring += need;
+	r->fresh_who = t->who;
 	r->io_t0 = kvd_now_ns();
 	q->state = KVD_SEQ_RESTORING;
 	q->ready = kvd_tier_ready_after(r, 0);
@@ -698,6 +702,91 @@ int kvd_tier_fd(const struct kvd_tier *t)
 void kvd_tier_begin(struct kvd_tier *t)
 {
 	t->epoch++;
+	t->who = 0;
+}
+
+void kvd_tier_part(struct kvd_tier *t, uint64_t who)
+{
+	t->who = who;
+}
+
+/* ---- waiting for room, in turn ------------------------------------------ */
+
+/* Parked entries try again on every I/O result and the end of every unit,
+ * in the scheduler's order, not the order they began to wait: three
+ * clients taking the room in turns left a fourth, last in that order,
+ * waiting for seconds (test_tier_race).  A waiter that has not asked for
+ * so long is taken for gone, so that nobody waits behind a record kvd
+ * forgot to drop. */
+#define ROOM_STALE_NS (5ull * 1000000000)
+
+static void rw_del(struct kvd_tier *t, unsigned i)
+{
+	t->rw[i] = t->rw[--t->nrw];
+	/* whoever waited behind it may fit now */
+	t->pin_wait = 1;
+}
+
+void kvd_tier_unwait(struct kvd_tier *t, uint64_t who)
+{
+	for (unsigned i = 0; who && i < t->nrw; i++)
+		if (t->rw[i].who == who) {
+			rw_del(t, i);
+			return;
+		}
+}
+
+/* The waiter who has waited longest, the stale ones dropped; NULL if none.
+ * One served keeps its place (bytes 0) till its entry ends, for a unit
+ * asks for room in steps, and parks and starts over when a later step
+ * must wait: queued again at the back each time, a big APPEND never got
+ * through.  It is first again when it asks again (asker). */
+static const struct room_wait *rw_first(struct kvd_tier *t, uint64_t now, uint64_t asker)
+{
+	const struct room_wait *f = NULL;
+
+	for (unsigned i = 0; i < t->nrw;) {
+		const struct room_wait *w = &t->rw[i];
+
+		if (now - w->seen > ROOM_STALE_NS) {
+			rw_del(t, i);
+			continue;
+		}
+		if ((w->bytes || (asker && w->who == asker)) && (!f || w->since < f->since))
+			f = w;
+		i++;
+	}
+	return f;
+}
+
+/* The current who got its room: it keeps its place, asking for nothing. */
+static void rw_served(struct kvd_tier *t)
+{
+	for (unsigned i = 0; t->who && i < t->nrw; i++)
+		if (t->rw[i].who == t->who && t->rw[i].bytes) {
+			t->rw[i].bytes = 0;
+			/* whoever waited behind it may fit now */
+			t->pin_wait = 1;
+		}
+}
+
+/* The current who waits for bytes: queued, or its entry refreshed (its
+ * place kept).  A full queue leaves it out: it still waits behind. */
+static void rw_note(struct kvd_tier *t, uint64_t bytes, uint64_t now)
+{
+	unsigned i = 0;
+
+	if (!t->who)
+		return;
+	while (i < t->nrw && t->rw[i].who != t->who)
+		i++;
+	if (i == t->nrw) {
+		if (t->nrw == ROOM_WAITERS)
+			return;
+		t->rw[t->nrw++] = (struct room_wait){ .who = t->who, .since = now };
+	}
+	t->rw[i].bytes = bytes;
+	t->rw[i].seen = now;
 }
 
 /* Whether r may be written out now for the current request: not a
@@ -706,16 +795,53 @@ void kvd_tier_begin(struct kvd_tier *t)
  * changing.  Requests run between the slices of another's seal: the seal's
  * sequence is in the LRU under an older epoch, and writing it out there
  * captured half a change under a generation that counted as current.  A
- * pinned one sets *pinned: the room comes when its unit ends. */
-static int victim(struct kvd_tier *t, const struct rec *r, uint64_t now, int *pinned)
+ * pinned one sets *pinned: the room comes when its unit ends; so does one
+ * that another part of the request uses (kvd_tier_part), whose room comes
+ * when the request ends. */
+#define WAIT_PIN 1                /* the room comes at the end of a unit */
+#define WAIT_FRESH 2              /* ... when a restore's requester has run */
+
+static int victim(struct kvd_tier *t, const struct rec *r, uint64_t now, int *wait)
 {
-	if (r->epoch == t->epoch || r->busy || r->backoff_until > now)
+	if (r->epoch == t->epoch) {
+		/* another part's: its room comes when the request ends */
+		if (r->who != t->who)
+			*wait |= WAIT_PIN;
+		return 0;
+	}
+	if (r->busy || r->backoff_until > now)
 		return 0;
 	if (kvd_store_seq_pinned(r->q)) {
-		*pinned = 1;
+		*wait |= WAIT_PIN;
+		return 0;
+	}
+	/* Restored for a request that has not run yet.  Taken, its restore
+	 * was for nothing, and two clients whose sequences did not both fit
+	 * took each other's as soon as they were back, for ever. */
+	if (r->fresh_who && now < r->fresh_until) {
+		*wait |= WAIT_FRESH;
 		return 0;
 	}
 	return 1;
+}
+
+int kvd_tier_waiting(const struct kvd_tier *t)
+{
+	return t->nrw || t->wake;
+}
+
+int kvd_tier_due(struct kvd_tier *t, uint64_t now, uint64_t *who)
+{
+	const struct room_wait *f;
+
+	*who = 0;
+	if (t->wake && now >= t->wake) {
+		t->wake = 0;
+		return 1;
+	}
+	if (t->nrw && (f = rw_first(t, now, 0)) && used(t) + f->bytes <= t->cfg.limit)
+		*who = f->who;
+	return 0;
 }
 
 int kvd_tier_take_pin_waits(struct kvd_tier *t)
@@ -728,19 +854,38 @@ int kvd_tier_take_pin_waits(struct kvd_tier *t)
 
 int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 {
-	uint64_t u = used(t);
+	uint64_t u = used(t), now = kvd_now_ns(), ahead = 0;
 
-	if (!t->cfg.limit || u + bytes <= t->cfg.limit)
+	if (!t->cfg.limit)
 		return 0;
+	const struct room_wait *f = rw_first(t, now, t->who);
+
+	if (f && f->who != t->who)
+		ahead = f->bytes;
+	if (u + bytes + ahead <= t->cfg.limit) {
+		rw_served(t);
+		return 0;
+	}
+	if (ahead) {
+		/* Not a victim taken for it either: the room that comes is
+		 * the first waiter's, who makes it when it asks again.  No
+		 * pin_wait: this one tries again once the first is served
+		 * (rw_del) or an I/O result comes, not after every unit, or
+		 * it would spin, and the scheduler favours the cheap spinner
+		 * over the waiter it waits for. */
+		rw_note(t, bytes, now);
+		kvd_log(LOG_DEBUG, "room for %llu bytes: waiting behind %llu bytes asked first",
+			(unsigned long long)bytes, (unsigned long long)ahead);
+		return -EINPROGRESS;
+	}
 	if (t->sp) {
-		uint64_t now = kvd_now_ns();
-		int later = 0, pinned = 0;
+		int later = 0, wait = 0;
 
 		for (struct rec *r = t->head, *nx; r && u + bytes > t->cfg.limit + t->pending; r = nx) {
 			int rc;
 
 			nx = r->next;
-			if (!victim(t, r, now, &pinned))
+			if (!victim(t, r, now, &wait))
 				continue;
 			rc = evict(t, r);
 			if (rc == 0)
@@ -748,19 +893,33 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 			later |= rc == -EAGAIN;
 		}
 		u = used(t);
-		if (u + bytes <= t->cfg.limit)
+		if (u + bytes <= t->cfg.limit) {
+			rw_served(t);
 			return 0;
-		t->pin_wait |= pinned;
-		if (later || pinned || (t->pending && u + bytes <= t->cfg.limit + t->pending)) {
-			kvd_log(LOG_DEBUG, "room for %llu bytes: waiting for %llu being written out",
-				(unsigned long long)bytes, (unsigned long long)t->pending);
+		}
+		t->pin_wait |= wait & WAIT_PIN;
+		/* A restore in flight is room that comes back: once done, its
+		 * sequence is a victim like any other.  Refused instead, a
+		 * request lost the budget to whoever restored next, and one
+		 * client could be refused for seconds while the others'
+		 * restores took the room in turns.  Waiting ends: the own
+		 * request's restores, the only ones that stay unevictable,
+		 * finish and leave restoring. */
+		if (later || wait || u + bytes <= t->cfg.limit + t->pending + t->restoring) {
+			kvd_log(LOG_DEBUG, "room for %llu bytes: waiting for %llu being written out, "
+				"%llu being restored", (unsigned long long)bytes,
+				(unsigned long long)t->pending, (unsigned long long)t->restoring);
+			rw_note(t, bytes, now);
 			return -EINPROGRESS;
 		}
 	}
 	/* Published snapshots are a cache: they give way before a refusal. */
 	if (kvd_store_reclaim(t->st, 0, 1, u + bytes - t->cfg.limit) &&
-	    (u = used(t)) + bytes <= t->cfg.limit)
+	    (u = used(t)) + bytes <= t->cfg.limit) {
+		rw_served(t);
 		return 0;
+	}
+	kvd_tier_unwait(t, t->who);
 	snprintf(msg, msglen, "memory budget: %llu MiB in use, %llu MiB more needed, limit %llu MiB",
 		 (unsigned long long)(u >> 20), (unsigned long long)((bytes + (1 << 20) - 1) >> 20),
 		 (unsigned long long)(t->cfg.limit >> 20));
@@ -780,7 +939,7 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 {
 	uint64_t cap = lim(t) ? kvd_limits_cfg(lim(t))->per_uid[KVD_RES_MEMORY] : 0;
 	uint64_t pend = 0, now = kvd_now_ns();
-	int later = 0, pinned = 0;
+	int later = 0, wait = 0;
 
 	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap)
 		return kvd_tier_room(t, bytes, msg, msglen);
@@ -796,20 +955,21 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 		}
 		if (uid_mem(t, uid) + bytes <= cap + pend)
 			break;
-		if (!victim(t, r, now, &pinned))
+		if (!victim(t, r, now, &wait))
 			continue;
 		rc = evict(t, r);
 		later |= rc == -EAGAIN;
 		if (rc == 0 && r->evict_after)
 			pend += r->pend;
 	}
-	if (uid_mem(t, uid) + bytes > cap && pinned)
+	if (uid_mem(t, uid) + bytes > cap && (wait & WAIT_PIN))
 		t->pin_wait = 1;
 	if (uid_mem(t, uid) + bytes > cap &&
-	    (later || pinned || uid_mem(t, uid) + bytes <= cap + pend)) {
+	    (later || wait || uid_mem(t, uid) + bytes <= cap + pend)) {
 		kvd_log(LOG_DEBUG, "uid %u: room for %llu bytes under memory_per_uid: waiting for "
 			"%llu being written out", uid, (unsigned long long)bytes,
 			(unsigned long long)pend);
+		rw_note(t, bytes, now);
 		return -EINPROGRESS;
 	}
 	return kvd_tier_room(t, bytes, msg, msglen);
@@ -829,12 +989,18 @@ int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *
 	case KVD_SEQ_RAM:
 	case KVD_SEQ_SPILLING:
 		kvd_tier_lru_use(t, r);
+		if (r->fresh_who && r->fresh_who == t->who) {
+			/* used: once this request ends, a victim like any */
+			r->fresh_who = 0;
+			t->pin_wait = 1;
+		}
 		return 0;
 	case KVD_SEQ_LOST:
 		snprintf(msg, msglen, "sequence lost, prefill again (%s)", r->why);
 		return -KVD_ELOST;
 	case KVD_SEQ_DISK:
 		r->epoch = t->epoch;
+		r->who = t->who;
 		if (r->rem_only)
 			return rem_fetch(t, r, msg, msglen);
 		if ((rc = start_restore(t, r, msg, msglen)))
@@ -842,6 +1008,7 @@ int kvd_tier_want(struct kvd_tier *t, struct kvd_seqn *q, uint32_t layer, char *
 		break;
 	case KVD_SEQ_RESTORING:
 		r->epoch = t->epoch;
+		r->who = t->who;
 		break;
 	}
 	return layer != UINT32_MAX && layer < q->ready ? 0 : -EINPROGRESS;
@@ -857,8 +1024,13 @@ void kvd_tier_changed(struct kvd_tier *t, struct kvd_seqn *q)
 
 int kvd_tier_prefetch(struct kvd_tier *t, struct kvd_seqn *q, char *msg, size_t msglen)
 {
-	int rc = kvd_tier_want(t, q, UINT32_MAX, msg, msglen);
+	uint64_t who = t->who;
+	int rc;
 
+	/* nobody waits for what it restores: not kept for anyone */
+	t->who = 0;
+	rc = kvd_tier_want(t, q, UINT32_MAX, msg, msglen);
+	t->who = who;
 	return rc == -EINPROGRESS ? 0 : rc;
 }
 
@@ -962,12 +1134,12 @@ void kvd_tier_balance(struct kvd_tier *t)
 	now = kvd_now_ns();
 	for (struct rec *r = t->head, *nx; r; r = nx) {
 		uint64_t u = used(t);
-		int pinned = 0;
+		int wait = 0;
 
 		nx = r->next;
 		if (u <= t->cfg.low + t->pending)
 			break;
-		if (!victim(t, r, now, &pinned))
+		if (!victim(t, r, now, &wait))
 			continue;
 		evict(t, r);
 	}

@@ -67,6 +67,31 @@ int kvd_tier_load(struct kvd_tier *t);
  * for it. */
 void kvd_tier_begin(struct kvd_tier *t);
 
+/* The data-plane client (who != 0) a request, or the part of one that
+ * runs now, is for; an executor's pass of ATTEND records is one request of
+ * several parts.  Another part's sequences are still not evicted for it,
+ * but the room they hold comes back when the request ends, so a part that
+ * needs it waits (-EINPROGRESS; kvd_tier_take_pin_waits) instead of being
+ * refused.  A who that waits for room is queued: while it waits, the room
+ * that comes is its first, and a request of anyone else that does not fit
+ * beside it waits too (control requests, who = 0, included).  The entry
+ * goes when who gets its room or a refusal, or with kvd_tier_unwait. */
+void kvd_tier_part(struct kvd_tier *t, uint64_t who);
+
+/* who's request ended (done, refused, its client gone): not waiting. */
+void kvd_tier_unwait(struct kvd_tier *t, uint64_t who);
+
+/* Which requests that wait for room should try again now, though no I/O
+ * result came: all of them (1) when a restored sequence its requester
+ * never used stops being kept for it; else (0) the first waiter, in *who,
+ * when it would fit now (room came back from a drop, a free, the end of a
+ * request), or none (*who = 0).  Only the first: the others would wait
+ * behind it again, and spinning, cheap, be scheduled before it. */
+int kvd_tier_due(struct kvd_tier *t, uint64_t now, uint64_t *who);
+
+/* Whether any request waits for room (kvd_tier_due has work). */
+int kvd_tier_waiting(const struct kvd_tier *t);
+
 /* Before a request uses `layer` of q (UINT32_MAX: every layer): 0 when it
  * is resident; -EINPROGRESS when it is being restored (retry after
  * kvd_tier_poll() reports progress); -KVD_ELOST; -ENOMEM when the budget

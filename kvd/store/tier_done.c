@@ -117,6 +117,11 @@ static void read_done(struct kvd_tier *t, struct rec *r)
 			t->restores++;
 			t->restore_bytes += r->disk_bytes;
 			kvd_tier_lru_use(t, r);
+			if (r->fresh_who) {
+				r->fresh_until = kvd_now_ns() + FRESH_NS;
+				if (!t->wake || r->fresh_until < t->wake)
+					t->wake = r->fresh_until;
+			}
 		} else if (!r->freeing) {
 			char why[128];
 

@@ -44,6 +44,7 @@ struct rec {
 	struct rec *prev, *next;        /* LRU of resident sequences, head = coldest */
 	int in_lru;
 	uint64_t epoch;                 /* request that last used it */
+	uint64_t who;                   /* and the part of it (kvd_tier_part) */
 	/* the file */
 	int has_file;
 	unsigned dir;
@@ -67,6 +68,11 @@ struct rec {
 					 * SEG extents' V sums, made on the spill thread */
 	uint64_t reserved;              /* READ: budget held for what is not installed
 					 * (charged to uid's memory in kvd_limits) */
+	uint64_t rhold;                 /* READ: the restore's whole need, counted in
+					 * t->restoring until the job ends */
+	uint64_t fresh_who;             /* restored for this part (kvd_tier_part), which
+					 * has not used it yet: no victim till then */
+	uint64_t fresh_until;           /* ... or till this time, if it never does */
 	uint64_t spill_chg;             /* bytes of the file (being) written, charged to
 					 * uid's KVD_RES_SPILL until the file goes */
 	uint64_t pend;                  /* WRITE with evict_after: counted in t->pending
@@ -95,6 +101,18 @@ struct unl {
 	struct unl *next;               /* t->unls: freed at destroy if never reaped */
 };
 
+/* A data-plane request waiting for room (kvd_tier_part's who): the room
+ * that comes goes to the one waiting longest first. */
+#define ROOM_WAITERS 32
+/* How long a restored sequence is kept for a requester that does not come
+ * back for it (its record failed otherwise): long enough for a loaded
+ * executor to reach it, short enough that nobody waits long behind one. */
+#define FRESH_NS (500ull * 1000000)
+struct room_wait {
+	uint64_t who, bytes;
+	uint64_t since, seen;           /* its first wait, its last */
+};
+
 struct kvd_tier {
 	struct kvd_tier_cfg cfg;
 	struct kvd_store *st;
@@ -105,8 +123,9 @@ struct kvd_tier {
 	void (*on_written)(void *arg, struct kvd_seqn *q, const char *path);
 	void *on_written_arg;
 	const char *adopt_tenant;       /* kvd_tier_adopt: the tenant load_one uses */
-	uint64_t epoch;
+	uint64_t epoch, who;
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
+	uint64_t restoring;             /* what restores in flight will hold once done */
 	struct unl *unls;
 	struct kvd_tier_counters ctr;   /* write-backs, drops, losses: kvd_tier_stats' too */
 	uint64_t restores, restore_bytes;
@@ -120,8 +139,12 @@ struct kvd_tier {
 	uint32_t dry_uid;
 	uint64_t rem_down_until;        /* the cluster failed us: keep local files till then */
 	int stopping;
-	int pin_wait;                   /* a request waits for a pinned sequence's unit
-					 * to end (kvd_tier_take_pin_waits) */
+	struct room_wait rw[ROOM_WAITERS];
+	unsigned nrw;
+	uint64_t wake;                  /* the earliest fresh_until (kvd_tier_due) */
+	int pin_wait;                   /* a request waits for a pinned sequence's unit,
+					 * or another part's request, to end
+					 * (kvd_tier_take_pin_waits) */
 	char why[160];                  /* why evict() refused (kvd_tier_evict's message) */
 };
 

@@ -252,6 +252,8 @@ void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 	r->iob = NULL;
 	r->wext = NULL;
 	t->reserved -= r->reserved;
+	t->restoring -= r->rhold;
+	r->rhold = 0;
 	if (lim(t))
 		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, r->reserved + r->wcopy);
 	r->reserved = 0;

@@ -944,27 +944,25 @@ struct worker {
 	const struct src *src;
 	const struct ans *want;
 	long rounds;
-	long longest_ms;                /* the longest run of -ENOMEM refusals of an attach */
+	long refusals;                  /* attaches refused -ENOMEM */
 	char msg[512];
 };
 
-/* Under the test's budget an attach may be refused -ENOMEM while the other
- * workers' restores hold the room (kvd's room is not handed out in turn
- * between clients: a known open defect); it is asked again for up to 60 s,
- * and the longest wait is printed.  What this test checks is the answers. */
+/* Under the test's budget an attach often waits (-EAGAIN, asked again by
+ * libkvclient) while the other workers' restores hold the room; it must
+ * never be refused for it, since that room comes back.  kvd once refused
+ * it -ENOMEM, for seconds under TSan, while those restores took the room
+ * in turns.  A refusal is asked again for up to 60 s so that the answers
+ * are still checked, and counted. */
 static int attach_retry(struct kvc *c, struct worker *w, struct kvc_seq **x, uint64_t *got)
 {
-	struct timespec t0, t1;
 	int rc;
-	long ms = 0;
 
-	clock_gettime(CLOCK_MONOTONIC, &t0);
-	while ((rc = attach(c, w->src, P_TOK + CHUNK, x, got)) == -ENOMEM && ms < 60000) {
+	for (int k = 0; (rc = attach(c, w->src, P_TOK + CHUNK, x, got)) == -ENOMEM && k < 30000;
+	     k++) {
+		w->refusals++;
 		daemon_sleep_ms(2);
-		clock_gettime(CLOCK_MONOTONIC, &t1);
-		ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
 	}
-	w->longest_ms = ms > w->longest_ms ? ms : w->longest_ms;
 	return rc;
 }
 
@@ -1062,7 +1060,8 @@ static void test_share_race(void **state)
 	for (int i = 0; i < 3; i++) {
 		if (w[i].msg[0])
 			fail_msg("worker %d: %s", i, w[i].msg);
-		print_message("  worker %d: longest attach refused for %ld ms\n", i, w[i].longest_ms);
+		print_message("  worker %d: %ld attaches refused\n", i, w[i].refusals);
+		assert_int_equal(w[i].refusals, 0);
 	}
 	/* Two snapshots remain (the prompt and the prompt + a chunk). */
 	assert_int_equal(share_stats(a).published, 2);

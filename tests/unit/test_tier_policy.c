@@ -14,6 +14,9 @@
  *  - -ENOMEM with a message when nothing can go (no spill, only the current
  *    request's sequences, a prefill in progress), and -KVD_ELOST after a
  *    restore that does not verify;
+ *  - a wait, not a refusal, while a restore is in flight; the room that
+ *    comes goes to the entries in the order they began to wait, and a
+ *    restored sequence to the request that restored it;
  *  - every byte charged comes back when the sequences are freed, and their
  *    files go. */
 #include <dirent.h>
@@ -32,6 +35,7 @@
 
 #include <cmocka.h>
 
+#include "engine/clock.h"
 #include "engine/err.h"
 #include "engine/pool.h"
 #include "engine/rng.h"
@@ -1146,6 +1150,100 @@ static void test_change_keeps_its_room(void **state)
 	env_close(&e);
 }
 
+/* Room is handed out in turn (tier.h, kvd_tier_part).  Clients are parts
+ * 1, 2, 3...; a budget that holds one sequence and a half. */
+static void test_room_in_turn(void **state)
+{
+	uint64_t base, per, who;
+	struct kvd_seqn *q0, *q1;
+	char msg[200];
+	struct env e;
+	int rc;
+
+	measure(&base, &per);
+	env_open(&e, base + per + per / 2, 0, 0, 1, "");
+	q0 = seq_full(&e, 100, NULL);
+	q1 = seq_full(&e, 101, NULL);           /* wrote q0 out to fit */
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, q1, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_DISK &&
+			       kvd_store_seq_state(q1) == KVD_SEQ_DISK);
+
+	/* 1 restores q0.  2's restore of q1 does not fit beside it, and
+	 * nothing else can go: it waits for 1's restore, where it used to be
+	 * refused -ENOMEM. */
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 1);
+	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), -EINPROGRESS);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 2);
+	assert_int_equal(kvd_tier_want(e.t, q1, 1, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(kvd_store_seq_state(q1), KVD_SEQ_DISK);
+	assert_true(kvd_tier_waiting(e.t));
+
+	/* Back, q0 is kept for 1 until 1 has used it: 2 does not take it. */
+	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_RAM);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 2);
+	assert_int_equal(kvd_tier_want(e.t, q1, 1, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
+	(void)kvd_tier_take_pin_waits(e.t);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 1);
+	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), 0);
+	assert_int_equal(kvd_tier_take_pin_waits(e.t), 1);       /* the waiters go again */
+
+	/* 3 asks for less than is free, but not beside what 2 waits for: it
+	 * waits behind 2, and evicts nothing for itself. */
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 3);
+	assert_int_equal(kvd_tier_room(e.t, per / 4, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
+	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns(), &who), 0);
+	assert_int_equal(who, 0);               /* 2 would not fit yet */
+	/* 2's client goes: 3 is first, and would fit now without any I/O */
+	kvd_tier_unwait(e.t, 2);
+	assert_int_equal(kvd_tier_take_pin_waits(e.t), 1);
+	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns(), &who), 0);
+	assert_int_equal(who, 3);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 3);
+	assert_int_equal(kvd_tier_room(e.t, per / 4, msg, sizeof msg), 0);
+	kvd_tier_unwait(e.t, 3);
+	/* q0's hold for 1 would have ended by itself (1 used it already) */
+	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns() + 3600ull * 1000000000, &who), 1);
+	assert_false(kvd_tier_waiting(e.t));
+
+	/* A waiter served keeps its place until its entry ends: 4 waits
+	 * (q0 pinned by a unit), 5 waits behind it, 4 gets its room and asks
+	 * again, as a unit asks in steps, and is still ahead of 5. */
+	kvd_store_seq_pin(q0);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 4);
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -EINPROGRESS);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 5);
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -EINPROGRESS);
+	kvd_store_seq_unpin(q0);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 4);
+	WAIT_UNTIL(&e, (rc = kvd_tier_room(e.t, per, msg, sizeof msg)) != -EINPROGRESS);
+	assert_int_equal(rc, 0);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
+	/* (queued again behind 5, 4 would wait: base + 2 per is over) */
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 4);
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), 0);
+	kvd_tier_unwait(e.t, 4);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 5);
+	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), 0);
+	kvd_tier_unwait(e.t, 5);
+	assert_false(kvd_tier_waiting(e.t));
+	assert_int_equal(stats(&e).lost, 0);
+	env_close(&e);
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -1172,6 +1270,7 @@ int main(void)
 		cmocka_unit_test(test_no_write_back_inside_seal),
 		cmocka_unit_test(test_poll_is_bounded),
 		cmocka_unit_test(test_change_keeps_its_room),
+		cmocka_unit_test(test_room_in_turn),
 	};
 	int rc;
 
