@@ -549,7 +549,8 @@ int kvt_seq_publish(struct kvt *t, uint64_t id, const uint8_t *key, uint64_t tok
 	sp.tokens = tokens;
 	rq.body_case = KVD__REQUEST__BODY_SEQ_PUBLISH;
 	rq.seq_publish = &sp;
-	/* -EAGAIN: kvd is writing older sequences out to make room. */
+	/* -EAGAIN: kvd is making room (writing sequences out, restores in
+	 * flight, entries that began to wait first). */
 	for (int tries = 0;; tries++) {
 		r = call(t, &rq, KVD__RESPONSE__BODY_OK, NULL, NULL, &rc);
 		kvd_ctl_free_response(r);
