@@ -364,7 +364,7 @@ static void test_retrieval_matches_brute_force(void **state)
 	int cases = 0, big = 0;
 
 	assert_int_equal(kvd_lsh_scratch_init(&s, KVD_SEG_MAX), 0);
-	for (int cs = 0; cs < 15; cs++) {
+	for (int cs = 0; cs < 16; cs++) {
 		uint32_t n;
 		int K, L;
 		enum dist dist = (enum dist)kvd_rng_below(&r, D_COUNT);
@@ -395,6 +395,11 @@ static void test_retrieval_matches_brute_force(void **state)
 			n = 1;
 			K = 5;
 			L = 9;
+			break;
+		case 5:         /* the fold over a big segment too */
+			n = 50000;
+			K = 1;
+			L = 300;
 			break;
 		default:
 			n = 1 + kvd_rng_below(&r, 65536);
@@ -429,7 +434,7 @@ static void test_retrieval_matches_brute_force(void **state)
 		big += n == 65536;
 	}
 	kvd_lsh_scratch_free(&s);
-	printf("retrieval: %d table sets (%d with n = 65536, L = 300 and 256 once each), %llu queries x "
+	printf("retrieval: %d table sets (%d with n = 65536; L = 300 over 500 and 50000 ids, 256 once), %llu queries x "
 	       "c in {1, 2} x 4 drain widths on one scratch, %llu candidates, scratch clean after "
 	       "each\n",
 	       cases, big, (unsigned long long)queries, (unsigned long long)cands);
