@@ -858,6 +858,15 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 
 	if (!t->cfg.limit)
 		return 0;
+	if (bytes > t->cfg.limit) {
+		/* More than an empty budget holds: nobody's sequences go for
+		 * it, and nobody waits behind it. */
+		snprintf(msg, msglen, "memory budget: %llu MiB needed, limit %llu MiB",
+			 (unsigned long long)((bytes + (1 << 20) - 1) >> 20),
+			 (unsigned long long)(t->cfg.limit >> 20));
+		kvd_tier_unwait(t, t->who);
+		return -ENOMEM;
+	}
 	const struct room_wait *f = rw_first(t, now, t->who);
 
 	if (f && f->who != t->who)
@@ -941,7 +950,9 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 	uint64_t pend = 0, now = kvd_now_ns();
 	int later = 0, wait = 0;
 
-	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap)
+	/* (more than the uid may ever hold: none of its sequences go for it,
+	 * the charge behind refuses it) */
+	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap || bytes > cap)
 		return kvd_tier_room(t, bytes, msg, msglen);
 	for (struct rec *r = t->head, *nx; r; r = nx) {
 		int rc;

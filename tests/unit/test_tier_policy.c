@@ -1214,6 +1214,16 @@ static void test_room_in_turn(void **state)
 	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns() + 3600ull * 1000000000, &who), 1);
 	assert_false(kvd_tier_waiting(e.t));
 
+	/* More than the whole budget is refused at once: q0 stays, and
+	 * nobody is queued. */
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 6);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_room(e.t, base + 2 * per, msg, sizeof msg), -ENOMEM);
+	assert_non_null(strstr(msg, "memory budget"));
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
+	assert_false(kvd_tier_waiting(e.t));
+
 	/* A waiter served keeps its place until its entry ends: 4 waits
 	 * (q0 pinned by a unit), 5 waits behind it, 4 gets its room and asks
 	 * again, as a unit asks in steps, and is still ahead of 5. */
