@@ -950,9 +950,15 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 	uint64_t pend = 0, now = kvd_now_ns();
 	int later = 0, wait = 0;
 
-	/* (more than the uid may ever hold: none of its sequences go for it,
-	 * the charge behind refuses it) */
-	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap || bytes > cap)
+	if (cap && bytes > cap) {
+		/* more than the uid may ever hold: nobody's sequences go */
+		snprintf(msg, msglen, "memory_per_uid: %llu MiB needed, %llu MiB allowed",
+			 (unsigned long long)((bytes + (1 << 20) - 1) >> 20),
+			 (unsigned long long)(cap >> 20));
+		kvd_tier_unwait(t, t->who);
+		return -EDQUOT;
+	}
+	if (!cap || !t->sp || uid_mem(t, uid) + bytes <= cap)
 		return kvd_tier_room(t, bytes, msg, msglen);
 	for (struct rec *r = t->head, *nx; r; r = nx) {
 		int rc;

@@ -786,6 +786,14 @@ static void test_uid_share_evicts_own(void **state)
 	assert_int_equal(kvd_store_seq_state(b), KVD_SEQ_DISK);
 	assert_int_equal(kvd_store_seq_state(c), KVD_SEQ_RAM);
 	assert_int_equal(kvd_store_seq_state(d), KVD_SEQ_RAM);
+	/* more than the uid may ever hold: refused at once, its sequences
+	 * stay */
+	kvd_tier_begin(e.t);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_room_uid(e.t, UID, env_mem_per_uid + 1, msg, sizeof msg), -EDQUOT);
+	assert_non_null(strstr(msg, "memory_per_uid"));
+	assert_int_equal(kvd_store_seq_state(a), KVD_SEQ_RAM);
+	assert_int_equal(kvd_store_seq_state(d), KVD_SEQ_RAM);
 	env_close(&e);
 
 	/* no spill tier: refused, naming the limit */
