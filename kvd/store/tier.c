@@ -85,6 +85,9 @@ static void rem_unchg(struct kvd_tier *t, struct rec *r);
 
 void kvd_tier_rec_free(struct kvd_tier *t, struct rec *r)
 {
+	/* a restore's job ends (kvd_tier_job_release) before its record goes */
+	if (NEVER(r->rhold))
+		kvd_tier_job_release(t, r);
 	kvd_tier_spill_unchg(t, r);
 	rem_unchg(t, r);
 	lru_del(t, r);
@@ -581,6 +584,11 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 	r->busy = 1;
 	r->rhold = need;
 	t->restoring += need;
+	r->rprev = NULL;
+	r->rnext = t->rlist;
+	if (t->rlist)
+		t->rlist->rprev = r;
+	t->rlist = r;
 	r->fresh_who = t->who;
 	r->io_t0 = kvd_now_ns();
 	q->state = KVD_SEQ_RESTORING;
@@ -979,6 +987,11 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 		if (rc == 0 && r->evict_after)
 			pend += r->pend;
 	}
+	/* the uid's restores in flight come back as its victims, as in
+	 * kvd_tier_room */
+	for (const struct rec *r = t->rlist; r; r = r->rnext)
+		if (r->uid == uid)
+			pend += r->rhold;
 	if (uid_mem(t, uid) + bytes > cap && (wait & WAIT_PIN))
 		t->pin_wait = 1;
 	if (uid_mem(t, uid) + bytes > cap &&

@@ -70,6 +70,7 @@ struct rec {
 					 * (charged to uid's memory in kvd_limits) */
 	uint64_t rhold;                 /* READ: the restore's whole need, counted in
 					 * t->restoring until the job ends */
+	struct rec *rprev, *rnext;      /* t->rlist while rhold is */
 	uint64_t fresh_who;             /* restored for this part (kvd_tier_part), which
 					 * has not used it yet: no victim till then */
 	uint64_t fresh_until;           /* ... or till this time, if it never does */
@@ -126,6 +127,7 @@ struct kvd_tier {
 	uint64_t epoch, who;
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
 	uint64_t restoring;             /* what restores in flight will hold once done */
+	struct rec *rlist;              /* those restores */
 	struct unl *unls;
 	struct kvd_tier_counters ctr;   /* write-backs, drops, losses: kvd_tier_stats' too */
 	uint64_t restores, restore_bytes;

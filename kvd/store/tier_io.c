@@ -252,8 +252,14 @@ void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 	r->iob = NULL;
 	r->wext = NULL;
 	t->reserved -= r->reserved;
-	t->restoring -= r->rhold;
-	r->rhold = 0;
+	if (r->rhold) {
+		t->restoring -= r->rhold;
+		r->rhold = 0;
+		*(r->rprev ? &r->rprev->rnext : &t->rlist) = r->rnext;
+		if (r->rnext)
+			r->rnext->rprev = r->rprev;
+		r->rprev = r->rnext = NULL;
+	}
 	if (lim(t))
 		kvd_limits_uncharge(lim(t), r->uid, KVD_RES_MEMORY, r->reserved + r->wcopy);
 	r->reserved = 0;

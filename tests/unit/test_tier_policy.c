@@ -1262,6 +1262,49 @@ static void test_room_in_turn(void **state)
 	env_close(&e);
 }
 
+/* Under memory_per_uid the same: a restore of the uid's in flight is room
+ * that comes back to it, so a second one waits instead of being refused
+ * EDQUOT. */
+static void test_uid_room_waits_for_restores(void **state)
+{
+	uint64_t base, per;
+	struct kvd_seqn *q0, *q1;
+	char msg[200];
+	struct env e;
+
+	measure(&base, &per);
+	env_mem_per_uid = per + per / 2;
+	env_open(&e, 0, 0, 0, 1, "");
+	q0 = seq_full(&e, 110, NULL);
+	q1 = seq_full(&e, 111, NULL);           /* wrote q0 out to fit */
+	kvd_tier_begin(e.t);
+	assert_int_equal(kvd_tier_evict(e.t, q1, msg, sizeof msg), 0);
+	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_DISK &&
+			       kvd_store_seq_state(q1) == KVD_SEQ_DISK);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 1);
+	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), -EINPROGRESS);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 2);
+	msg[0] = 0;
+	assert_int_equal(kvd_tier_want(e.t, q1, 1, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(kvd_store_seq_state(q1), KVD_SEQ_DISK);
+	/* q0 back and used by 1; then 2's restore takes its place */
+	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_RAM);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 1);
+	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), 0);
+	kvd_tier_begin(e.t);
+	kvd_tier_part(e.t, 2);
+	restore(&e, q1);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
+	kvd_tier_unwait(e.t, 1);
+	kvd_tier_unwait(e.t, 2);
+	assert_int_equal(stats(&e).lost, 0);
+	env_close(&e);
+	env_mem_per_uid = 0;
+}
+
 static int setup(void **state)
 {
 	return kvd_pool_create(2, 0, &pool);
@@ -1289,6 +1332,7 @@ int main(void)
 		cmocka_unit_test(test_poll_is_bounded),
 		cmocka_unit_test(test_change_keeps_its_room),
 		cmocka_unit_test(test_room_in_turn),
+		cmocka_unit_test(test_uid_room_waits_for_restores),
 	};
 	int rc;
 
