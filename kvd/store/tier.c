@@ -802,10 +802,11 @@ static void rw_note(struct kvd_tier *t, uint64_t bytes, uint64_t now)
  * or whose write failed a moment ago, and never one a running unit is
  * changing.  Requests run between the slices of another's seal: the seal's
  * sequence is in the LRU under an older epoch, and writing it out there
- * captured half a change under a generation that counted as current.  A
- * pinned one sets *pinned: the room comes when its unit ends; so does one
- * that another part of the request uses (kvd_tier_part), whose room comes
- * when the request ends. */
+ * captured half a change under a generation that counted as current.
+ * Where the room will come all the same, *wait says when (WAIT_*): a
+ * pinned sequence's when its unit ends, one that another part of the
+ * request uses (kvd_tier_part) when the request ends, a fresh restore's
+ * when its requester has used it. */
 #define WAIT_PIN 1                /* the room comes at the end of a unit */
 #define WAIT_FRESH 2              /* ... when a restore's requester has run */
 
