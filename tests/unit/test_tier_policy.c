@@ -1158,6 +1158,30 @@ static void test_change_keeps_its_room(void **state)
 	env_close(&e);
 }
 
+/* Two sequences, both on disk: the budget (or the uid's share) holds one
+ * and a half. */
+static void two_on_disk(struct env *e, uint64_t seed, struct kvd_seqn **q0, struct kvd_seqn **q1)
+{
+	char msg[200];
+
+	*q0 = seq_full(e, seed, NULL);
+	*q1 = seq_full(e, seed + 1, NULL);      /* wrote q0 out to fit */
+	kvd_tier_begin(e->t);
+	assert_int_equal(kvd_tier_evict(e->t, *q1, msg, sizeof msg), 0);
+	WAIT_UNTIL(e, kvd_store_seq_state(*q0) == KVD_SEQ_DISK &&
+			      kvd_store_seq_state(*q1) == KVD_SEQ_DISK);
+}
+
+/* A request of client `who` that uses layer 1 of q. */
+static int part_want(struct env *e, uint64_t who, struct kvd_seqn *q)
+{
+	char msg[200];
+
+	kvd_tier_begin(e->t);
+	kvd_tier_part(e->t, who);
+	return kvd_tier_want(e->t, q, 1, msg, sizeof msg);
+}
+
 /* Room is handed out in turn (tier.h, kvd_tier_part).  Clients are parts
  * 1, 2, 3...; a budget that holds one sequence and a half. */
 static void test_room_in_turn(void **state)
@@ -1170,35 +1194,22 @@ static void test_room_in_turn(void **state)
 
 	measure(&base, &per);
 	env_open(&e, base + per + per / 2, 0, 0, 1, "");
-	q0 = seq_full(&e, 100, NULL);
-	q1 = seq_full(&e, 101, NULL);           /* wrote q0 out to fit */
-	kvd_tier_begin(e.t);
-	assert_int_equal(kvd_tier_evict(e.t, q1, msg, sizeof msg), 0);
-	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_DISK &&
-			       kvd_store_seq_state(q1) == KVD_SEQ_DISK);
+	two_on_disk(&e, 100, &q0, &q1);
 
 	/* 1 restores q0.  2's restore of q1 does not fit beside it, and
 	 * nothing else can go: it waits for 1's restore, where it used to be
 	 * refused -ENOMEM. */
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 1);
-	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), -EINPROGRESS);
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 2);
-	assert_int_equal(kvd_tier_want(e.t, q1, 1, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(part_want(&e, 1, q0), -EINPROGRESS);
+	assert_int_equal(part_want(&e, 2, q1), -EINPROGRESS);
 	assert_int_equal(kvd_store_seq_state(q1), KVD_SEQ_DISK);
 	assert_true(kvd_tier_waiting(e.t));
 
 	/* Back, q0 is kept for 1 until 1 has used it: 2 does not take it. */
 	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_RAM);
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 2);
-	assert_int_equal(kvd_tier_want(e.t, q1, 1, msg, sizeof msg), -EINPROGRESS);
+	assert_int_equal(part_want(&e, 2, q1), -EINPROGRESS);
 	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
 	(void)kvd_tier_take_pin_waits(e.t);
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 1);
-	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), 0);
+	assert_int_equal(part_want(&e, 1, q0), 0);
 	assert_int_equal(kvd_tier_take_pin_waits(e.t), 1);       /* the waiters go again */
 
 	/* 3 asks for less than is free, but not beside what 2 waits for: it
@@ -1269,31 +1280,18 @@ static void test_uid_room_waits_for_restores(void **state)
 {
 	uint64_t base, per;
 	struct kvd_seqn *q0, *q1;
-	char msg[200];
 	struct env e;
 
 	measure(&base, &per);
 	env_mem_per_uid = per + per / 2;
 	env_open(&e, 0, 0, 0, 1, "");
-	q0 = seq_full(&e, 110, NULL);
-	q1 = seq_full(&e, 111, NULL);           /* wrote q0 out to fit */
-	kvd_tier_begin(e.t);
-	assert_int_equal(kvd_tier_evict(e.t, q1, msg, sizeof msg), 0);
-	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_DISK &&
-			       kvd_store_seq_state(q1) == KVD_SEQ_DISK);
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 1);
-	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), -EINPROGRESS);
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 2);
-	msg[0] = 0;
-	assert_int_equal(kvd_tier_want(e.t, q1, 1, msg, sizeof msg), -EINPROGRESS);
+	two_on_disk(&e, 110, &q0, &q1);
+	assert_int_equal(part_want(&e, 1, q0), -EINPROGRESS);
+	assert_int_equal(part_want(&e, 2, q1), -EINPROGRESS);
 	assert_int_equal(kvd_store_seq_state(q1), KVD_SEQ_DISK);
 	/* q0 back and used by 1; then 2's restore takes its place */
 	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_RAM);
-	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 1);
-	assert_int_equal(kvd_tier_want(e.t, q0, 1, msg, sizeof msg), 0);
+	assert_int_equal(part_want(&e, 1, q0), 0);
 	kvd_tier_begin(e.t);
 	kvd_tier_part(e.t, 2);
 	restore(&e, q1);
