@@ -718,11 +718,11 @@ static int exec_pass(struct kvd_server *s)
 
 	if (kvd_tier_waiting(s->tier)) {
 		uint64_t who;
-		int all = kvd_tier_due(s->tier, kvd_now_ns(), &who);
 
-		for (struct client *o = s->clients; o; o = o->next)
-			if (all || o->id == who)
-				o->parked = 0;
+		if (kvd_tier_due(s->tier, kvd_now_ns(), &who))
+			kvd_unpark(s, 0);
+		else if (who)
+			kvd_unpark(s, who);
 	}
 
 	unsigned n = pick(s, top), m = 0;
@@ -757,8 +757,7 @@ static int exec_pass(struct kvd_server *s)
 	/* Records that ran inside a unit and waited for room only its pinned
 	 * sequence could give go again now. */
 	if (kvd_tier_take_pin_waits(s->tier))
-		for (struct client *o = s->clients; o; o = o->next)
-			o->parked = 0;
+		kvd_unpark(s, 0);
 	kvd_tier_balance(s->tier);
 	return 1;
 }

@@ -313,8 +313,7 @@ static void remote_done(void *arg, const struct kvd_remote_done *d)
 		kvd_tier_remote_done(s->tier, d);
 		/* A fetched file lets a parked restore go on. */
 		if (d->op == KVD_REMOTE_GET) {
-			for (struct client *c = s->clients; c; c = c->next)
-				c->parked = 0;
+			kvd_unpark(s, 0);
 			kvd_exec_notify(s);
 		}
 	} else if (s->share) {
@@ -326,8 +325,7 @@ static void tier_event(struct kvd_server *s)
 {
 	if (!kvd_tier_poll(s->tier))
 		return;
-	for (struct client *c = s->clients; c; c = c->next)
-		c->parked = 0;
+	kvd_unpark(s, 0);
 	kvd_tier_balance(s->tier);
 	kvd_exec_notify(s);
 }

@@ -171,6 +171,15 @@ void kvd_control_unmap(struct kvd_server *s, struct client *c);
 /* Drops every profile reference c holds (under the lock). */
 void kvd_control_release(struct kvd_server *s, struct client *c);
 
+/* Parked clients try their entries again (under the lock): every one, or
+ * with id != 0 that client alone. */
+static inline void kvd_unpark(struct kvd_server *s, uint64_t id)
+{
+	for (struct client *c = s->clients; c; c = c->next)
+		if (!id || c->id == id)
+			c->parked = 0;
+}
+
 /* exec.c */
 int kvd_exec_start(struct kvd_server *s);
 /* Asks the executor to answer what is queued and exit; joins it.  Called by

@@ -583,7 +583,6 @@ static int start_restore(struct kvd_tier *t, struct rec *r, char *msg, size_t ms
 	}
 	r->busy = 1;
 	r->rhold = need;
-	t->restoring += need;
 	r->rprev = NULL;
 	r->rnext = t->rlist;
 	if (t->rlist)
@@ -834,6 +833,17 @@ static int victim(struct kvd_tier *t, const struct rec *r, uint64_t now, int *wa
 	return 1;
 }
 
+/* What restores in flight will hold once done: of uid, or (any) of all. */
+static uint64_t restoring(const struct kvd_tier *t, int any, uint32_t uid)
+{
+	uint64_t b = 0;
+
+	for (const struct rec *r = t->rlist; r; r = r->rnext)
+		if (any || r->uid == uid)
+			b += r->rhold;
+	return b;
+}
+
 int kvd_tier_waiting(const struct kvd_tier *t)
 {
 	return t->nrw || t->wake;
@@ -923,10 +933,12 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 		 * restores took the room in turns.  Waiting ends: the own
 		 * request's restores, the only ones that stay unevictable,
 		 * finish and leave restoring. */
-		if (later || wait || u + bytes <= t->cfg.limit + t->pending + t->restoring) {
+		uint64_t back = restoring(t, 1, 0);
+
+		if (later || wait || u + bytes <= t->cfg.limit + t->pending + back) {
 			kvd_log(LOG_DEBUG, "room for %llu bytes: waiting for %llu being written out, "
 				"%llu being restored", (unsigned long long)bytes,
-				(unsigned long long)t->pending, (unsigned long long)t->restoring);
+				(unsigned long long)t->pending, (unsigned long long)back);
 			rw_note(t, bytes, now);
 			return -EINPROGRESS;
 		}
@@ -990,9 +1002,7 @@ int kvd_tier_room_uid(struct kvd_tier *t, uint32_t uid, uint64_t bytes, char *ms
 	}
 	/* the uid's restores in flight come back as its victims, as in
 	 * kvd_tier_room */
-	for (const struct rec *r = t->rlist; r; r = r->rnext)
-		if (r->uid == uid)
-			pend += r->rhold;
+	pend += restoring(t, 0, uid);
 	if (uid_mem(t, uid) + bytes > cap && (wait & WAIT_PIN))
 		t->pin_wait = 1;
 	if (uid_mem(t, uid) + bytes > cap &&

@@ -68,8 +68,8 @@ struct rec {
 					 * SEG extents' V sums, made on the spill thread */
 	uint64_t reserved;              /* READ: budget held for what is not installed
 					 * (charged to uid's memory in kvd_limits) */
-	uint64_t rhold;                 /* READ: the restore's whole need, counted in
-					 * t->restoring until the job ends */
+	uint64_t rhold;                 /* READ: the restore's whole need, until the
+					 * job ends */
 	struct rec *rprev, *rnext;      /* t->rlist while rhold is */
 	uint64_t fresh_who;             /* restored for this part (kvd_tier_part), which
 					 * has not used it yet: no victim till then */
@@ -126,8 +126,7 @@ struct kvd_tier {
 	const char *adopt_tenant;       /* kvd_tier_adopt: the tenant load_one uses */
 	uint64_t epoch, who;
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
-	uint64_t restoring;             /* what restores in flight will hold once done */
-	struct rec *rlist;              /* those restores */
+	struct rec *rlist;              /* restores in flight (rhold: what each will hold) */
 	struct unl *unls;
 	struct kvd_tier_counters ctr;   /* write-backs, drops, losses: kvd_tier_stats' too */
 	uint64_t restores, restore_bytes;

@@ -253,7 +253,6 @@ void kvd_tier_job_release(struct kvd_tier *t, struct rec *r)
 	r->wext = NULL;
 	t->reserved -= r->reserved;
 	if (r->rhold) {
-		t->restoring -= r->rhold;
 		r->rhold = 0;
 		*(r->rprev ? &r->rprev->rnext : &t->rlist) = r->rnext;
 		if (r->rnext)
