@@ -30,7 +30,10 @@
  *   control_spam   six processes, each with its own connection, ask for
  *                  ServerStats and SeqStats back to back
  *
- *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N]
+ *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N] [--phases a,b,...]
+ *
+ * --phases runs only the phases named (quiet always runs first: it is what
+ * the others are measured against).
  *
  * The victim waits 1 ms between ATTENDs (a decode step's other work), so it
  * is a quiet client, not one that keeps kvd busy itself.  One row per
@@ -76,10 +79,31 @@ struct shared {
 
 static const uint32_t dense0[] = { 0 };
 
+/* The comma-separated phase names in `list` into run[]: 0, or -1 for a
+ * name that is no phase. */
+static int pick_phases(const char *list, int *run)
+{
+	for (int ph = 1; ph < NPH; ph++)
+		run[ph] = 0;
+	for (const char *p = list; *p;) {
+		size_t n = strcspn(p, ",");
+		int ph = 0;
+
+		while (ph < NPH && (strlen(ph_name[ph]) != n || strncmp(p, ph_name[ph], n)))
+			ph++;
+		if (ph == NPH)
+			return -1;
+		run[ph] = 1;
+		p += n + (p[n] == ',');
+	}
+	return 0;
+}
+
 static int usage(void)
 {
-	fprintf(stderr, "usage: kvbench stall [--json] [--ctx N] [--layers N] [--secs N]\n"
-			"  defaults: 16384 tokens, 8 layers, 3 s a phase\n");
+	fprintf(stderr, "usage: kvbench stall [--json] [--ctx N] [--layers N] [--secs N] "
+			"[--phases a,b,...]\n"
+			"  defaults: 16384 tokens, 8 layers, 3 s a phase, every phase\n");
 	return 2;
 }
 
@@ -451,9 +475,16 @@ static int attack(int ph, const char *dir, const char *sock, struct kvc *c, stru
 int bench_stall_main(int argc, char **argv)
 {
 	uint32_t ctx = 16384, layers = 8, secs = 3;
-	int json = 0, rc = 1;
+	int json = 0, rc = 1, run[NPH];
 
+	for (int ph = 0; ph < NPH; ph++)
+		run[ph] = 1;
 	for (int i = 0; i < argc; i++) {
+		if (!strcmp(argv[i], "--phases") && i + 1 < argc) {
+			if (pick_phases(argv[++i], run))
+				return usage();
+			continue;
+		}
 		uint32_t *dst = !strcmp(argv[i], "--ctx") ? &ctx : !strcmp(argv[i], "--layers") ? &layers :
 				!strcmp(argv[i], "--secs") ? &secs : NULL;
 
@@ -510,6 +541,8 @@ int bench_stall_main(int argc, char **argv)
 	while (!sh->ready && !sh->failed)
 		usleep(1000);
 	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
+		if (!run[ph])
+			continue;
 		sh->phase = ph;
 		if (attack(ph, d.dir, d.sock, c, s, &m, big, tail, secs, &r)) {
 			fprintf(stderr, "stall: %s: %s\n", ph_name[ph], kvc_last_error(c));
@@ -528,6 +561,8 @@ int bench_stall_main(int argc, char **argv)
 		printf("  %-14s %8s %9s %9s %9s %9s %9s\n", "phase", "attends", "p50_ms", "p99_ms",
 		       "max_ms", "p99_x", "max_x");
 	for (int ph = 0; ph < NPH; ph++) {
+		if (!run[ph])
+			continue;
 		uint32_t n = sh->n[ph];
 		float *x = sh->ms[ph];
 
