@@ -377,7 +377,7 @@ static void run_whole(struct kvd_server *s, struct client *c)
 	int rc = 0;
 
 	kvd_tier_begin(s->tier);
-	kvd_tier_part(s->tier, c->id);
+	kvd_tier_part(s->tier, c->id, c->uid);
 	switch (e->op) {
 	case KVD_OP_FREE:
 	case KVD_OP_PREFETCH: {
@@ -437,7 +437,7 @@ static int unit_prepare(struct kvd_server *s, struct client *c, uint32_t i, unsi
 		finish(s, c, -EINVAL, "batch: no record left");
 		return -1;
 	}
-	kvd_tier_part(s->tier, c->id);
+	kvd_tier_part(s->tier, c->id, c->uid);
 	rc = kvd_store_attend_view(s->store, j->ids[i], c->tenant, j->pid, e->layer, *pool, &v, m,
 				   sizeof m);
 	if (rc == 1)

@@ -712,9 +712,10 @@ void kvd_tier_begin(struct kvd_tier *t)
 	t->who = 0;
 }
 
-void kvd_tier_part(struct kvd_tier *t, uint64_t who)
+void kvd_tier_part(struct kvd_tier *t, uint64_t who, uint32_t uid)
 {
 	t->who = who;
+	t->who_uid = uid;
 }
 
 /* ---- waiting for room, in turn ------------------------------------------ */
@@ -766,31 +767,46 @@ static const struct room_wait *rw_first(struct kvd_tier *t, uint64_t now, uint64
 	return f;
 }
 
-/* The current who got its room: it keeps its place, asking for nothing. */
-static void rw_served(struct kvd_tier *t)
+/* The current who got its room: it keeps its place, asking for nothing,
+ * and its uid's other waiters go behind everyone waiting now, their order
+ * kept.  By age alone, a uid with many clients queued first was served
+ * all of them before another uid's one waiter. */
+static void rw_served(struct kvd_tier *t, uint64_t now)
 {
+	const struct room_wait *s = NULL;
+
 	for (unsigned i = 0; t->who && i < t->nrw; i++)
 		if (t->rw[i].who == t->who && t->rw[i].bytes) {
+			s = &t->rw[i];
 			t->rw[i].bytes = 0;
 			/* whoever waited behind it may fit now */
 			t->pin_wait = 1;
 		}
+	if (!s || now <= s->since)
+		return;
+	for (unsigned i = 0; i < t->nrw; i++)
+		if (t->rw[i].uid == s->uid && t->rw[i].who != s->who)
+			t->rw[i].since += now - s->since;
 }
 
 /* The current who waits for bytes: queued, or its entry refreshed (its
- * place kept).  A full queue leaves it out: it still waits behind. */
+ * place kept).  A full queue, or its uid's KVD_TIER_ROOM_PER_UID places taken,
+ * leaves it out: it still waits behind, and asks again for a place. */
 static void rw_note(struct kvd_tier *t, uint64_t bytes, uint64_t now)
 {
-	unsigned i = 0;
+	unsigned i = 0, mine = 0;
 
 	if (!t->who)
 		return;
+	for (unsigned k = 0; k < t->nrw; k++)
+		mine += t->rw[k].uid == t->who_uid;
 	while (i < t->nrw && t->rw[i].who != t->who)
 		i++;
 	if (i == t->nrw) {
-		if (t->nrw == ROOM_WAITERS)
+		if (t->nrw == ROOM_WAITERS || mine >= KVD_TIER_ROOM_PER_UID)
 			return;
-		t->rw[t->nrw++] = (struct room_wait){ .who = t->who, .since = now };
+		t->rw[t->nrw++] = (struct room_wait){ .who = t->who, .since = now,
+						      .uid = t->who_uid };
 	}
 	t->rw[i].bytes = bytes;
 	t->rw[i].seen = now;
@@ -891,7 +907,7 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 	if (f && f->who != t->who)
 		ahead = f->bytes;
 	if (u + bytes + ahead <= t->cfg.limit) {
-		rw_served(t);
+		rw_served(t, now);
 		return 0;
 	}
 	if (ahead) {
@@ -922,7 +938,7 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 		}
 		u = used(t);
 		if (u + bytes <= t->cfg.limit) {
-			rw_served(t);
+			rw_served(t, now);
 			return 0;
 		}
 		t->pin_wait |= wait & WAIT_PIN;
@@ -946,7 +962,7 @@ int kvd_tier_room(struct kvd_tier *t, uint64_t bytes, char *msg, size_t msglen)
 	/* Published snapshots are a cache: they give way before a refusal. */
 	if (kvd_store_reclaim(t->st, 0, 1, u + bytes - t->cfg.limit) &&
 	    (u = used(t)) + bytes <= t->cfg.limit) {
-		rw_served(t);
+		rw_served(t, now);
 		return 0;
 	}
 	kvd_tier_unwait(t, t->who);

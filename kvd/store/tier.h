@@ -75,8 +75,13 @@ void kvd_tier_begin(struct kvd_tier *t);
  * refused.  A who that waits for room is queued: while it waits, the room
  * that comes is its first, and a request of anyone else that does not fit
  * beside it waits too (control requests, who = 0, included).  The entry
- * goes when who gets its room or a refusal, or with kvd_tier_unwait. */
-void kvd_tier_part(struct kvd_tier *t, uint64_t who);
+ * goes when who gets its room or a refusal, or with kvd_tier_unwait.
+ * Waiters are served in turn by uid: a uid holds at most
+ * KVD_TIER_ROOM_PER_UID places (the others wait without one), and when one of its waiters is served the others go behind
+ * everyone waiting now, so that a uid with many clients delays another
+ * uid's waiter by one of its own, not by all of them. */
+#define KVD_TIER_ROOM_PER_UID 4
+void kvd_tier_part(struct kvd_tier *t, uint64_t who, uint32_t uid);
 
 /* who's request ended (done, refused, its client gone): not waiting. */
 void kvd_tier_unwait(struct kvd_tier *t, uint64_t who);

@@ -111,7 +111,8 @@ struct unl {
 #define FRESH_NS (500ull * 1000000)
 struct room_wait {
 	uint64_t who, bytes;
-	uint64_t since, seen;           /* its first wait, its last */
+	uint64_t since, seen;           /* its turn (first wait, rotated by uid), its last */
+	uint32_t uid;
 };
 
 struct kvd_tier {
@@ -125,6 +126,7 @@ struct kvd_tier {
 	void *on_written_arg;
 	const char *adopt_tenant;       /* kvd_tier_adopt: the tenant load_one uses */
 	uint64_t epoch, who;
+	uint32_t who_uid;               /* kvd_tier_part's uid */
 	uint64_t reserved, pending;     /* restores' reservations; bytes being written out to drop */
 	struct rec *rlist;              /* restores in flight (rhold: what each will hold) */
 	struct unl *unls;

@@ -1178,7 +1178,7 @@ static int part_want(struct env *e, uint64_t who, struct kvd_seqn *q)
 	char msg[200];
 
 	kvd_tier_begin(e->t);
-	kvd_tier_part(e->t, who);
+	kvd_tier_part(e->t, who, 0);
 	return kvd_tier_want(e->t, q, 1, msg, sizeof msg);
 }
 
@@ -1215,7 +1215,7 @@ static void test_room_in_turn(void **state)
 	/* 3 asks for less than is free, but not beside what 2 waits for: it
 	 * waits behind 2, and evicts nothing for itself. */
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 3);
+	kvd_tier_part(e.t, 3, 0);
 	assert_int_equal(kvd_tier_room(e.t, per / 4, msg, sizeof msg), -EINPROGRESS);
 	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_RAM);
 	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns(), &who), 0);
@@ -1226,7 +1226,7 @@ static void test_room_in_turn(void **state)
 	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns(), &who), 0);
 	assert_int_equal(who, 3);
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 3);
+	kvd_tier_part(e.t, 3, 0);
 	assert_int_equal(kvd_tier_room(e.t, per / 4, msg, sizeof msg), 0);
 	kvd_tier_unwait(e.t, 3);
 	/* q0's hold for 1 would have ended by itself (1 used it already) */
@@ -1236,7 +1236,7 @@ static void test_room_in_turn(void **state)
 	/* More than the whole budget is refused at once: q0 stays, and
 	 * nobody is queued. */
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 6);
+	kvd_tier_part(e.t, 6, 0);
 	msg[0] = 0;
 	assert_int_equal(kvd_tier_room(e.t, base + 2 * per, msg, sizeof msg), -ENOMEM);
 	assert_non_null(strstr(msg, "memory budget"));
@@ -1248,24 +1248,24 @@ static void test_room_in_turn(void **state)
 	 * again, as a unit asks in steps, and is still ahead of 5. */
 	kvd_store_seq_pin(q0);
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 4);
+	kvd_tier_part(e.t, 4, 0);
 	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -EINPROGRESS);
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 5);
+	kvd_tier_part(e.t, 5, 0);
 	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), -EINPROGRESS);
 	kvd_store_seq_unpin(q0);
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 4);
+	kvd_tier_part(e.t, 4, 0);
 	WAIT_UNTIL(&e, (rc = kvd_tier_room(e.t, per, msg, sizeof msg)) != -EINPROGRESS);
 	assert_int_equal(rc, 0);
 	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
 	/* (queued again behind 5, 4 would wait: base + 2 per is over) */
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 4);
+	kvd_tier_part(e.t, 4, 0);
 	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), 0);
 	kvd_tier_unwait(e.t, 4);
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 5);
+	kvd_tier_part(e.t, 5, 0);
 	assert_int_equal(kvd_tier_room(e.t, per, msg, sizeof msg), 0);
 	kvd_tier_unwait(e.t, 5);
 	assert_false(kvd_tier_waiting(e.t));
@@ -1293,7 +1293,7 @@ static void test_uid_room_waits_for_restores(void **state)
 	WAIT_UNTIL(&e, kvd_store_seq_state(q0) == KVD_SEQ_RAM);
 	assert_int_equal(part_want(&e, 1, q0), 0);
 	kvd_tier_begin(e.t);
-	kvd_tier_part(e.t, 2);
+	kvd_tier_part(e.t, 2, 0);
 	restore(&e, q1);
 	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
 	kvd_tier_unwait(e.t, 1);
@@ -1301,6 +1301,59 @@ static void test_uid_room_waits_for_restores(void **state)
 	assert_int_equal(stats(&e).lost, 0);
 	env_close(&e);
 	env_mem_per_uid = 0;
+}
+
+/* A request of client who of uid for bytes of room. */
+static int part_room(struct env *e, uint64_t who, uint32_t uid, uint64_t bytes)
+{
+	char msg[200];
+
+	kvd_tier_begin(e->t);
+	kvd_tier_part(e->t, who, uid);
+	return kvd_tier_room(e->t, bytes, msg, sizeof msg);
+}
+
+/* Places in turn by uid: uid 1's six clients queue before uid 2's one;
+ * uid 1 gets KVD_TIER_ROOM_PER_UID places, and once one of its clients
+ * is served, uid 2's client comes next, not uid 1's five others. */
+static void test_room_turns_by_uid(void **state)
+{
+	uint64_t base, per, who;
+	struct kvd_seqn *q0;
+	struct env e;
+	int rc;
+
+	measure(&base, &per);
+	env_open(&e, base + per + per / 2, 0, 0, 1, "");
+	q0 = seq_full(&e, 120, NULL);
+	/* room comes only when q0's unit ends: everyone waits */
+	kvd_store_seq_pin(q0);
+	for (uint64_t c = 11; c <= 16; c++)
+		assert_int_equal(part_room(&e, c, 1, per), -EINPROGRESS);
+	assert_int_equal(part_room(&e, 21, 2, per), -EINPROGRESS);
+	kvd_store_seq_unpin(q0);
+
+	/* 11, first, gets its room (q0 written out) and its entry ends */
+	WAIT_UNTIL(&e, (rc = part_room(&e, 11, 1, per)) != -EINPROGRESS);
+	assert_int_equal(rc, 0);
+	assert_int_equal(kvd_store_seq_state(q0), KVD_SEQ_DISK);
+	kvd_tier_unwait(e.t, 11);
+	assert_int_equal(kvd_tier_due(e.t, kvd_now_ns(), &who), 0);
+	assert_int_equal(who, 21);
+	assert_int_equal(part_room(&e, 21, 2, per), 0);
+	kvd_tier_unwait(e.t, 21);
+
+	/* then uid 1's others with a place, in their order */
+	for (uint64_t c = 12; c < 11 + KVD_TIER_ROOM_PER_UID; c++) {
+		assert_int_equal(kvd_tier_due(e.t, kvd_now_ns(), &who), 0);
+		assert_int_equal(who, c);
+		assert_int_equal(part_room(&e, c, 1, per), 0);
+		kvd_tier_unwait(e.t, c);
+	}
+	/* 15 and 16 had no place: nobody is queued now */
+	assert_false(kvd_tier_waiting(e.t));
+	assert_int_equal(stats(&e).lost, 0);
+	env_close(&e);
 }
 
 static int setup(void **state)
@@ -1331,6 +1384,7 @@ int main(void)
 		cmocka_unit_test(test_change_keeps_its_room),
 		cmocka_unit_test(test_room_in_turn),
 		cmocka_unit_test(test_uid_room_waits_for_restores),
+		cmocka_unit_test(test_room_turns_by_uid),
 	};
 	int rc;
 
