@@ -782,11 +782,30 @@ static void rw_served(struct kvd_tier *t, uint64_t now)
 			/* whoever waited behind it may fit now */
 			t->pin_wait = 1;
 		}
-	if (!s || now <= s->since)
+	if (!s)
 		return;
-	for (unsigned i = 0; i < t->nrw; i++)
-		if (t->rw[i].uid == s->uid && t->rw[i].who != s->who)
-			t->rw[i].since += now - s->since;
+	/* Just behind the newest now, in their order: now + their rank (a uid
+	 * has at most KVD_TIER_ROOM_PER_UID places).  Not shifted by how long
+	 * s waited, which grows with every step a unit is served and would
+	 * put them behind newcomers for as long again. */
+	uint64_t newest = now, key[KVD_TIER_ROOM_PER_UID];
+	unsigned n = 0, idx[KVD_TIER_ROOM_PER_UID];
+
+	for (unsigned i = 0; i < t->nrw; i++) {
+		if (t->rw[i].since > newest)
+			newest = t->rw[i].since;
+		if (t->rw[i].uid == s->uid && t->rw[i].who != s->who && n < KVD_TIER_ROOM_PER_UID) {
+			key[n] = t->rw[i].since;
+			idx[n++] = i;
+		}
+	}
+	for (unsigned a = 0; a < n; a++) {
+		unsigned rank = 1;
+
+		for (unsigned b = 0; b < n; b++)
+			rank += key[b] < key[a] || (key[b] == key[a] && b < a);
+		t->rw[idx[a]].since = newest + rank;
+	}
 }
 
 /* The current who waits for bytes: queued, or its entry refreshed (its
