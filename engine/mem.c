@@ -61,6 +61,24 @@ void *kvd_mem_alloc_node(size_t bytes, int node)
 	return p;
 }
 
+void kvd_mem_populate(void *p, size_t bytes)
+{
+	char *a = p, *end = a + bytes;
+
+	while (a < end) {
+		/* up to the next 2 MiB boundary: one huge page a call */
+		char *b = (char *)(((uintptr_t)a + KVD_MEM_HUGE) & ~(uintptr_t)(KVD_MEM_HUGE - 1));
+
+		if (b > end)
+			b = end;
+		char *pa = (char *)((uintptr_t)a & ~(uintptr_t)(KVD_MEM_PAGE - 1));
+
+		if (madvise(pa, (size_t)(b - pa), MADV_POPULATE_WRITE))
+			return;         /* no such advice, or no memory now: the touch faults */
+		a = b;
+	}
+}
+
 /* Mappings waiting for the unmapping thread.  Not linked through their own
  * first bytes: a page never touched would fault in (a huge page, on a VM
  * milliseconds) only to be unmapped. */

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "mem.h"
 #include "invariant.h"
 #include "pool.h"
 
@@ -295,7 +296,7 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
  * a failure (no memory now), leaves the faults to the job. */
 static void fault_in(char *m, size_t len)
 {
-	(void)madvise(m, len, MADV_POPULATE_WRITE);
+	kvd_mem_populate(m, len);
 }
 
 static void *side_main(void *arg)

@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "engine/err.h"
+#include "engine/mem.h"
 #include "iob.h"
 #include "engine/log.h"
 #include "spill.h"
@@ -568,6 +569,10 @@ static void ext_open(struct kvd_spill *sp, struct sp_run *r, unsigned i)
 		if (b->fill)
 			b->fill(b->fill_arg, (char *)b->p + PAGE);
 		kvd_sfmt_seal(b->p, (char *)b->p + PAGE);
+	} else {
+		/* Registering pins the pages and would fault them all in at
+		 * once, holding the mmap lock throughout (kvd_mem_populate). */
+		kvd_mem_populate(b->p, b->bytes);
 	}
 	r->buf[i] = kvd_iob_buf_add(sp->io, b->p, b->bytes);
 	if (r->buf[i] < 0 && !sp->warned_buf) {
