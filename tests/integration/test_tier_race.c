@@ -347,24 +347,60 @@ static void restorer(int i)
 	restorer_rounds(i, RESTORERS + 1, 0, 0);
 }
 
-/* ---- the test ----------------------------------------------------------- */
+/* ---- the tests ---------------------------------------------------------- */
 
-static void test_append_seal_evict_restore(void **state)
+/* kvd under a budget of `mem` with a spill directory, its twin without
+ * one, and the children's shared page. */
+static void race_start(const char *mem)
 {
-	pid_t pid[RESTORERS + 1];
-	struct kvc *c;
-	struct kvc_opts o = { .socket_path = NULL, .tenant = "t", .name = "stats" };
-	struct kvc_stats ss;
-	int st, bad = 0;
-
-	/* Each sequence is about 2 MiB resident: 5 MiB holds two of the
-	 * three, so every restore writes one out. */
 	assert_non_null(mkdtemp(strcpy(spill, "/tmp/kvd-race.XXXXXX")));
-	assert_int_equal(daemon_start4(&D, "--spill-dir", spill, "--mem-limit", "4608K"), 0);
+	assert_int_equal(daemon_start4(&D, "--spill-dir", spill, "--mem-limit", mem), 0);
 	assert_int_equal(daemon_start(&twin, NULL), 0);
 	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	assert_true(sh != MAP_FAILED);
 	memset(sh, 0, sizeof *sh);
+}
+
+/* The n children: how many failed, each said with its reason. */
+static int race_reap(const pid_t *pid, int n)
+{
+	int st, bad = 0;
+
+	for (int i = 0; i < n; i++) {
+		assert_int_equal(waitpid(pid[i], &st, 0), pid[i]);
+		if (!WIFEXITED(st) || WEXITSTATUS(st)) {
+			print_message("  client %d: %s\n", i, sh->why[i][0] ? sh->why[i] : "died");
+			bad++;
+		}
+	}
+	return bad;
+}
+
+/* kvd's counters, then both daemons stopped and the spill gone. */
+static struct kvc_stats race_stop(void)
+{
+	struct kvc_opts o = { .socket_path = D.sock, .tenant = "t", .name = "stats" };
+	struct kvc_stats ss;
+	struct kvc *c;
+
+	assert_int_equal(kvc_connect(&o, &c), 0);
+	assert_int_equal(kvc_server_stats(c, &ss), 0);
+	kvc_close(c);
+	assert_int_equal(daemon_stop(&twin), 0);
+	assert_int_equal(daemon_stop(&D), 0);
+	daemon_rm_tree(spill);
+	return ss;
+}
+
+static void test_append_seal_evict_restore(void **state)
+{
+	pid_t pid[RESTORERS + 1];
+	struct kvc_stats ss;
+	int bad;
+
+	/* Each sequence is about 2 MiB resident: 5 MiB holds two of the
+	 * three, so every restore writes one out. */
+	race_start("4608K");
 	for (int i = 0; i <= RESTORERS; i++) {
 		pid[i] = fork();
 		assert_true(pid[i] >= 0);
@@ -374,29 +410,15 @@ static void test_append_seal_evict_restore(void **state)
 			restorer(i);
 		}
 	}
-	for (int i = 0; i <= RESTORERS; i++) {
-		assert_int_equal(waitpid(pid[i], &st, 0), pid[i]);
-		if (!i)
-			print_message("  appender: %s\n", sh->why[0]);
-		if (!WIFEXITED(st) || WEXITSTATUS(st)) {
-			print_message("  %s %d: %s\n", i ? "restorer" : "appender", i,
-				      sh->why[i][0] ? sh->why[i] : "died");
-			bad++;
-		}
-	}
-	o.socket_path = D.sock;
-	assert_int_equal(kvc_connect(&o, &c), 0);
-	assert_int_equal(kvc_server_stats(c, &ss), 0);
-	kvc_close(c);
+	bad = race_reap(pid, RESTORERS + 1);
+	print_message("  appender (client 0): %s\n", sh->why[0]);
+	ss = race_stop();
 	print_message("  %d APPENDs of %d rows, each three seals: %llu spills, %llu restores, "
 		      "%llu lost\n", ROUNDS, APPEND_N, (unsigned long long)ss.spills,
 		      (unsigned long long)ss.restores, (unsigned long long)ss.lost);
 	uint64_t refusals = sh->refusals;
 
 	munmap(sh, sizeof *sh);
-	assert_int_equal(daemon_stop(&twin), 0);
-	assert_int_equal(daemon_stop(&D), 0);
-	daemon_rm_tree(spill);
 	assert_int_equal(bad, 0);
 	assert_int_equal(ss.lost, 0);
 	assert_true(ss.restores > 0);           /* the budget made them take turns */
@@ -407,32 +429,25 @@ static void test_append_seal_evict_restore(void **state)
  * their sequences out and restore them, over and over, under a budget
  * that holds two or three of the seven sequences, while one client of
  * another uid does VROUNDS such rounds.  Each restore waits for room.
- * The victim is never refused, finishes its rounds, and its answers match
- * the twin's; its longest round is printed (the tier serves it after at
- * most one of the other uid's waiters, test_tier_policy's
- * test_room_turns_by_uid). */
+ * The victim is never refused, finishes its rounds, its answers match the
+ * twin's, and it does not starve; how many rounds the others made
+ * meanwhile is printed (the tier serves it after at most one of the other
+ * uid's waiters: test_tier_policy's test_room_turns_by_uid). */
 static void test_room_turns_by_uid(void **state)
 {
 	pid_t pid[HOGS + 1];
-	struct kvc *c;
-	struct kvc_opts o = { .socket_path = NULL, .tenant = "t", .name = "stats" };
 	struct kvc_stats ss;
-	int st, bad = 0;
+	int bad;
 
 	if (geteuid() != 0) {
 		print_message("  not root: cannot run a second uid\n");
 		skip();
 	}
-	assert_non_null(mkdtemp(strcpy(spill, "/tmp/kvd-race.XXXXXX")));
-	assert_int_equal(daemon_start4(&D, "--spill-dir", spill, "--mem-limit", "6M"), 0);
-	assert_int_equal(daemon_start(&twin, NULL), 0);
+	race_start("6M");
 	for (struct daemon *d = &D; d; d = d == &D ? &twin : NULL) {
 		assert_int_equal(chmod(d->dir, 0755), 0);
 		assert_int_equal(chmod(d->sock, 0777), 0);
 	}
-	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	assert_true(sh != MAP_FAILED);
-	memset(sh, 0, sizeof *sh);
 	for (int i = 0; i <= HOGS; i++) {
 		pid[i] = fork();
 		assert_true(pid[i] >= 0);
@@ -444,17 +459,8 @@ static void test_room_turns_by_uid(void **state)
 			restorer_rounds(i, HOGS + 1, i < HOGS ? 0 : VROUNDS, 1);
 		}
 	}
-	for (int i = 0; i <= HOGS; i++) {
-		assert_int_equal(waitpid(pid[i], &st, 0), pid[i]);
-		if (!WIFEXITED(st) || WEXITSTATUS(st)) {
-			print_message("  client %d: %s\n", i, sh->why[i][0] ? sh->why[i] : "died");
-			bad++;
-		}
-	}
-	o.socket_path = D.sock;
-	assert_int_equal(kvc_connect(&o, &c), 0);
-	assert_int_equal(kvc_server_stats(c, &ss), 0);
-	kvc_close(c);
+	bad = race_reap(pid, HOGS + 1);
+	ss = race_stop();
 	print_message("  the victim's %d rounds in %llu ms, longest %llu ms; %llu restores, "
 		      "%llu refusals, %llu lost\n", VROUNDS,
 		      (unsigned long long)sh->vtotal_ms, (unsigned long long)sh->vlongest_ms,
@@ -464,20 +470,19 @@ static void test_room_turns_by_uid(void **state)
 	int others = sh->cycles - sh->vstart - VROUNDS;
 
 	munmap(sh, sizeof *sh);
-	assert_int_equal(daemon_stop(&twin), 0);
-	assert_int_equal(daemon_stop(&D), 0);
-	daemon_rm_tree(spill);
 	assert_int_equal(bad, 0);
 	assert_int_equal(ss.lost, 0);
 	assert_true(ss.restores >= VROUNDS);
 	assert_int_equal(refusals, 0);
-	/* Served in turn by uid, the other uid's clients went around 17-22
-	 * times while the victim went 10 (its rounds 127-167 ms in all, on a
-	 * 2-core VM); served by age alone, 64-66 times (407-414 ms). */
+	/* Served in turn by uid, the other uid's clients went around 17-23
+	 * times while the victim went 10 (its rounds 127-178 ms in all, on a
+	 * 2-core VM); served by age alone, 64-68 times (407-475 ms).  But a
+	 * busy machine gives six processes six times one's CPU whatever kvd
+	 * does (46 with the suite running beside it), so only starvation fails
+	 * here; the order itself is test_tier_policy's, exactly. */
 	print_message("  the other uid's rounds meanwhile: %d\n", others);
-	if (others > 4 * VROUNDS)
-		fail_msg("uid B's %d rounds took %d of uid A's: room is not served in turn by uid",
-			 VROUNDS, others);
+	if (others > 12 * VROUNDS)
+		fail_msg("uid B's %d rounds took %d of uid A's: uid B starves", VROUNDS, others);
 }
 
 int main(void)
