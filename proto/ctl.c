@@ -868,28 +868,24 @@ union cmsg_buf {
 
 _Thread_local int kvd_ctl_sent_code;
 
-int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
+#define DEFER_MAX 16            /* a burst of control requests is 8 */
+
+static _Thread_local struct {
+	int fd;                 /* deferring sends to it; -1: none */
+	unsigned n;
+	struct {
+		uint8_t *buf;
+		size_t len;
+	} q[DEFER_MAX];
+} dq = { .fd = -1 };
+
+static int send_one(int fd, const uint8_t *buf, size_t n, const int *fds, int nfds)
 {
 	union cmsg_buf cb;
-	uint8_t small[4096], *buf = small;
-	struct iovec iov;
+	struct iovec iov = { (void *)buf, n };
 	struct msghdr mh = { 0 };
-	size_t n;
 	ssize_t w;
-	int rc;
 
-	if (nfds < 0 || nfds > KVD_CTL_MAX_FDS || (nfds && !fds))
-		return -EINVAL;
-	n = protobuf_c_message_get_packed_size(msg);
-	/* An empty datagram would read as EOF on the other side. */
-	if (n == 0 || n > KVD_CTL_MAX)
-		return -EMSGSIZE;
-	if (n > sizeof(small) && !(buf = malloc(n)))
-		return -ENOMEM;
-	protobuf_c_message_pack(msg, buf);
-
-	iov.iov_base = buf;
-	iov.iov_len = n;
 	mh.msg_iov = &iov;
 	mh.msg_iovlen = 1;
 	if (nfds) {
@@ -908,14 +904,75 @@ int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
 		w = sendmsg(fd, &mh, MSG_NOSIGNAL);
 	while (w < 0 && errno == EINTR);
 	/* SEQPACKET sends all or nothing; a short count would be a kernel bug. */
-	rc = w < 0 ? -errno : (size_t)w == n ? 0 : -EIO;
+	return w < 0 ? -errno : (size_t)w == n ? 0 : -EIO;
+}
+
+void kvd_ctl_defer(int fd)
+{
+	dq.fd = fd;
+}
+
+unsigned kvd_ctl_deferred(void)
+{
+	return dq.n;
+}
+
+/* Sends the kept replies, in order; the rest dropped after a failure. */
+static int send_kept(void)
+{
+	int rc = 0;
+
+	for (unsigned i = 0; i < dq.n; i++) {
+		if (!rc)
+			rc = send_one(dq.fd, dq.q[i].buf, dq.q[i].len, NULL, 0);
+		free(dq.q[i].buf);
+	}
+	dq.n = 0;
+	return rc;
+}
+
+int kvd_ctl_flush(void)
+{
+	int rc = send_kept();
+
+	dq.fd = -1;
+	return rc;
+}
+
+int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
+{
+	uint8_t small[4096], *buf = small;
+	size_t n;
+	int rc;
+
+	if (nfds < 0 || nfds > KVD_CTL_MAX_FDS || (nfds && !fds))
+		return -EINVAL;
+	n = protobuf_c_message_get_packed_size(msg);
+	/* An empty datagram would read as EOF on the other side. */
+	if (n == 0 || n > KVD_CTL_MAX)
+		return -EMSGSIZE;
+	int keep = fd == dq.fd && !nfds && n <= KVD_CTL_DEFER_BYTES && dq.n < DEFER_MAX;
+
+	if ((n > sizeof(small) || keep) && !(buf = malloc(n)))
+		return -ENOMEM;
+	protobuf_c_message_pack(msg, buf);
+	if (keep) {
+		dq.q[dq.n].buf = buf;
+		dq.q[dq.n++].len = n;
+		rc = 0;
+	} else {
+		/* what was kept for fd goes first */
+		rc = fd == dq.fd ? send_kept() : 0;
+		if (!rc)
+			rc = send_one(fd, buf, n, fds, nfds);
+	}
 	if (msg->descriptor == &kvd__response__descriptor) {
 		const Kvd__Response *r = (const Kvd__Response *)msg;
 
 		kvd_ctl_sent_code = r->body_case == KVD__RESPONSE__BODY_ERROR && r->error ?
 				    r->error->code : 0;
 	}
-	if (buf != small)
+	if (buf != small && !keep)
 		free(buf);
 	return rc;
 }

@@ -96,6 +96,20 @@ struct kvd_ctl_err {
  * [0, KVD_CTL_MAX_FDS]), -ENOMEM, or sendmsg's -errno (-EAGAIN on a
  * non-blocking socket whose peer's queue is full). */
 int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds);
+/* Deferred replies.  After kvd_ctl_defer(fd), this thread's kvd_ctl_send()
+ * to fd of a message up to KVD_CTL_DEFER_BYTES, with no fds, is packed and
+ * kept (0 returned, or -ENOMEM) instead of sent; anything else to fd sends
+ * the kept ones first, in order, then itself, so its -EMSGSIZE is still
+ * the caller's to handle.  kvd_ctl_flush() sends what is kept, in order,
+ * and stops deferring: 0, or the first failure's -errno (the rest are
+ * dropped: the caller drops the connection).  kvd's loop defers what it
+ * answers under its state lock and sends after letting go of it: a reply
+ * wakes its client, which may take the loop's CPU, and the lock with it,
+ * for milliseconds on a busy machine. */
+#define KVD_CTL_DEFER_BYTES (64u << 10)
+void kvd_ctl_defer(int fd);
+unsigned kvd_ctl_deferred(void);
+int kvd_ctl_flush(void);
 /* The Error code of the last Response this thread sent (0: not an Error),
  * sent or not: the daemon counts control results by it (kvd/metrics.h). */
 extern _Thread_local int kvd_ctl_sent_code;

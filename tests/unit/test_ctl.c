@@ -410,6 +410,81 @@ static void test_send_error_ok(void **state)
 	kvd_ctl_free_response(d);
 }
 
+/* The next datagram on sp[0]: the id of an Ok{id} (want), -1 when none
+ * is waiting, less when another. */
+static int next_ok(int want)
+{
+	uint8_t buf[1024];
+	struct kvd_ctl_err e;
+	Kvd__Response *d;
+	int n = (int)recv(sp[0], buf, sizeof buf, MSG_DONTWAIT), id;
+
+	if (n <= 0)
+		return -1;
+	d = kvd_ctl_decode_response(buf, (size_t)n, (uint64_t)want, &e);
+	if (!d)
+		return -2;
+	id = d->body_case == KVD__RESPONSE__BODY_OK ? (int)d->id : -3;
+	kvd_ctl_free_response(d);
+	return id;
+}
+
+/* A failed test_defer leaves nothing kept for the next test's sp[1]. */
+static int defer_teardown(void **state)
+{
+	(void)kvd_ctl_flush();
+	return sock_teardown(state);
+}
+
+/* Deferred replies are kept until flushed, in order; a send the deferral
+ * does not keep (fds, or another fd) sends the kept ones first or is
+ * not held; after the flush nothing is kept. */
+static void test_defer(void **state)
+{
+	int efd = eventfd(0, EFD_CLOEXEC), fds[2];
+	Kvd__Response r = KVD__RESPONSE__INIT;
+	Kvd__Ok ok = KVD__OK__INIT;
+	uint8_t buf[1024];
+
+	(void)state;
+	assert_true(efd >= 0);
+	assert_int_equal(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds), 0);
+	kvd_ctl_defer(sp[1]);
+	assert_int_equal(kvd_ctl_send_ok(sp[1], 1), 0);
+	assert_int_equal(kvd_ctl_send_ok(sp[1], 2), 0);
+	assert_int_equal(kvd_ctl_deferred(), 2);
+	assert_int_equal(next_ok(1), -1);                /* nothing sent yet */
+	assert_int_equal(kvd_ctl_send_ok(fds[1], 9), 0);   /* another fd: at once */
+	assert_true(recv(fds[0], buf, sizeof buf, MSG_DONTWAIT) > 0);
+	/* one with an fd goes at once, after the kept */
+	r.id = 3;
+	r.body_case = KVD__RESPONSE__BODY_OK;
+	r.ok = &ok;
+	assert_int_equal(kvd_ctl_send(sp[1], &r.base, &efd, 1), 0);
+	assert_int_equal(kvd_ctl_deferred(), 0);
+	assert_int_equal(next_ok(1), 1);
+	assert_int_equal(next_ok(2), 2);
+	int got[1], ngot = 1;
+
+	assert_true(kvd_ctl_recv(sp[0], buf, sizeof buf, got, &ngot) > 0);
+	assert_int_equal(ngot, 1);
+	close(got[0]);
+	assert_int_equal(kvd_ctl_send_ok(sp[1], 4), 0);
+	assert_int_equal(next_ok(1), -1);
+	assert_int_equal(kvd_ctl_flush(), 0);
+	assert_int_equal(next_ok(4), 4);
+	/* stopped: the next one goes at once */
+	assert_int_equal(kvd_ctl_send_ok(sp[1], 5), 0);
+	assert_int_equal(next_ok(5), 5);
+	/* a peer gone: the flush says so */
+	kvd_ctl_defer(fds[1]);
+	assert_int_equal(kvd_ctl_send_ok(fds[1], 6), 0);
+	close(fds[0]);
+	assert_int_equal(kvd_ctl_flush(), -EPIPE);
+	close(fds[1]);
+	close(efd);
+}
+
 static void test_version(void **state)
 {
 	struct reqs q;
@@ -1379,6 +1454,7 @@ int main(void)
 		cmocka_unit_test_setup_teardown(test_requests_round_trip, sock_setup, sock_teardown),
 		cmocka_unit_test_setup_teardown(test_responses_round_trip, sock_setup, sock_teardown),
 		cmocka_unit_test_setup_teardown(test_send_error_ok, sock_setup, sock_teardown),
+		cmocka_unit_test_setup_teardown(test_defer, sock_setup, defer_teardown),
 		cmocka_unit_test(test_version),
 		cmocka_unit_test(test_no_body_and_unknown_fields),
 		cmocka_unit_test(test_strings),
