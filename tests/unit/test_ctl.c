@@ -476,6 +476,10 @@ static void test_defer(void **state)
 	/* stopped: the next one goes at once */
 	assert_int_equal(kvd_ctl_send_ok(sp[1], 5), 0);
 	assert_int_equal(next_ok(5), 5);
+	/* no fd is no fd, deferring or not */
+	kvd_ctl_defer(-1);
+	assert_int_equal(kvd_ctl_send_ok(-1, 7), -EBADF);
+	assert_int_equal(kvd_ctl_flush(), 0);
 	/* a peer gone: the flush says so */
 	kvd_ctl_defer(fds[1]);
 	assert_int_equal(kvd_ctl_send_ok(fds[1], 6), 0);
