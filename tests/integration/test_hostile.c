@@ -1885,11 +1885,65 @@ static void test_nonfinite_queries(void **state)
 	close(ready_r);
 }
 
+/* ==== a control client that never reads ================================ */
+
+/* A client pipelines ServerStats and never reads an answer.  Once its
+ * socket holds all it can, kvd's reply to it fails (sent after the state
+ * lock, kvd_ctl_defer) and kvd drops it, counted as a disconnect; kvd goes
+ * on answering others. */
+static void test_reader_never_reads(void **state)
+{
+	Kvd__Request rq = KVD__REQUEST__INIT;
+	Kvd__ServerStatsReq sr = KVD__SERVER_STATS_REQ__INIT;
+	Kvd__ServerStats st;
+	struct raw a, b;
+	uint64_t sent = 0, until = mono_ns() + 30ull * 1000000000;
+	int gone = 0;
+
+	assert_int_equal(raw_open(&a, D.sock, 1), 0);
+	assert_int_equal(raw_hello(&a, "hostile", "deaf", 1, 1 << 16), 0);
+	rq.body_case = KVD__REQUEST__BODY_SERVER_STATS;
+	rq.server_stats = &sr;
+	while (!gone && mono_ns() < until) {
+		struct pollfd pf = { .fd = a.fd, .events = POLLOUT };
+		int rc;
+
+		rq.id = ++sent;
+		rc = kvd_ctl_send(a.fd, &rq.base, NULL, 0);
+		if (rc == -EAGAIN) {
+			sent--;
+			/* kvd reads no faster than it answers */
+			if (poll(&pf, 1, 10) > 0 && (pf.revents & (POLLHUP | POLLERR)))
+				gone = 1;
+			continue;
+		}
+		if (rc == -EPIPE || rc == -ECONNRESET)
+			gone = 1;
+		else
+			assert_int_equal(rc, 0);
+	}
+	print_message("  %llu requests sent, none read: %s\n", (unsigned long long)sent,
+		      gone ? "kvd hung up" : "still connected");
+	raw_close(&a);
+	fail_if_dead("after a client that never read");
+	if (!gone)
+		fail_msg("kvd kept a client that never read its %llu answers for 30 s",
+			 (unsigned long long)sent);
+	/* The others are still answered (waiting, at most, for the uid's
+	 * control budget the deaf one spent), and the drop was counted. */
+	assert_int_equal(raw_open(&b, D.sock, 0), 0);
+	assert_int_equal(raw_hello(&b, "hostile", "obs", 1, 1 << 16), 0);
+	assert_int_equal(raw_stats(&b, &st), 0);
+	assert_true(st.disconnects >= 1);
+	raw_close(&b);
+}
+
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
 		cmocka_unit_test_setup_teardown(test_attend_ids_rewritten, start_plain, stop),
 		cmocka_unit_test_setup_teardown(test_loop_not_stalled, start_plain, stop),
+		cmocka_unit_test_setup_teardown(test_reader_never_reads, start_plain, stop),
 		cmocka_unit_test_setup_teardown(test_nonfinite_queries, start_plain, stop),
 		cmocka_unit_test_setup_teardown(test_seq_create_budget, start_seq_budget, stop),
 		cmocka_unit_test_setup_teardown(test_profiles_per_uid, start_profiles, stop),
