@@ -30,8 +30,8 @@
 #include <unistd.h>
 
 #include "clock.h"
-#include "mem.h"
 #include "invariant.h"
+#include "mem.h"
 #include "pool.h"
 
 /* How long a worker waiting for a job, or a submitter waiting for its job
@@ -290,14 +290,6 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 #define PREFAULT_NS_PER_BYTE 4
 #define PREFAULT_WAIT_MIN_NS 5000000ull
 
-/* Only the advice, never a touch per page: the side thread may still be at
- * it when the job writes the range (see above), and the advice faults
- * pages in without writing a byte.  A kernel without it (before 5.14), or
- * a failure (no memory now), leaves the faults to the job. */
-static void fault_in(char *m, size_t len)
-{
-	kvd_mem_populate(m, len);
-}
 
 static void *side_main(void *arg)
 {
@@ -314,7 +306,11 @@ static void *side_main(void *arg)
 		size_t len = p->pf_len;
 
 		pthread_mutex_unlock(&p->pf_mu);
-		fault_in(m, len);
+		/* Only the advice (kvd_mem_populate), never a touch per
+		 * page: the job may write the range while this is still at
+		 * it (see above).  A kernel without the advice, or no memory
+		 * now, leaves the faults to the job. */
+		kvd_mem_populate(m, len);
 		pthread_mutex_lock(&p->pf_mu);
 		p->pf_len = 0;
 		pthread_cond_broadcast(&p->pf_done);

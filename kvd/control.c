@@ -697,7 +697,7 @@ void kvd_control_event(struct kvd_server *s, struct client *c)
 	kvd_ctl_defer(c->fd);
 	control_burst(s, c);
 	if (!kvd_ctl_deferred()) {
-		(void)kvd_ctl_flush();
+		(void)kvd_ctl_flush();  /* nothing kept: it only stops deferring */
 		return;
 	}
 	kvd_state_unlock(s);

@@ -951,7 +951,8 @@ int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
 	/* An empty datagram would read as EOF on the other side. */
 	if (n == 0 || n > KVD_CTL_MAX)
 		return -EMSGSIZE;
-	int keep = fd >= 0 && fd == dq.fd && !nfds && n <= KVD_CTL_DEFER_BYTES && dq.n < DEFER_MAX;
+	int deferred = fd >= 0 && fd == dq.fd;
+	int keep = deferred && !nfds && n <= KVD_CTL_DEFER_BYTES && dq.n < DEFER_MAX;
 
 	if ((n > sizeof(small) || keep) && !(buf = malloc(n)))
 		return -ENOMEM;
@@ -962,7 +963,7 @@ int kvd_ctl_send(int fd, const ProtobufCMessage *msg, const int *fds, int nfds)
 		rc = 0;
 	} else {
 		/* what was kept for fd goes first */
-		rc = fd >= 0 && fd == dq.fd ? send_kept() : 0;
+		rc = deferred ? send_kept() : 0;
 		if (!rc)
 			rc = send_one(fd, buf, n, fds, nfds);
 	}
