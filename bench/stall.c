@@ -31,9 +31,12 @@
  *                  ServerStats and SeqStats back to back
  *
  *   kvbench stall [--json] [--ctx N] [--layers N] [--secs N] [--phases a,b,...]
+ *                 [--kvd-nice N] [--victim-nice N]
  *
  * --phases runs only the phases named (quiet always runs first: it is what
- * the others are measured against).
+ * the others are measured against).  kvd runs at --kvd-nice, -10 by
+ * default as systemd/kvd.service starts it; the victim at --victim-nice, 0
+ * by default, as the attacker: a decoder its operator did not favour.
  *
  * The victim waits 1 ms between ATTENDs (a decode step's other work), so it
  * is a quiet client, not one that keeps kvd busy itself.  One row per
@@ -52,6 +55,7 @@
 #include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -102,8 +106,9 @@ static int pick_phases(const char *list, int *run)
 static int usage(void)
 {
 	fprintf(stderr, "usage: kvbench stall [--json] [--ctx N] [--layers N] [--secs N] "
-			"[--phases a,b,...]\n"
-			"  defaults: 16384 tokens, 8 layers, 3 s a phase, every phase\n");
+			"[--phases a,b,...] [--kvd-nice N] [--victim-nice N]\n"
+			"  defaults: 16384 tokens, 8 layers, 3 s a phase, every phase, kvd at "
+			"nice -10, the victim at 0\n");
 	return 2;
 }
 
@@ -142,18 +147,34 @@ static int prefill(struct kvc *c, struct kvc_seq *s, const struct kvc_model *m, 
 	return rc;
 }
 
-static void victim(const char *sock, struct shared *sh)
+/* A niceness, -20..19, into *dst: 0, or -1. */
+static int parse_nice(const char *s, int *dst)
+{
+	char *end;
+	long v = strtol(s, &end, 10);
+
+	if (end == s || *end || v < -20 || v > 19)
+		return -1;
+	*dst = (int)v;
+	return 0;
+}
+
+static void victim(const char *sock, struct shared *sh, int nice)
 {
 	static const struct kvc_model m = {
 		.name = "stall-victim", .layers = 2, .q_heads = 8, .kv_heads = 2, .head_dim = 128,
 		.K = 10, .L = 60, .c = 2, .sink = 4, .window = 64, .dense_layers = dense0,
 		.n_dense = 1, .seed = 5,
 	};
-	struct kvc *c = connect_model(sock, "victim", &m);
+	struct kvc *c = NULL;
 	struct kvc_seq *s;
 	float q[8 * 128], o[8 * 128], lse[8];
 	struct kvd_rng r = kvd_rng_make(6);
 
+	if (nice && setpriority(PRIO_PROCESS, 0, nice))
+		perror("stall: victim: setpriority");
+	else
+		c = connect_model(sock, "victim", &m);
 	if (!c || kvc_seq_create(c, &s) || prefill(c, s, &m, 4096, 7)) {
 		sh->failed = 1;
 		_exit(1);
@@ -475,7 +496,7 @@ static int attack(int ph, const char *dir, const char *sock, struct kvc *c, stru
 int bench_stall_main(int argc, char **argv)
 {
 	uint32_t ctx = 16384, layers = 8, secs = 3;
-	int json = 0, rc = 1, run[NPH];
+	int json = 0, rc = 1, run[NPH], kvd_nice = -10, victim_nice = 0;
 
 	for (int ph = 0; ph < NPH; ph++)
 		run[ph] = 1;
@@ -483,6 +504,13 @@ int bench_stall_main(int argc, char **argv)
 		if (!strcmp(argv[i], "--phases") && i + 1 < argc) {
 			if (pick_phases(argv[++i], run))
 				return usage();
+			continue;
+		}
+		if ((!strcmp(argv[i], "--kvd-nice") || !strcmp(argv[i], "--victim-nice")) &&
+		    i + 1 < argc) {
+			if (parse_nice(argv[i + 1], argv[i][2] == 'k' ? &kvd_nice : &victim_nice))
+				return usage();
+			i++;
 			continue;
 		}
 		uint32_t *dst = !strcmp(argv[i], "--ctx") ? &ctx : !strcmp(argv[i], "--layers") ? &layers :
@@ -501,6 +529,7 @@ int bench_stall_main(int argc, char **argv)
 
 	if (daemon_mkdir(&d, "/var/tmp/kvbench-stall.XXXXXX"))
 		return 1;
+	d.nice = kvd_nice;
 	snprintf(spill, sizeof spill, "%s/spill", d.dir);
 	const char *args[] = { "--socket", d.sock, "--threads", "2", "--spill-dir", spill,
 			       "--log-level", "warning", "--metrics-listen", "", NULL };
@@ -537,7 +566,7 @@ int bench_stall_main(int argc, char **argv)
 	if (attack(PH_APPEND, d.dir, d.sock, c, s, &m, big, tail, 1.0, &r))
 		goto out;
 	if ((vp = fork()) == 0)
-		victim(d.sock, sh);
+		victim(d.sock, sh, victim_nice);
 	while (!sh->ready && !sh->failed)
 		usleep(1000);
 	for (int ph = 0; ph < NPH && !sh->failed; ph++) {
@@ -573,9 +602,9 @@ int bench_stall_main(int argc, char **argv)
 			q99 = p99, qmax = mx;
 		if (json)
 			printf("{\"bench\":\"stall\",\"phase\":\"%s\",\"ctx\":%u,\"layers\":%u,"
-			       "\"attends\":%u,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f,"
+			       "\"kvd_nice\":%d,\"victim_nice\":%d,\"attends\":%u,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f,"
 			       "\"p99_vs_quiet\":%.2f,\"max_vs_quiet\":%.2f}\n",
-			       ph_name[ph], ctx, layers, n, p50, p99, mx, q99 > 0 ? p99 / q99 : 0,
+			       ph_name[ph], ctx, layers, kvd_nice, victim_nice, n, p50, p99, mx, q99 > 0 ? p99 / q99 : 0,
 			       qmax > 0 ? mx / qmax : 0);
 		else
 			printf("  %-14s %8u %9.3f %9.3f %9.3f %9.2f %9.2f\n", ph_name[ph], n, p50, p99,

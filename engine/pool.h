@@ -58,6 +58,13 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
 void kvd_pool_set_yield(void (*fn)(void *arg), void *arg);
 void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 void kvd_pool_yield(void);
+/* A sliced job's tasks are bulk: a thread above the users' default
+ * niceness (below 0) runs them at 0 and comes back after, so a daemon
+ * started above its users does its bulk work at their priority.  Returns
+ * the niceness a thread at `nice` runs bulk tasks at: 0 or `nice`, which
+ * it stays at when threads could not come back (no CAP_SYS_NICE,
+ * RLIMIT_NICE too low). */
+int kvd_pool_bulk_nice(int nice);
 
 /* Faults in [mem, mem + bytes), memory a sliced job is about to fill,
  * without writing it (MADV_POPULATE_WRITE, Linux 5.14).  With a yield hook

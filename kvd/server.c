@@ -9,6 +9,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/timerfd.h>
@@ -466,8 +467,13 @@ int kvd_server_run(struct kvd_server *s)
 		return rc;
 	}
 	sd_notify(0, "READY=1\nSTATUS=serving");
-	kvd_log(LOG_INFO, "serving on %s with %u worker(s), kernels %s", s->cfg->socket_path,
-		total_workers(s), kvd_kern_get()->name);
+	errno = 0;
+	int nice = getpriority(PRIO_PROCESS, 0);
+
+	/* The niceness too: decoders wait on these threads, and one started
+	 * without the unit's Nice= queues them behind users' CPU hogs. */
+	kvd_log(LOG_INFO, "serving on %s with %u worker(s), kernels %s, nice %d",
+		s->cfg->socket_path, total_workers(s), kvd_kern_get()->name, errno ? 0 : nice);
 	if (s->numa.active)
 		kvd_log(LOG_INFO, "NUMA: %u node(s), one pool each; sequences placed by resident bytes",
 			s->npools);

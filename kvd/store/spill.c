@@ -44,6 +44,7 @@
 
 #include "engine/err.h"
 #include "engine/mem.h"
+#include "engine/pool.h"
 #include "iob.h"
 #include "engine/log.h"
 #include "spill.h"
@@ -53,7 +54,7 @@
 #define SP_WRITES       4       /* WRITE jobs running at once */
 #define SP_EXT_MAX      (1u << 20)
 #define SP_AGAIN_MAX    1000    /* -EAGAIN / no progress in a row on one op */
-#define SP_NICE         5       /* the thread's niceness (sp_main) */
+#define SP_NICE         5       /* the thread's niceness above kvd's bulk (sp_main) */
 #define SP_NAME         32
 #define TMPFS_MAGIC     0x01021994
 #define BUF_NONE        (-2)    /* extent not registered yet (-1: unregistered) */
@@ -951,12 +952,20 @@ static void *sp_main(void *arg)
 {
 	struct kvd_spill *sp = arg;
 
-	/* A little below the workers: its CRCs and tail copies are hundreds of
-	 * MB a write-back or restore, and on a machine with few cores a
-	 * worker woken for a decode's ATTEND should not queue behind them
-	 * (a victim's p99 in kvbench stall's evict_restore, 2.9 -> 1.4-1.5
-	 * ms on 2 cores).  Not much below: a restore is waited for too. */
-	(void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), SP_NICE);
+	/* A little below the workers' bulk work (kvd_pool_bulk_nice): its
+	 * CRCs and tail copies are hundreds of MB a write-back or restore,
+	 * and on a machine with few cores a worker woken for a decode's
+	 * ATTEND should not queue behind them (a victim's p99 in kvbench
+	 * stall's evict_restore, 2.9 -> 1.4-1.5 ms on 2 cores).  Not much
+	 * below: a restore is waited for too.  Relative to the bulk niceness
+	 * of the thread it was born with, kvd's: under a unit's Nice=-10 a
+	 * plain +5 would rank it above the workers' bulk and every user's
+	 * process. */
+	errno = 0;
+	int nice = getpriority(PRIO_PROCESS, 0);
+
+	(void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid),
+			  kvd_pool_bulk_nice(errno ? 0 : nice) + SP_NICE);
 
 	for (;;) {
 		uint64_t cnt;

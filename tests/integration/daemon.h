@@ -21,11 +21,13 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
 struct daemon {
 	pid_t pid;
+	int nice;               /* kvd's niceness (a unit's Nice=); 0: the caller's */
 	char dir[64];
 	char sock[108];
 };
@@ -68,6 +70,7 @@ static inline long long daemon_cpu_ticks(pid_t pid)
 static inline int daemon_mkdir(struct daemon *d, const char *tmpl)
 {
 	d->pid = 0;
+	d->nice = 0;
 	snprintf(d->dir, sizeof d->dir, "%s", tmpl);
 	if (!mkdtemp(d->dir))
 		return -1;
@@ -110,6 +113,8 @@ static inline int daemon_spawn(struct daemon *d, const char *rel, const char *co
 			snprintf(pid, sizeof pid, "%d", (int)getpid());
 			setenv("WATCHDOG_PID", pid, 1);
 		}
+		if (d->nice && setpriority(PRIO_PROCESS, 0, d->nice))
+			perror("kvd: setpriority");
 		execv(bin, (char *const *)argv);
 		perror("exec kvd");
 		_exit(127);

@@ -11,11 +11,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <time.h>
 #include <cmocka.h>
 
 #include "engine/mem.h"
 #include "engine/pool.h"
+#include "testutil.h"
 
 struct count_job {
 	unsigned nworkers;
@@ -268,6 +272,78 @@ static void test_sliced_with_yield_hook(void **state)
 	kvd_pool_destroy(p);
 }
 
+/* Each task and hook notes the niceness it ran at. */
+struct nices {
+	_Atomic int task_min, task_max;
+	int hook_min, hook_max;
+};
+
+static int my_nice(void)
+{
+	errno = 0;
+	int n = getpriority(PRIO_PROCESS, 0);
+
+	assert_int_equal(errno, 0);
+	return n;
+}
+
+static void nice_task(void *arg, uint32_t t, unsigned worker)
+{
+	struct nices *x = arg;
+	int n = my_nice(), m;
+
+	(void)t;
+	(void)worker;
+	for (m = atomic_load(&x->task_min); n < m && !atomic_compare_exchange_weak(&x->task_min, &m, n);)
+		;
+	for (m = atomic_load(&x->task_max); n > m && !atomic_compare_exchange_weak(&x->task_max, &m, n);)
+		;
+}
+
+static void nice_hook(void *arg)
+{
+	struct nices *x = arg;
+	int n = my_nice();
+
+	x->hook_min = n < x->hook_min ? n : x->hook_min;
+	x->hook_max = n > x->hook_max ? n : x->hook_max;
+}
+
+/* A thread below nice 0 runs a sliced job's tasks at 0 (kvd_pool_bulk_nice)
+ * and the hook between slices, a plain job's tasks and what follows at its
+ * own.  Lowering one's niceness takes CAP_SYS_NICE: as root (CI) the pool
+ * is made from a thread at -5, otherwise at the test's own niceness, where
+ * nothing may change. */
+static void test_sliced_bulk_nice(void **state)
+{
+	struct kvd_pool *p;
+	struct nices x = { .task_min = 99, .task_max = -99, .hook_min = 99, .hook_max = -99 };
+	int base, was = test_set_nice(-5, my_nice(), &base), bulk = kvd_pool_bulk_nice(base);
+
+	(void)state;
+	if (geteuid() == 0)
+		assert_int_equal(bulk, 0);
+	else
+		assert_int_equal(bulk, base < 0 ? bulk : base);
+	assert_int_equal(kvd_pool_bulk_nice(7), 7);
+	assert_int_equal(kvd_pool_create(3, 0, &p), 0);
+	kvd_pool_set_yield(nice_hook, &x);
+	kvd_pool_run_sliced(p, 30, nice_task, &x);
+	kvd_pool_set_yield(NULL, NULL);
+	assert_int_equal(atomic_load(&x.task_min), bulk);
+	assert_int_equal(atomic_load(&x.task_max), bulk);
+	assert_int_equal(x.hook_min, base);
+	assert_int_equal(x.hook_max, base);
+	assert_int_equal(my_nice(), base);
+	atomic_store(&x.task_min, 99);
+	atomic_store(&x.task_max, -99);
+	kvd_pool_run(p, 30, nice_task, &x);
+	assert_int_equal(atomic_load(&x.task_min), base);
+	assert_int_equal(atomic_load(&x.task_max), base);
+	kvd_pool_destroy(p);
+	test_restore_nice(was);
+}
+
 struct pf {
 	unsigned hooks;
 	int off_thread;
@@ -330,6 +406,36 @@ static void test_prefault(void **state)
 	munmap(m, LEN);
 }
 
+/* The side thread sits PREFAULT_NICE (10) above the bulk niceness of the
+ * thread that started it (kvd_pool_bulk_nice), not above that thread's. */
+static void test_prefault_nicer(void **state)
+{
+	enum { LEN = 1 << 20 };
+	struct kvd_pool *p;
+	struct pf x = { .caller = pthread_self() };
+	unsigned char *m = mmap(NULL, LEN, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+				-1, 0);
+
+	(void)state;
+	assert_true(m != MAP_FAILED);
+	/* As root, below 0 as under the unit: the thread sits at 10, not at
+	 * base + 10. */
+	int base, was = test_set_nice(-5, 3, &base);
+
+	assert_int_equal(kvd_pool_create(2, 0, &p), 0);
+	kvd_pool_set_yield(pf_hook, &x);
+	kvd_pool_prefault(p, m, LEN);
+	kvd_pool_set_yield(NULL, NULL);
+	int want = kvd_pool_bulk_nice(base) + 10;
+
+	if (geteuid() == 0)
+		assert_int_equal(want, 10);
+	assert_int_equal(thread_nice("kvd-prefault", base), want > 19 ? 19 : want);
+	kvd_pool_destroy(p);
+	test_restore_nice(was);
+	munmap(m, LEN);
+}
+
 static int unmapped(void *p, size_t len)
 {
 	unsigned char vec[2048];
@@ -374,7 +480,9 @@ int main(void)
 		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
 		cmocka_unit_test(test_submitter_runs_its_job),
 		cmocka_unit_test(test_sliced_with_yield_hook),
+		cmocka_unit_test(test_sliced_bulk_nice),
 		cmocka_unit_test(test_prefault),
+		cmocka_unit_test(test_prefault_nicer),
 		cmocka_unit_test(test_free_behind),
 	};
 

@@ -31,7 +31,9 @@
 #include "engine/rng.h"
 #include "kvd/store/sfmt.h"
 #include "kvd/store/spill.h"
+#include "engine/pool.h"
 #include "kvd/store/store.h"
+#include "testutil.h"
 
 #define MAXEXT 64
 #define TMPFS_MAGIC_ 0x01021994
@@ -1285,6 +1287,23 @@ static void test_many(void **state)
 	free(t);
 }
 
+/* The spill thread sits SP_NICE (5) above the bulk niceness of the thread
+ * that made it (kvd_pool_bulk_nice): as root, made from a thread at -5 as
+ * under the unit, at 5, not at 0, above the bulk it should sit below. */
+static void test_nicer(void **state)
+{
+	int base, was = test_set_nice(-5, 2, &base);
+	struct kvd_spill *sp = mk(NULL, 0, 32 << 10, 1);
+	int want = kvd_pool_bulk_nice(base) + 5;
+
+	(void)state;
+	if (geteuid() == 0)
+		assert_int_equal(want, 5);
+	assert_int_equal(thread_nice("kvd-spill", base), want > 19 ? 19 : want);
+	kvd_spill_destroy(sp);
+	test_restore_nice(was);
+}
+
 /* ---- main --------------------------------------------------------------- */
 
 int main(void)
@@ -1306,6 +1325,7 @@ int main(void)
 		cmocka_unit_test_setup(test_cancel, setup),
 		cmocka_unit_test_setup(test_read_priority, setup),
 		cmocka_unit_test_setup(test_many, setup),
+		cmocka_unit_test_setup(test_nicer, setup),
 	};
 	int rc;
 

@@ -2,10 +2,17 @@
 #ifndef KVD_TESTUTIL_H
 #define KVD_TESTUTIL_H
 
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "engine/bf16.h"
 #include "engine/kern.h"
@@ -22,6 +29,81 @@
 #else
 #define TEST_SANITIZED 0
 #endif
+
+/* The niceness of this process's thread named `comm` (pthread_setname_np),
+ * waiting up to 2 s for it to exist and differ from `not`: the thread sets
+ * its own niceness after it starts.  INT_MIN: no such thread. */
+static inline int thread_nice(const char *comm, int not)
+{
+	int got = INT_MIN;
+
+	for (int i = 0; i < 200; i++) {
+		DIR *d = opendir("/proc/self/task");
+		struct dirent *e;
+
+		got = INT_MIN;
+		while (d && (e = readdir(d))) {
+			char path[300], name[32] = "", st[512];
+			FILE *f;
+			int nice;
+
+			snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+			if (!(f = fopen(path, "r")))
+				continue;
+			if (!fgets(name, sizeof name, f))
+				name[0] = 0;
+			fclose(f);
+			name[strcspn(name, "\n")] = 0;
+			if (strcmp(name, comm))
+				continue;
+			snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+			if (!(f = fopen(path, "r")))
+				continue;
+			/* after comm's ")": state ppid pgrp session tty_nr tpgid
+			 * flags minflt cminflt majflt cmajflt utime stime cutime
+			 * cstime priority nice(19) */
+			size_t n = fread(st, 1, sizeof st - 1, f);
+			char *p;
+
+			fclose(f);
+			st[n] = 0;
+			if ((p = strrchr(st, ')')) &&
+			    sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d "
+					  "%*d %*d %d", &nice) == 1)
+				got = nice;
+		}
+		if (d)
+			closedir(d);
+		if (got != INT_MIN && got != not)
+			return got;
+		struct timespec ts = { 0, 10000000 };
+
+		nanosleep(&ts, NULL);
+	}
+	return got;
+}
+
+/* Sets this thread's niceness to `root` when the test runs as root (it may
+ * lower it), else to at least `user` (raising needs no privilege).  Returns
+ * the niceness it had; *now: the one it has. */
+static inline int test_set_nice(int root, int user, int *now)
+{
+	errno = 0;
+	int was = getpriority(PRIO_PROCESS, 0), want = geteuid() == 0 ? root : was < user ? user : was;
+
+	assert_int_equal(errno, 0);
+	assert_int_equal(setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), want), 0);
+	*now = getpriority(PRIO_PROCESS, 0);
+	assert_int_equal(*now, want);
+	return was;
+}
+
+/* Puts back what test_set_nice() returned, where the test may (as root). */
+static inline void test_restore_nice(int was)
+{
+	if (geteuid() == 0)
+		assert_int_equal(setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), was), 0);
+}
 
 static inline int test_quick(void)
 {
