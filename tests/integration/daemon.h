@@ -137,13 +137,15 @@ static inline int daemon_spawn(struct daemon *d, const char *rel, const char *co
 	return -1;
 }
 
-/* The tests' daemon: build/kvd with up to four extra arguments (NULL ends
- * them); they come after the defaults, so they override them. */
-static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2,
-				const char *a3, const char *a4)
+/* The tests' daemon: build/kvd at niceness `nice` (0: the caller's) with up
+ * to four extra arguments (NULL ends them); they come after the defaults,
+ * so they override them. */
+static inline int daemon_start_nice(struct daemon *d, int nice, const char *a1, const char *a2,
+				    const char *a3, const char *a4)
 {
 	if (daemon_mkdir(d, "/tmp/kvd-test.XXXXXX"))
 		return -1;
+	d->nice = nice;
 
 	/* No metrics endpoint unless a test asks (--metrics-listen among the
 	 * extras, which come later and win): daemons of concurrent tests
@@ -153,6 +155,12 @@ static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2
 			       "--metrics-listen", "", a1, a2, a3, a4, NULL };
 
 	return daemon_spawn(d, "../kvd", args);
+}
+
+static inline int daemon_start4(struct daemon *d, const char *a1, const char *a2,
+				const char *a3, const char *a4)
+{
+	return daemon_start_nice(d, 0, a1, a2, a3, a4);
 }
 
 static inline int daemon_start(struct daemon *d, const char *extra_flag)

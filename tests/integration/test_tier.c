@@ -247,6 +247,41 @@ static int down(void **state)
 
 /* ---- real io_uring ------------------------------------------------------ */
 
+/* Started at nice -10 as the unit starts it: after a PREFILL's seals (bulk,
+ * run at 0), a write-back and a restore, every thread of kvd is back at
+ * -10 but the spill thread, at 5, and the prefault thread, at 10: neither
+ * stuck at the bulk niceness nor, relative to -10, above the users. */
+static void test_threads_nice(void **state)
+{
+	struct kvc *c;
+	struct session x;
+	char tmpl[] = "/tmp/kvd-spill.XXXXXX";
+	int spill_nice, pf_nice, lo, hi;
+
+	if (geteuid() != 0)
+		skip();         /* starting kvd at -10 takes CAP_SYS_NICE */
+	assert_non_null(mkdtemp(tmpl));
+	snprintf(spill, sizeof spill, "%s", tmpl);
+	assert_int_equal(daemon_start_nice(&D, -10, "--spill-dir", spill, NULL, NULL), 0);
+	c = client("nice");
+	assert_int_equal(build(c, &x, 1), 0);
+	assert_int_equal(record(c, &x), 0);
+	assert_int_equal(kvc_seq_evict(c, x.s), 0);
+	assert_int_equal(wait_spilled(c, x.s).state, KVC_SEQ_DISK);
+	assert_int_equal(same(c, &x), 0);
+	assert_int_equal(wait_restored(c, x.s).state, KVC_SEQ_RAM);
+	/* "kvd": the threads not named, the loop, executor and workers; the
+	 * spill thread's io_uring workers (iou-wrk-*) are its own, at its 5. */
+	thread_nices(D.pid, "kvd-spill", "kvd", &spill_nice, &lo, &hi);
+	assert_int_equal(spill_nice, 5);
+	assert_int_equal(lo, -10);
+	assert_int_equal(hi, -10);
+	thread_nices(D.pid, "kvd-prefault", NULL, &pf_nice, &lo, &hi);
+	assert_true(pf_nice == INT_MIN || pf_nice == 10);
+	drop_session(c, &x);
+	kvc_close(c);
+}
+
 static void test_spill_restore_bit_equal(void **state)
 {
 	struct kvc *c;
@@ -1022,6 +1057,7 @@ static void test_persist_bad_file_quarantined(void **state)
 int main(void)
 {
 	const struct CMUnitTest tests[] = {
+		cmocka_unit_test_teardown(test_threads_nice, down),
 		cmocka_unit_test_teardown(test_spill_restore_bit_equal, down),
 		cmocka_unit_test_teardown(test_spill_restore_int8, down),
 		cmocka_unit_test_teardown(test_budget_evicts_and_restores, down),

@@ -30,50 +30,70 @@
 #define TEST_SANITIZED 0
 #endif
 
-/* The niceness of this process's thread named `comm` (pthread_setname_np),
- * waiting up to 2 s for it to exist and differ from `not`: the thread sets
- * its own niceness after it starts.  INT_MIN: no such thread. */
+/* Walks the threads of process pid (0: this one): the niceness of the
+ * thread named `comm` (pthread_setname_np) into *named, INT_MIN when none
+ * is; the lowest and highest of the threads named `others` into *lo, *hi
+ * (INT_MAX, INT_MIN: none). */
+static inline void thread_nices(int pid, const char *comm, const char *others, int *named,
+				int *lo, int *hi)
+{
+	char dir[64];
+	DIR *d;
+	struct dirent *e;
+
+	snprintf(dir, sizeof dir, pid ? "/proc/%d/task" : "/proc/self/task", pid);
+	*named = INT_MIN;
+	*lo = INT_MAX;
+	*hi = INT_MIN;
+	if (!(d = opendir(dir)))
+		return;
+	while ((e = readdir(d))) {
+		char path[400], name[32] = "", st[512], *p;
+		FILE *f;
+		size_t n;
+		int nice;
+
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof path, "%s/%s/comm", dir, e->d_name);
+		if (!(f = fopen(path, "r")))
+			continue;
+		if (!fgets(name, sizeof name, f))
+			name[0] = 0;
+		fclose(f);
+		name[strcspn(name, "\n")] = 0;
+		snprintf(path, sizeof path, "%s/%s/stat", dir, e->d_name);
+		if (!(f = fopen(path, "r")))
+			continue;
+		n = fread(st, 1, sizeof st - 1, f);
+		fclose(f);
+		st[n] = 0;
+		/* after comm's ")": state ppid pgrp session tty_nr tpgid flags
+		 * minflt cminflt majflt cmajflt utime stime cutime cstime
+		 * priority nice(19) */
+		if (!(p = strrchr(st, ')')) ||
+		    sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %d",
+			   &nice) != 1)
+			continue;
+		if (!strcmp(name, comm)) {
+			*named = nice;
+		} else if (others && !strcmp(name, others)) {
+			*lo = nice < *lo ? nice : *lo;
+			*hi = nice > *hi ? nice : *hi;
+		}
+	}
+	closedir(d);
+}
+
+/* The niceness of this process's thread named `comm`, waiting up to 2 s
+ * for it to exist and differ from `not`: the thread sets its own niceness
+ * after it starts.  INT_MIN: no such thread. */
 static inline int thread_nice(const char *comm, int not)
 {
-	int got = INT_MIN;
+	int got = INT_MIN, lo, hi;
 
 	for (int i = 0; i < 200; i++) {
-		DIR *d = opendir("/proc/self/task");
-		struct dirent *e;
-
-		got = INT_MIN;
-		while (d && (e = readdir(d))) {
-			char path[300], name[32] = "", st[512];
-			FILE *f;
-			int nice;
-
-			snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
-			if (!(f = fopen(path, "r")))
-				continue;
-			if (!fgets(name, sizeof name, f))
-				name[0] = 0;
-			fclose(f);
-			name[strcspn(name, "\n")] = 0;
-			if (strcmp(name, comm))
-				continue;
-			snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
-			if (!(f = fopen(path, "r")))
-				continue;
-			/* after comm's ")": state ppid pgrp session tty_nr tpgid
-			 * flags minflt cminflt majflt cmajflt utime stime cutime
-			 * cstime priority nice(19) */
-			size_t n = fread(st, 1, sizeof st - 1, f);
-			char *p;
-
-			fclose(f);
-			st[n] = 0;
-			if ((p = strrchr(st, ')')) &&
-			    sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d "
-					  "%*d %*d %d", &nice) == 1)
-				got = nice;
-		}
-		if (d)
-			closedir(d);
+		thread_nices(0, comm, NULL, &got, &lo, &hi);
 		if (got != INT_MIN && got != not)
 			return got;
 		struct timespec ts = { 0, 10000000 };
