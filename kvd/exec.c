@@ -25,6 +25,7 @@
  * rewriting its slot mid-batch garbles only its own answers.
  */
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -907,7 +908,22 @@ int kvd_exec_start(struct kvd_server *s)
 		return -ENOMEM;
 	atomic_store(&s->exec_beat_ns, kvd_now_ns());
 	s->exec_running = 1;
+
+	/* Started after the loop unblocked its signals: block them here, as
+	 * every other thread does, so the handler runs on the loop's thread
+	 * only, and no thread the executor starts (the pool's prefault side
+	 * thread) takes one either.  A SIGTERM sent just after start-up was
+	 * seen lost, once, under TSan, which defers a signal to whatever
+	 * thread it landed on. */
+	sigset_t mask, old;
+
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGTERM);
+	sigaddset(&mask, SIGINT);
+	sigaddset(&mask, SIGHUP);
+	pthread_sigmask(SIG_BLOCK, &mask, &old);
 	rc = pthread_create(&s->exec_th, NULL, exec_main, s);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	if (rc) {
 		s->exec_running = 0;
 		return -rc;

@@ -38,8 +38,12 @@ case "${1:-}" in
 		exit 0
 	fi
 	t0=$(now)
-	"$4" >"$2/$3.out" 2>&1
-	echo $? >"$2/$3.rc"
+	# A hung binary fails in 15 minutes instead of eating CI's 90 (the
+	# slowest, test_tier under TSan, takes ~100 s on 2 cores).
+	timeout -k 10 900 "$4" >"$2/$3.out" 2>&1
+	rc=$?
+	[ $rc = 124 ] && echo "run.sh: $4: killed after 900 s" >>"$2/$3.out"
+	echo $rc >"$2/$3.rc"
 	dt=$(since "$t0")
 	echo "$dt" >"$2/$3.t"
 	flock "$2/lock" sh -c 'cat "$1"; echo "run.sh: $2: $3 s"' sh "$2/$3.out" "$4" "$dt"
