@@ -602,10 +602,11 @@ int bench_stall_main(int argc, char **argv)
 			q99 = p99, qmax = mx;
 		if (json)
 			printf("{\"bench\":\"stall\",\"phase\":\"%s\",\"ctx\":%u,\"layers\":%u,"
-			       "\"kvd_nice\":%d,\"victim_nice\":%d,\"attends\":%u,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f,"
-			       "\"p99_vs_quiet\":%.2f,\"max_vs_quiet\":%.2f}\n",
-			       ph_name[ph], ctx, layers, kvd_nice, victim_nice, n, p50, p99, mx, q99 > 0 ? p99 / q99 : 0,
-			       qmax > 0 ? mx / qmax : 0);
+			       "\"kvd_nice\":%d,\"victim_nice\":%d,\"attends\":%u,\"p50_ms\":%.3f,"
+			       "\"p99_ms\":%.3f,\"max_ms\":%.3f,\"p99_vs_quiet\":%.2f,"
+			       "\"max_vs_quiet\":%.2f}\n",
+			       ph_name[ph], ctx, layers, kvd_nice, victim_nice, n, p50, p99, mx,
+			       q99 > 0 ? p99 / q99 : 0, qmax > 0 ? mx / qmax : 0);
 		else
 			printf("  %-14s %8u %9.3f %9.3f %9.3f %9.2f %9.2f\n", ph_name[ph], n, p50, p99,
 			       mx, q99 > 0 ? p99 / q99 : 0, qmax > 0 ? mx / qmax : 0);

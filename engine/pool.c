@@ -46,7 +46,7 @@ struct job {
 	kvd_pool_fn fn;
 	void *arg;
 	uint32_t ntasks;
-	int bulk;                       /* a slice of kvd_pool_run_sliced: run at BULK_NICE */
+	int bulk;                       /* a slice of kvd_pool_run_sliced: bulk_enter() */
 	_Atomic uint32_t next;          /* the next task to claim; >= ntasks: none left */
 	_Atomic uint32_t done;
 	unsigned refs;                  /* workers in the job, under pool->mu */
@@ -191,6 +191,13 @@ int kvd_pool_bulk_nice(int nice)
 {
 	pthread_once(&bulk_once, bulk_probe);
 	return bulk_ok && nice < 0 ? 0 : nice;
+}
+
+void kvd_pool_thread_below_bulk(int by)
+{
+	int own = thread_nice();
+
+	(void)set_thread_nice(kvd_pool_bulk_nice(own == INT_MIN ? 0 : own) + by);
 }
 
 /* Claims and runs tasks of j until none is left. */
@@ -357,9 +364,10 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 /* How long the waiting thread sleeps between calls of its hook: what a
  * request arriving meanwhile may wait for it, at most. */
 #define PREFAULT_POLL_NS 100000
-/* Niceness of the side thread, above its creator's bulk niceness.  Low, so that a worker woken for a short
- * request preempts it at once; not SCHED_IDLE, under which any busy
- * process on the machine could starve it for good. */
+/* Niceness of the side thread above its creator's bulk niceness.  Low, so
+ * that a worker woken for a short request preempts it at once; not
+ * SCHED_IDLE, under which any busy process on the machine could starve it
+ * for good. */
 #define PREFAULT_NICE 10
 /* A side thread slower than this (ns a byte: 0.25 GB/s, half the coldest
  * faults measured) is being starved by busier threads, at its niceness:
@@ -373,11 +381,7 @@ static void *side_main(void *arg)
 {
 	struct kvd_pool *p = arg;
 
-	errno = 0;
-	int nice = getpriority(PRIO_PROCESS, 0);
-
-	(void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid),
-			  kvd_pool_bulk_nice(errno ? 0 : nice) + PREFAULT_NICE);
+	kvd_pool_thread_below_bulk(PREFAULT_NICE);
 	pthread_setname_np(pthread_self(), "kvd-prefault");
 	pthread_mutex_lock(&p->pf_mu);
 	for (;;) {

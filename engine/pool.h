@@ -65,6 +65,10 @@ void kvd_pool_yield(void);
  * it stays at when threads could not come back (no CAP_SYS_NICE,
  * RLIMIT_NICE too low). */
 int kvd_pool_bulk_nice(int nice);
+/* Puts the calling thread `by` above the bulk niceness of the one it has
+ * (a side thread of kvd's, at its start): relative, so a daemon started at
+ * -10 keeps it as far below its bulk work as one started at 0. */
+void kvd_pool_thread_below_bulk(int by);
 
 /* Faults in [mem, mem + bytes), memory a sliced job is about to fill,
  * without writing it (MADV_POPULATE_WRITE, Linux 5.14).  With a yield hook

@@ -917,10 +917,7 @@ int kvd_exec_start(struct kvd_server *s)
 	 * thread it landed on. */
 	sigset_t mask, old;
 
-	sigemptyset(&mask);
-	sigaddset(&mask, SIGTERM);
-	sigaddset(&mask, SIGINT);
-	sigaddset(&mask, SIGHUP);
+	kvd_signal_set(&mask);
 	pthread_sigmask(SIG_BLOCK, &mask, &old);
 	rc = pthread_create(&s->exec_th, NULL, exec_main, s);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -596,10 +596,7 @@ int kvd_server_create(const struct kvd_config *cfg, struct kvd_server **out)
 		return -ENOMEM;
 	/* Workers must never run the signal handler: block the signals while
 	 * the pool starts (threads inherit the mask), unblock them after. */
-	sigemptyset(&mask);
-	sigaddset(&mask, SIGTERM);
-	sigaddset(&mask, SIGINT);
-	sigaddset(&mask, SIGHUP);
+	kvd_signal_set(&mask);
 	pthread_sigmask(SIG_BLOCK, &mask, NULL);
 	signal(SIGPIPE, SIG_IGN);
 	s->cfg = cfg;

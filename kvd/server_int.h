@@ -31,6 +31,7 @@
 #ifndef KVD_SERVER_INT_H
 #define KVD_SERVER_INT_H
 
+#include <signal.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -158,6 +159,15 @@ struct kvd_server {
 
 /* server.c */
 int kvd_ep_add(struct kvd_server *s, int fd, void *tag);
+/* The signals only the loop's thread takes: every other thread is started
+ * with them blocked.  Inline: exec.c needs it, and server.c calls exec.c. */
+static inline void kvd_signal_set(sigset_t *mask)
+{
+	sigemptyset(mask);
+	sigaddset(mask, SIGTERM);
+	sigaddset(mask, SIGINT);
+	sigaddset(mask, SIGHUP);
+}
 /* Whether the peer is a member of gid (its primary group or a supplementary
  * one, from SO_PEERCRED / SO_PEERGROUPS at accept). */
 int kvd_peer_in_group(int fd, uint32_t gid, uint32_t pgid);

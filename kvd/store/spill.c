@@ -35,10 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <sys/syscall.h>
 #include <sys/vfs.h>
 #include <unistd.h>
 
@@ -961,11 +959,7 @@ static void *sp_main(void *arg)
 	 * of the thread it was born with, kvd's: under a unit's Nice=-10 a
 	 * plain +5 would rank it above the workers' bulk and every user's
 	 * process. */
-	errno = 0;
-	int nice = getpriority(PRIO_PROCESS, 0);
-
-	(void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid),
-			  kvd_pool_bulk_nice(errno ? 0 : nice) + SP_NICE);
+	kvd_pool_thread_below_bulk(SP_NICE);
 
 	for (;;) {
 		uint64_t cnt;
