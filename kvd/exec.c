@@ -14,9 +14,11 @@
  * bit-identical to running it alone.  The pass's time is charged to its
  * clients and uids in proportion to their tasks.  Long work inside a unit
  * (copying a prefill chunk into staging, sealing a segment) runs as sliced
- * pool jobs, and between slices other clients' records run (slice_yield).
- * So a client's big batch or prefill delays another client's single ATTEND
- * by about one unit or slice, not by the batch or the seal.
+ * pool jobs on the workers and the pool's stand-in, and other clients'
+ * records run beside each slice (slice_wait) and between slices
+ * (slice_yield).  So a client's big batch or prefill delays another
+ * client's single ATTEND by about one unit, not by the batch, the seal or
+ * a slice.
  *
  * Shared memory.  An entry is copied out and checked once (kvd_wire_sqe) and
  * its SQ slot given back at once; an ATTEND's sequence ids are copied out
@@ -712,6 +714,75 @@ static void slice_yield(void *arg)
 	s->nested = 0;
 }
 
+static void set_sleeping(struct kvd_server *s, int on);
+
+/* The ready clients of top[0..n) whose next unit is an ATTEND record,
+ * packed to the front; how many. */
+static unsigned recorders(struct client **top, unsigned n)
+{
+	unsigned m = 0;
+
+	for (unsigned i = 0; i < n; i++)
+		if (in_records(top[i]))
+			top[m++] = top[i];
+	return m;
+}
+
+/* While a slice of a sliced pool job runs on the workers and the pool's
+ * stand-in (kvd_pool_set_wait): others' ATTEND records run as they
+ * arrive, not after the slice, then the executor sleeps until the slice
+ * is done (slice_done) or a client submits.  The same records as
+ * slice_yield's, under its rules, but beside the slice's tasks, which
+ * write only what the unit is making (a segment not yet in its sequence,
+ * staging rows past the ones a record may read): nothing a record reads.
+ * No fair-share cut: the unit's owner moves meanwhile on the pool, and
+ * none of this time is taken off its charge. */
+static void slice_wait(void *arg)
+{
+	struct kvd_server *s = arg;
+	struct client *top[PASS_UNITS];
+	unsigned m = 0;
+
+	if (NEVER(s->nested))
+		return;
+	s->nested = 1;
+	for (int round = 0; round < YIELD_ROUNDS; round++) {
+		unsigned n = pick(s, top);
+
+		for (unsigned i = 0; i < n; i++)
+			prepare(s, top[i]);
+		m = recorders(top, n);
+		if (!m)
+			break;
+		run_records(s, top, m);
+	}
+	s->nested = 0;
+	if (m)
+		return;         /* more came: the pool calls again */
+	/* As the idle executor does: announce sleep, look once more, and
+	 * only then block; bounded, so no lost wake-up holds the slice. */
+	set_sleeping(s, 1);
+	m = pick(s, top);
+	for (unsigned i = 0; i < m; i++)
+		prepare(s, top[i]);
+	if (!recorders(top, m)) {
+		struct epoll_event ev[16];
+		uint64_t x;
+
+		epoll_wait(s->xepfd, ev, 16, 1);
+		if (read(s->xnfd, &x, sizeof x) < 0) {
+			/* nothing pending: a client's kick woke us */
+		}
+	}
+	set_sleeping(s, 0);
+}
+
+/* A slice's last task ran (on a pool thread). */
+static void slice_done(void *arg)
+{
+	kvd_exec_notify(arg);
+}
+
 /* One pass: returns 0 when no client had anything to run. */
 static int exec_pass(struct kvd_server *s)
 {
@@ -800,6 +871,7 @@ static void *exec_main(void *arg)
 	uint64_t idle_since = kvd_now_ns();
 
 	kvd_pool_set_yield(slice_yield, s);
+	kvd_pool_set_wait(slice_wait, slice_done);
 	pthread_mutex_lock(&s->mu);
 	for (;;) {
 		atomic_store_explicit(&s->exec_beat_ns, kvd_now_ns(), memory_order_relaxed);

@@ -272,6 +272,129 @@ static void test_sliced_with_yield_hook(void **state)
 	kvd_pool_destroy(p);
 }
 
+/* A waiting submitter (kvd_pool_set_wait): the slices of its sliced job run
+ * on the workers and the stand-in, never on it; it calls its wait hook
+ * while a slice runs, and a plain job it submits from there runs at once,
+ * beside a slice task that is still running (the first task holds until
+ * that job has run: on the hook-between-slices pool it would wait for good,
+ * and time out); wake comes once a slice, from a pool thread. */
+struct waiter {
+	pthread_t caller;
+	struct kvd_pool *p;
+	unsigned size;
+	_Atomic int released, timed_out, on_caller, stand_in, bad_worker;
+	_Atomic int in_task;            /* slice tasks running now */
+	_Atomic int wakes, wake_on_caller;
+	_Atomic int nested_beside;      /* a slice task was running at the release */
+	int waits, hooks;
+	_Atomic uint32_t *hits;
+};
+
+static void waiter_task(void *arg, uint32_t t, unsigned w)
+{
+	struct waiter *x = arg;
+	struct timespec ts = { 0, 100 * 1000 };
+
+	atomic_fetch_add(&x->in_task, 1);
+	if (pthread_equal(pthread_self(), x->caller))
+		atomic_store(&x->on_caller, 1);
+	if (w == x->size)
+		atomic_store(&x->stand_in, 1);
+	else if (w > x->size)
+		atomic_store(&x->bad_worker, 1);
+	atomic_fetch_add(&x->hits[t], 1);
+	/* 5 s at most: a pool that never lets the caller in fails, not hangs */
+	for (int i = 0; t == 0 && !atomic_load(&x->released) && i < 50000; i++)
+		nanosleep(&ts, NULL);
+	if (t == 0 && !atomic_load(&x->released))
+		atomic_store(&x->timed_out, 1);
+	atomic_fetch_sub(&x->in_task, 1);
+}
+
+static void release_task(void *arg, uint32_t t, unsigned w)
+{
+	struct waiter *x = arg;
+
+	(void)t;
+	(void)w;
+	if (atomic_load(&x->in_task) > 0)
+		atomic_store(&x->nested_beside, 1);
+	atomic_store(&x->released, 1);
+}
+
+static void waiter_hook(void *arg)
+{
+	struct waiter *x = arg;
+
+	x->hooks++;
+}
+
+static void waiter_wait(void *arg)
+{
+	struct waiter *x = arg;
+	struct timespec ts = { 0, 50 * 1000 };
+
+	if (!pthread_equal(pthread_self(), x->caller))
+		atomic_store(&x->on_caller, 1);
+	x->waits++;
+	if (!atomic_load(&x->released) && atomic_load(&x->in_task) > 0)
+		kvd_pool_run(x->p, 2, release_task, x);
+	nanosleep(&ts, NULL);
+}
+
+static void waiter_wake(void *arg)
+{
+	struct waiter *x = arg;
+
+	if (pthread_equal(pthread_self(), x->caller))
+		atomic_store(&x->wake_on_caller, 1);
+	atomic_fetch_add(&x->wakes, 1);
+}
+
+static void test_sliced_waiting_submitter(void **state)
+{
+	enum { N = 7 };
+	struct waiter x = { 0 };
+	int named, lo, hi;
+
+	(void)state;
+	assert_int_equal(kvd_pool_create(2, 0, &x.p), 0);
+	x.size = kvd_pool_size(x.p);
+	x.caller = pthread_self();
+	x.hits = calloc(N, sizeof *x.hits);
+	kvd_pool_set_wait(waiter_wait, waiter_wake);     /* no hook: ignored */
+	kvd_pool_set_yield(waiter_hook, &x);
+	kvd_pool_set_wait(waiter_wait, waiter_wake);
+	kvd_pool_run_sliced(x.p, N, waiter_task, &x);
+	kvd_pool_set_yield(NULL, NULL);
+	for (int t = 0; t < N; t++)
+		assert_int_equal(atomic_load(&x.hits[t]), 1);
+	assert_int_equal(atomic_load(&x.timed_out), 0);
+	assert_int_equal(atomic_load(&x.nested_beside), 1);
+	assert_int_equal(atomic_load(&x.on_caller), 0);
+	assert_int_equal(atomic_load(&x.bad_worker), 0);
+	assert_int_equal(atomic_load(&x.stand_in), 1);
+	assert_true(x.waits >= 1);
+	/* ceil(N / size) slices, the hook between them as before; a wake
+	 * at least once a slice (twice where a worker joined a slice after
+	 * the stand-in had left it) */
+	assert_true(atomic_load(&x.wakes) >= (int)((N + x.size - 1) / x.size));
+	assert_int_equal(x.hooks, (N + x.size - 1) / x.size - 1);
+	assert_int_equal(atomic_load(&x.wake_on_caller), 0);
+	thread_nices(0, "kvd-bulk", NULL, &named, &lo, &hi);
+	assert_int_equal(named, kvd_pool_bulk_nice(0));
+
+	/* set_yield cleared the wait: the caller runs tasks again */
+	atomic_store(&x.released, 1);
+	x.waits = 0;
+	kvd_pool_set_yield(waiter_hook, &x);
+	kvd_pool_run_sliced(x.p, N, waiter_task, &x);
+	kvd_pool_set_yield(NULL, NULL);
+	assert_int_equal(x.waits, 0);
+	free((void *)x.hits);
+	kvd_pool_destroy(x.p);
+}
+
 /* Each task and hook notes the niceness it ran at. */
 struct nices {
 	_Atomic int task_min, task_max;
@@ -480,6 +603,7 @@ int main(void)
 		cmocka_unit_test(test_idle_pool_sleeps_and_wakes),
 		cmocka_unit_test(test_submitter_runs_its_job),
 		cmocka_unit_test(test_sliced_with_yield_hook),
+		cmocka_unit_test(test_sliced_waiting_submitter),
 		cmocka_unit_test(test_sliced_bulk_nice),
 		cmocka_unit_test(test_prefault),
 		cmocka_unit_test(test_prefault_nicer),
