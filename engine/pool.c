@@ -19,12 +19,15 @@
  * One submitter at a time holds the slot (its scratch is worker n - 1's);
  * another only waits, as before, on the threads.
  *
- * A submitter with a wait hook (the daemon's executor) does not run its
- * sliced jobs' tasks: a stand-in thread takes its share, and it waits in
- * its hook, answering others' short requests while the slice runs instead
- * of after it.  A slice's task is up to a few milliseconds of copying or
- * table building; a decoder's ATTEND that waited for its end took ~1.4 ms
- * at p99 against 0.18 quiet on 2 cores.
+ * A submitter with a wait hook (the daemon's executor) hands its sliced
+ * jobs to threads of their own, one per worker, at the bulk niceness, and
+ * waits in its hook, answering others' short requests while the slice runs
+ * instead of after it.  A slice's task is up to a few milliseconds of
+ * copying or table building: a decoder's ATTEND that waited for its end
+ * took ~1.4 ms at p99 against 0.18 quiet on 2 cores.  Not the workers:
+ * a short job for another client would then wait for their tasks to end,
+ * or run on the submitter alone; beside bulk threads its workers preempt
+ * them at once, as their niceness says.
  */
 #include <errno.h>
 #include <limits.h>
@@ -34,6 +37,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -54,12 +58,30 @@ struct job {
 	void *arg;
 	uint32_t ntasks;
 	int bulk;                       /* a slice of kvd_pool_run_sliced: bulk_enter() */
-	void (*wake)(void *arg);        /* called by the last thread to leave, or NULL */
-	void *wake_arg;
 	_Atomic uint32_t next;          /* the next task to claim; >= ntasks: none left */
 	_Atomic uint32_t done;
 	unsigned refs;                  /* workers in the job, under pool->mu */
 	struct job *link;               /* under pool->mu */
+};
+
+/* The pool's one bulk job, reused slice after slice.  Lock-free: its
+ * submitter runs at kvd's niceness and its threads at the users', and a
+ * lock that a preempted bulk thread held kept the submitter from its hook
+ * for milliseconds.  A thread joins a slice by its number (gen), claims a
+ * task by a compare-and-swap on claim, which carries the number too, so
+ * that a thread late from an older slice claims nothing of a newer one;
+ * what it read of fn, arg and ntasks before a claim that succeeded is the
+ * slice's, as the slice cannot end (nor the next be written) before the
+ * claimed task has run. */
+struct bulk_job {
+	_Atomic uint32_t gen;           /* futex word: the slice's number; bumped at stop */
+	_Atomic uint64_t claim;         /* gen << 32 | next task */
+	_Atomic uint32_t done;          /* tasks run */
+	_Atomic uint32_t ntasks;
+	_Atomic(kvd_pool_fn) fn;
+	_Atomic(void *) arg;
+	_Atomic(void (*)(void *)) wake;
+	_Atomic(void *) wake_arg;
 };
 
 struct worker {
@@ -79,11 +101,15 @@ struct kvd_pool {
 	int stop;
 	unsigned help;                  /* 1: a submitter is worker n too */
 	_Atomic int helping;            /* a submitter holds worker n's slot */
-	/* the stand-in, under mu: worker n + 1 for a waiting submitter */
-	pthread_cond_t sb_go;           /* sb_job set, or stop */
-	pthread_t sb_th;
-	int sb_state;                   /* 0: not started, 1: running, -1: failed to start */
-	struct job *sb_job;
+	/* the bulk threads: a waiting submitter's sliced jobs */
+	struct bulk_job b;
+	_Atomic int b_busy;             /* a waiting submitter holds b; it alone
+					 * touches bw, nb, b_state, b_gen */
+	_Atomic int b_stop;
+	struct worker *bw;              /* [nb], ids kvd_pool_size() + i */
+	unsigned nb;
+	int b_state;                    /* 0: not started, 1: running, -1: failed to start */
+	uint32_t b_gen;
 	/* kvd_pool_prefault's side thread, all under pf_mu */
 	pthread_mutex_t pf_mu;
 	pthread_cond_t pf_go;           /* a range to fault, or stop */
@@ -92,7 +118,7 @@ struct kvd_pool {
 	int pf_state;                   /* 0: not started, 1: running, -1: failed to start */
 	int pf_stop;
 	char *pf_mem;
-	size_t pf_len;                  /* 0: nothing to fault */
+	_Atomic size_t pf_len;          /* 0: nothing to fault; read lock-free by a waiting submitter */
 	void (*pf_wake)(void *arg);     /* a waiting submitter's (kvd_pool_set_wait) */
 	void *pf_wake_arg;
 	unsigned n;
@@ -216,37 +242,6 @@ void kvd_pool_thread_below_bulk(int by)
 	(void)set_thread_nice(kvd_pool_bulk_nice(own == INT_MIN ? 0 : own) + by);
 }
 
-/* Under mu: a thread that ran tasks of j is out of it, and every task is
- * claimed.  The job leaves the list (the first worker back unlinks it;
- * workers claim only from the head, so it is still the head; the stand-in
- * may have claimed from one behind it, which its submitter unlinks), and
- * the last thread out tells the submitter, which waits for no thread to
- * hold it any more.  A waiting submitter is told by wake, then, not at the
- * last task's end: a thread preempted between the two would keep the
- * submitter from its hook meanwhile. */
-static void leave(struct kvd_pool *p, struct job *j)
-{
-	void (*wake)(void *arg) = j->wake;
-	void *arg = j->wake_arg;
-
-	if (p->head == j) {
-		p->head = j->link;
-		if (!p->head)
-			p->tail = NULL;
-		atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
-	}
-	if (--j->refs)
-		return;
-	pthread_cond_broadcast(&p->fin);
-	/* The job may be gone once the lock is let go; the submitter, woken
-	 * with it held, would only wait for it again. */
-	if (wake) {
-		pthread_mutex_unlock(&p->mu);
-		wake(arg);
-		pthread_mutex_lock(&p->mu);
-	}
-}
-
 /* Claims and runs tasks of j until none is left. */
 static void run_tasks(struct job *j, unsigned worker)
 {
@@ -279,7 +274,18 @@ static void *worker_main(void *arg)
 		pthread_mutex_unlock(&p->mu);
 		run_tasks(j, w->id);
 		pthread_mutex_lock(&p->mu);
-		leave(p, j);
+		/* Every task is claimed: the job leaves the list (the first
+		 * worker back unlinks it; only the head is ever claimed from,
+		 * so it is still the head), and the last worker out tells the
+		 * submitter, which waits for no worker to hold it any more. */
+		if (p->head == j) {
+			p->head = j->link;
+			if (!p->head)
+				p->tail = NULL;
+			atomic_fetch_sub_explicit(&p->queued, 1, memory_order_relaxed);
+		}
+		if (--j->refs == 0)
+			pthread_cond_broadcast(&p->fin);
 	}
 	pthread_mutex_unlock(&p->mu);
 	return NULL;
@@ -302,59 +308,139 @@ static _Thread_local struct {
 	void *arg;
 } yield_hook;
 
-/* ---- the stand-in: a waiting submitter's share of a sliced job ---------- */
+/* ---- the bulk threads: a waiting submitter's sliced jobs --------------- */
 
-static void *stand_in_main(void *arg)
+static int start_thread(struct worker *w, void *(*fn)(void *), int strict);
+
+static void futex_wait(_Atomic uint32_t *w, uint32_t val)
 {
-	struct kvd_pool *p = arg;
+	syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *w)
+{
+	syscall(SYS_futex, w, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Claims and runs tasks of slice g until none is left, or a newer slice is
+ * up; the thread whose task is the slice's last wakes the submitter. */
+static void bulk_run(struct bulk_job *b, uint32_t g, unsigned id)
+{
+	for (;;) {
+		uint64_t c = atomic_load_explicit(&b->claim, memory_order_acquire);
+		uint32_t n = atomic_load_explicit(&b->ntasks, memory_order_relaxed);
+		kvd_pool_fn fn = atomic_load_explicit(&b->fn, memory_order_relaxed);
+		void *arg = atomic_load_explicit(&b->arg, memory_order_relaxed);
+		void (*wake)(void *) = atomic_load_explicit(&b->wake, memory_order_relaxed);
+		void *warg = atomic_load_explicit(&b->wake_arg, memory_order_relaxed);
+
+		if ((uint32_t)(c >> 32) != g || (uint32_t)c >= n)
+			return;
+		if (!atomic_compare_exchange_weak_explicit(&b->claim, &c, c + 1, memory_order_acquire,
+							   memory_order_relaxed))
+			continue;
+		fn(arg, (uint32_t)c, id);
+		/* Release: the task's writes happen-before the submitter's
+		 * acquire load that sees the final count. */
+		if (atomic_fetch_add_explicit(&b->done, 1, memory_order_release) + 1 == n && wake)
+			wake(warg);
+	}
+}
+
+static void *bulk_main(void *arg)
+{
+	struct worker *w = arg;
+	struct kvd_pool *p = w->pool;
+	uint32_t seen = 0;              /* started before slice 1 is up */
 
 	kvd_pool_thread_below_bulk(0);
 	pthread_setname_np(pthread_self(), "kvd-bulk");
-	pthread_mutex_lock(&p->mu);
 	for (;;) {
-		while (!p->sb_job && !p->stop)
-			pthread_cond_wait(&p->sb_go, &p->mu);
-		if (!p->sb_job)
-			break;
-		struct job *j = p->sb_job;
+		uint32_t g = atomic_load_explicit(&p->b.gen, memory_order_acquire);
+		uint64_t end;
 
-		p->sb_job = NULL;
-		pthread_mutex_unlock(&p->mu);
-		run_tasks(j, p->n + p->help);
-		pthread_mutex_lock(&p->mu);
-		leave(p, j);
+		if (atomic_load_explicit(&p->b_stop, memory_order_acquire))
+			return NULL;
+		if (g != seen) {
+			seen = g;
+			bulk_run(&p->b, g, w->id);
+			continue;
+		}
+		/* Slices come back to back (the submitter runs its hook in
+		 * between): spin a little before sleeping. */
+		for (end = kvd_now_ns() + SPIN_NS;
+		     atomic_load_explicit(&p->b.gen, memory_order_relaxed) == g && kvd_now_ns() < end;)
+			cpu_relax();
+		futex_wait(&p->b.gen, g);
 	}
-	pthread_mutex_unlock(&p->mu);
-	return NULL;
 }
 
-/* Under mu: hands j to the stand-in (started on first use), holding a
- * reference for it.  0 when there is none to hand it to. */
-static int stand_in(struct kvd_pool *p, struct job *j)
+/* The bulk threads, one per worker (the submitter's slot too), on the
+ * workers' CPUs, started on first use.  0 when none could start. */
+static int bulk_threads(struct kvd_pool *p)
 {
-	if (p->sb_state == 0)
-		p->sb_state = pthread_create(&p->sb_th, NULL, stand_in_main, p) ? -1 : 1;
-	if (p->sb_state < 0)
+	unsigned want = p->n + p->help;
+
+	if (p->b_state)
+		return p->b_state > 0;
+	p->b_state = -1;
+	if (!(p->bw = calloc(want, sizeof *p->bw)))
 		return 0;
-	p->sb_job = j;
-	j->refs++;
-	pthread_cond_signal(&p->sb_go);
+	for (unsigned i = 0; i < want; i++) {
+		struct worker *w = &p->bw[i];
+
+		w->pool = p;
+		w->id = want + i;
+		w->cpu = i < p->n ? p->w[i].cpu : -1;
+		if (start_thread(w, bulk_main, 0))
+			break;
+		p->nb = i + 1;
+	}
+	if (p->nb)
+		p->b_state = 1;
+	return p->nb > 0;
+}
+
+/* A waiting submitter's slice, on the bulk threads; 0 when they are not
+ * to be had (another waiting submitter has them, or none could start). */
+static int run_bulk(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg)
+{
+	struct bulk_job *b = &p->b;
+	uint32_t g;
+
+	if (atomic_exchange_explicit(&p->b_busy, 1, memory_order_acquire))
+		return 0;
+	if (!bulk_threads(p)) {
+		atomic_store_explicit(&p->b_busy, 0, memory_order_release);
+		return 0;
+	}
+	if (!(g = ++p->b_gen))
+		g = ++p->b_gen;         /* 0 is a new thread's "seen" */
+	atomic_store_explicit(&b->ntasks, ntasks, memory_order_relaxed);
+	atomic_store_explicit(&b->fn, fn, memory_order_relaxed);
+	atomic_store_explicit(&b->arg, arg, memory_order_relaxed);
+	atomic_store_explicit(&b->wake, yield_hook.wake, memory_order_relaxed);
+	atomic_store_explicit(&b->wake_arg, yield_hook.arg, memory_order_relaxed);
+	atomic_store_explicit(&b->done, 0, memory_order_relaxed);
+	atomic_store_explicit(&b->claim, (uint64_t)g << 32, memory_order_release);
+	atomic_store_explicit(&b->gen, g, memory_order_release);
+	futex_wake_all(&b->gen);
+	while (atomic_load_explicit(&b->done, memory_order_acquire) != ntasks)
+		yield_hook.wait(yield_hook.arg);
+	atomic_store_explicit(&p->b_busy, 0, memory_order_release);
 	return 1;
 }
 
 static void run_job(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg, int bulk)
 {
 	struct job j = { .fn = fn, .arg = arg, .ntasks = ntasks, .bulk = bulk > 0 };
-	/* bulk < 0: a plain job.  A waiting submitter waits only for the
-	 * slices of its sliced jobs (never nested: the hook starts none). */
-	int waits = bulk >= 0 && yield_hook.wait;
 
 	if (ntasks == 0)
 		return;
-	if (waits) {
-		j.wake = yield_hook.wake;
-		j.wake_arg = yield_hook.arg;
-	}
+	/* bulk < 0: a plain job.  A waiting submitter waits only for the
+	 * slices of its sliced jobs (never nested: the hook starts none). */
+	if (bulk >= 0 && yield_hook.wait && run_bulk(p, ntasks, fn, arg))
+		return;
 	pthread_mutex_lock(&p->mu);
 	if (p->tail)
 		p->tail->link = &j;
@@ -364,20 +450,9 @@ static void run_job(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *a
 	atomic_fetch_add_explicit(&p->queued, 1, memory_order_relaxed);
 	if (p->sleepers)
 		pthread_cond_broadcast(&p->work);
-	if (waits && p->help && !stand_in(p, &j))
-		waits = 0;
 	pthread_mutex_unlock(&p->mu);
 
-	if (waits) {
-		/* Until the job is done and left (then the lock is kept, for
-		 * the unlinking below). */
-		pthread_mutex_lock(&p->mu);
-		while (atomic_load_explicit(&j.done, memory_order_acquire) != ntasks || j.refs) {
-			pthread_mutex_unlock(&p->mu);
-			yield_hook.wait(yield_hook.arg);
-			pthread_mutex_lock(&p->mu);
-		}
-	} else if (p->help && !atomic_exchange_explicit(&p->helping, 1, memory_order_acquire)) {
+	if (p->help && !atomic_exchange_explicit(&p->helping, 1, memory_order_acquire)) {
 		/* Acquire and release: the slot's scratch passes from one
 		 * submitter to the next as a worker's does from job to job. */
 		run_tasks(&j, p->n);
@@ -386,10 +461,8 @@ static void run_job(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *a
 	/* Done means every task ran; the job may still be referenced by a
 	 * worker on its way out, and it lives in this frame: wait for the
 	 * last one under the lock (cheap: it is leaving). */
-	if (!waits) {
-		spin(&j.done, ntasks, 0);
-		pthread_mutex_lock(&p->mu);
-	}
+	spin(&j.done, ntasks, 0);
+	pthread_mutex_lock(&p->mu);
 	while (atomic_load_explicit(&j.done, memory_order_acquire) != ntasks || j.refs)
 		pthread_cond_wait(&p->fin, &p->mu);
 	/* A job whose tasks the submitter claimed before any worker came
@@ -493,12 +566,12 @@ static void *side_main(void *arg)
 	pthread_setname_np(pthread_self(), "kvd-prefault");
 	pthread_mutex_lock(&p->pf_mu);
 	for (;;) {
-		while (!p->pf_len && !p->pf_stop)
+		while (!atomic_load_explicit(&p->pf_len, memory_order_relaxed) && !p->pf_stop)
 			pthread_cond_wait(&p->pf_go, &p->pf_mu);
 		if (p->pf_stop)
 			break;
 		char *m = p->pf_mem;
-		size_t len = p->pf_len;
+		size_t len = atomic_load_explicit(&p->pf_len, memory_order_relaxed);
 
 		pthread_mutex_unlock(&p->pf_mu);
 		/* Only the advice (kvd_mem_populate), never a touch per
@@ -507,7 +580,7 @@ static void *side_main(void *arg)
 		 * now, leaves the faults to the job. */
 		kvd_mem_populate(m, len);
 		pthread_mutex_lock(&p->pf_mu);
-		p->pf_len = 0;
+		atomic_store_explicit(&p->pf_len, 0, memory_order_release);
 		pthread_cond_broadcast(&p->pf_done);
 		if (p->pf_wake) {
 			void (*wake)(void *arg) = p->pf_wake;
@@ -529,17 +602,21 @@ void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
 
 	if (!p || !yield_hook.fn || bytes < PREFAULT_MIN)
 		return;
-	pthread_mutex_lock(&p->pf_mu);
+	/* A waiting submitter never waits for the lock: the side thread,
+	 * preempted at its low priority while it held it, would keep it from
+	 * its hook.  Then the job faults the range. */
+	if (yield_hook.wait ? pthread_mutex_trylock(&p->pf_mu) : pthread_mutex_lock(&p->pf_mu))
+		return;
 	if (p->pf_state == 0)
 		p->pf_state = pthread_create(&p->pf_th, NULL, side_main, p) ? -1 : 1;
 	/* One range at a time: a range given up on (below) is still being
 	 * faulted, and the job's workers fault this one. */
-	if (p->pf_state < 0 || p->pf_len) {
+	if (p->pf_state < 0 || atomic_load_explicit(&p->pf_len, memory_order_relaxed)) {
 		pthread_mutex_unlock(&p->pf_mu);
 		return;
 	}
 	p->pf_mem = (char *)a;
-	p->pf_len = len;
+	atomic_store_explicit(&p->pf_len, len, memory_order_relaxed);
 	p->pf_wake = yield_hook.wake;
 	p->pf_wake_arg = yield_hook.arg;
 	pthread_cond_signal(&p->pf_go);
@@ -548,16 +625,18 @@ void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
 
 	if (wait < PREFAULT_WAIT_MIN_NS)
 		wait = PREFAULT_WAIT_MIN_NS;
-	while (p->pf_len && kvd_now_ns() - t0 < wait) {
+	if (yield_hook.wait) {
+		/* Woken by the side thread when the range is in. */
+		pthread_mutex_unlock(&p->pf_mu);
+		while (atomic_load_explicit(&p->pf_len, memory_order_acquire) &&
+		       kvd_now_ns() - t0 < wait)
+			yield_hook.wait(yield_hook.arg);
+		return;
+	}
+	while (atomic_load_explicit(&p->pf_len, memory_order_relaxed) && kvd_now_ns() - t0 < wait) {
 		struct timespec ts;
 
 		pthread_mutex_unlock(&p->pf_mu);
-		if (yield_hook.wait) {
-			/* Woken by the side thread when the range is in. */
-			yield_hook.wait(yield_hook.arg);
-			pthread_mutex_lock(&p->pf_mu);
-			continue;
-		}
 		yield_hook.fn(yield_hook.arg);
 		clock_gettime(CLOCK_MONOTONIC, &ts);
 		ts.tv_nsec += PREFAULT_POLL_NS;
@@ -566,7 +645,7 @@ void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
 			ts.tv_nsec -= 1000000000;
 		}
 		pthread_mutex_lock(&p->pf_mu);
-		if (p->pf_len)
+		if (atomic_load_explicit(&p->pf_len, memory_order_relaxed))
 			pthread_cond_timedwait(&p->pf_done, &p->pf_mu, &ts);
 	}
 	pthread_mutex_unlock(&p->pf_mu);
@@ -576,7 +655,7 @@ void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
  * glibc applies it before the thread runs and fails pthread_create when the
  * kernel refuses it, so a worker never runs a task off its CPU and a bad CPU
  * is reported to the creator instead of ignored. */
-static int start_worker(struct worker *w, int strict)
+static int start_thread(struct worker *w, void *(*fn)(void *), int strict)
 {
 	pthread_attr_t attr;
 	int rc = pthread_attr_init(&attr);
@@ -597,14 +676,14 @@ static int start_worker(struct worker *w, int strict)
 		}
 	}
 	if (!rc)
-		rc = pthread_create(&w->th, &attr, worker_main, w);
+		rc = pthread_create(&w->th, &attr, fn, w);
 	pthread_attr_destroy(&attr);
 	if (rc && w->cpu >= 0 && !strict) {
 		/* kvd_pool_create's pinning only buys locality: better an
 		 * unpinned worker (a seccomp'd sched_setaffinity, a cpuset that
 		 * shrank since we read it) than no pool. */
 		w->cpu = -1;
-		rc = pthread_create(&w->th, NULL, worker_main, w);
+		rc = pthread_create(&w->th, NULL, fn, w);
 	}
 	return rc;
 }
@@ -624,7 +703,6 @@ static int pool_start(unsigned nthreads, const int *cpus, unsigned ncpus, int st
 	pthread_mutex_init(&p->mu, NULL);
 	pthread_cond_init(&p->work, NULL);
 	pthread_cond_init(&p->fin, NULL);
-	pthread_cond_init(&p->sb_go, NULL);
 	pthread_mutex_init(&p->pf_mu, NULL);
 	pthread_cond_init(&p->pf_go, NULL);
 	pthread_condattr_t ca;
@@ -640,7 +718,7 @@ static int pool_start(unsigned nthreads, const int *cpus, unsigned ncpus, int st
 		w->pool = p;
 		w->id = i;
 		w->cpu = cpus ? cpus[i % ncpus] : -1;
-		int rc = start_worker(w, strict);
+		int rc = start_thread(w, worker_main, strict);
 
 		if (rc) {
 			kvd_pool_destroy(p);
@@ -686,12 +764,15 @@ void kvd_pool_destroy(struct kvd_pool *p)
 	pthread_mutex_lock(&p->mu);
 	p->stop = 1;
 	pthread_cond_broadcast(&p->work);
-	pthread_cond_signal(&p->sb_go);
 	pthread_mutex_unlock(&p->mu);
+	atomic_store_explicit(&p->b_stop, 1, memory_order_release);
+	atomic_fetch_add_explicit(&p->b.gen, 1, memory_order_release);
+	futex_wake_all(&p->b.gen);
 	for (unsigned i = 0; i < p->n; i++)
 		pthread_join(p->w[i].th, NULL);
-	if (p->sb_state > 0)
-		pthread_join(p->sb_th, NULL);
+	for (unsigned i = 0; i < p->nb; i++)
+		pthread_join(p->bw[i].th, NULL);
+	free(p->bw);
 	pthread_mutex_lock(&p->pf_mu);
 	p->pf_stop = 1;
 	pthread_cond_signal(&p->pf_go);
@@ -701,7 +782,6 @@ void kvd_pool_destroy(struct kvd_pool *p)
 	pthread_cond_destroy(&p->pf_done);
 	pthread_cond_destroy(&p->pf_go);
 	pthread_mutex_destroy(&p->pf_mu);
-	pthread_cond_destroy(&p->sb_go);
 	pthread_cond_destroy(&p->fin);
 	pthread_cond_destroy(&p->work);
 	pthread_mutex_destroy(&p->mu);

@@ -57,16 +57,16 @@ void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg
  * untouched by it. */
 void kvd_pool_set_yield(void (*fn)(void *arg), void *arg);
 /* With a yield hook set, makes its thread a waiting submitter: the slices of
- * its sliced jobs run on the workers and a stand-in thread of the pool's
- * (started on first use, at the bulk niceness) instead of on it, and it
- * calls wait(arg) while each slice runs (the hook still runs between them),
- * and while kvd_pool_prefault's side thread faults.  wait runs what is
- * ready and may then block, until wake(arg) or for a bounded time: wake is
- * called from the pool's thread that ends a slice or a prefault.  The
- * hook's rules hold for wait, and what wait runs runs beside the slice's
- * tasks.  The stand-in's tasks see worker == kvd_pool_size(), so a sliced
- * job's per-worker scratch needs kvd_pool_size() + 1 slots.
- * kvd_pool_set_yield() clears it. */
+ * its sliced jobs run on bulk threads of the pool's (one per worker, on the
+ * workers' CPUs, at the bulk niceness, started on first use), never on the
+ * workers or on it, and it calls wait(arg) while each slice runs (the hook
+ * still runs between them), and while kvd_pool_prefault's side thread
+ * faults.  wait runs what is ready and may then block, until wake(arg) or
+ * for a bounded time: wake is called from the pool's thread that ends a
+ * slice or a prefault.  The hook's rules hold for wait, and what wait runs
+ * runs beside the slice's tasks.  A bulk thread's tasks see worker ids from
+ * kvd_pool_size() to 2 kvd_pool_size() - 1: a sliced job's per-worker
+ * scratch needs twice the slots.  kvd_pool_set_yield() clears it. */
 void kvd_pool_set_wait(void (*wait)(void *arg), void (*wake)(void *arg));
 void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 void kvd_pool_yield(void);

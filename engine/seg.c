@@ -696,10 +696,14 @@ static void run_heads(struct kvd_pool *pool, uint32_t H, kvd_pool_fn fn, void *a
 		fn(arg, h, 0);
 }
 
-/* A big mapping is made on the pool, as a one-task sliced job: mmap waits
- * for the address space's lock behind every fault and populate in flight
- * (0.7 ms median beside a big APPEND on 2 cores), and the executor answers
- * others meanwhile (kvd_pool_set_wait). */
+/* A segment's buffer is made on the pool, as a one-task sliced job, and
+ * the executor answers others meanwhile (kvd_pool_set_wait): a mapping
+ * waits for the address space's lock behind every fault and populate in
+ * flight (0.7 ms median beside a big APPEND on 2 cores), and a smaller
+ * buffer is zeroed, its fresh pages faulted one by one (there 1.2 ms on
+ * average from the segment's charge to its prefault).  Below this, not
+ * worth a pool job. */
+#define IO_ALLOC_POOL (64u << 10)
 struct io_alloc {
 	const struct kvd_geom *g;
 	uint32_t n;
@@ -748,7 +752,7 @@ int kvd_seg_build_node(const struct kvd_geom *g, uint32_t n, uint32_t ld, const 
 		return -ENOMEM;
 	struct io_alloc ia = { g, n, node, 0, NULL };
 
-	if (kvd_seg_io_bytes(g, n) >= KVD_MEM_HUGE)
+	if (kvd_seg_io_bytes(g, n) >= IO_ALLOC_POOL)
 		run_heads(pool, 1, io_alloc_task, &ia);
 	else
 		io_alloc_task(&ia, 0, 0);

@@ -14,9 +14,8 @@
  * bit-identical to running it alone.  The pass's time is charged to its
  * clients and uids in proportion to their tasks.  Long work inside a unit
  * (copying a prefill chunk into staging, sealing a segment) runs as sliced
- * pool jobs on the workers and the pool's stand-in, and other clients'
- * records run beside each slice (slice_wait) and between slices
- * (slice_yield).  So a client's big batch or prefill delays another
+ * pool jobs on the pool's bulk threads, and other clients' records run
+ * beside each slice (slice_wait) and between slices (slice_yield).  So a client's big batch or prefill delays another
  * client's single ATTEND by about one unit, not by the batch, the seal or
  * a slice.
  *
@@ -728,9 +727,9 @@ static unsigned recorders(struct client **top, unsigned n)
 	return m;
 }
 
-/* While a slice of a sliced pool job runs on the workers and the pool's
- * stand-in (kvd_pool_set_wait): others' ATTEND records run as they
- * arrive, not after the slice, then the executor sleeps until the slice
+/* While a slice of a sliced pool job runs on the pool's bulk threads
+ * (kvd_pool_set_wait): others' ATTEND records run as they arrive, on the
+ * workers, not after the slice, then the executor sleeps until the slice
  * is done (slice_done) or a client submits.  The same records as
  * slice_yield's, under its rules, but beside the slice's tasks, which
  * write only what the unit is making (a segment not yet in its sequence,

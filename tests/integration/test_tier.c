@@ -278,7 +278,7 @@ static void test_threads_nice(void **state)
 	assert_int_equal(hi, -10);
 	thread_nices(D.pid, "kvd-prefault", NULL, &pf_nice, &lo, &hi);
 	assert_true(pf_nice == INT_MIN || pf_nice == 10);
-	/* the seals' stand-in for the executor, at the bulk niceness */
+	/* the threads that sealed, at the bulk niceness */
 	thread_nices(D.pid, "kvd-bulk", NULL, &bulk_nice, &lo, &hi);
 	assert_int_equal(bulk_nice, 0);
 	drop_session(c, &x);

@@ -273,16 +273,18 @@ static void test_sliced_with_yield_hook(void **state)
 }
 
 /* A waiting submitter (kvd_pool_set_wait): the slices of its sliced job run
- * on the workers and the stand-in, never on it; it calls its wait hook
- * while a slice runs, and a plain job it submits from there runs at once,
- * beside a slice task that is still running (the first task holds until
- * that job has run: on the hook-between-slices pool it would wait for good,
- * and time out); wake comes once a slice, from a pool thread. */
+ * on the bulk threads, never on the workers or on it; it calls its wait
+ * hook while a slice runs, and a plain job it submits from there runs at
+ * once, beside a slice task that is still running (the first task holds
+ * until that job has run: on the hook-between-slices pool it would wait
+ * for good, and time out) and on the workers (a worker busy with a slice
+ * task would hold it as long); wake comes once a slice, from a pool
+ * thread. */
 struct waiter {
 	pthread_t caller;
 	struct kvd_pool *p;
 	unsigned size;
-	_Atomic int released, timed_out, on_caller, stand_in, bad_worker;
+	_Atomic int released, timed_out, on_caller, bad_worker, nested_on_workers;
 	_Atomic int in_task;            /* slice tasks running now */
 	_Atomic int wakes, wake_on_caller;
 	_Atomic int nested_beside;      /* a slice task was running at the release */
@@ -298,9 +300,7 @@ static void waiter_task(void *arg, uint32_t t, unsigned w)
 	atomic_fetch_add(&x->in_task, 1);
 	if (pthread_equal(pthread_self(), x->caller))
 		atomic_store(&x->on_caller, 1);
-	if (w == x->size)
-		atomic_store(&x->stand_in, 1);
-	else if (w > x->size)
+	if (w < x->size || w >= 2 * x->size)
 		atomic_store(&x->bad_worker, 1);
 	atomic_fetch_add(&x->hits[t], 1);
 	/* 5 s at most: a pool that never lets the caller in fails, not hangs */
@@ -316,7 +316,8 @@ static void release_task(void *arg, uint32_t t, unsigned w)
 	struct waiter *x = arg;
 
 	(void)t;
-	(void)w;
+	if (w < x->size)
+		atomic_fetch_add(&x->nested_on_workers, 1);
 	if (atomic_load(&x->in_task) > 0)
 		atomic_store(&x->nested_beside, 1);
 	atomic_store(&x->released, 1);
@@ -373,12 +374,11 @@ static void test_sliced_waiting_submitter(void **state)
 	assert_int_equal(atomic_load(&x.nested_beside), 1);
 	assert_int_equal(atomic_load(&x.on_caller), 0);
 	assert_int_equal(atomic_load(&x.bad_worker), 0);
-	assert_int_equal(atomic_load(&x.stand_in), 1);
+	assert_int_equal(atomic_load(&x.nested_on_workers), 2);
 	assert_true(x.waits >= 1);
-	/* ceil(N / size) slices, the hook between them as before; a wake
-	 * at least once a slice (twice where a worker joined a slice after
-	 * the stand-in had left it) */
-	assert_true(atomic_load(&x.wakes) >= (int)((N + x.size - 1) / x.size));
+	/* ceil(N / size) slices, the hook between them as before, and a
+	 * wake for each */
+	assert_int_equal(atomic_load(&x.wakes), (N + x.size - 1) / x.size);
 	assert_int_equal(x.hooks, (N + x.size - 1) / x.size - 1);
 	assert_int_equal(atomic_load(&x.wake_on_caller), 0);
 	thread_nices(0, "kvd-bulk", NULL, &named, &lo, &hi);
@@ -468,7 +468,8 @@ static void test_sliced_bulk_nice(void **state)
 }
 
 struct pf {
-	unsigned hooks;
+	unsigned hooks, waits;
+	_Atomic int wakes;
 	int off_thread;
 	pthread_t caller;
 };
@@ -479,6 +480,23 @@ static void pf_hook(void *arg)
 
 	x->hooks++;
 	x->off_thread |= !pthread_equal(pthread_self(), x->caller);
+}
+
+static void pf_wait(void *arg)
+{
+	struct pf *x = arg;
+	struct timespec ts = { 0, 20 * 1000 };
+
+	x->waits++;
+	x->off_thread |= !pthread_equal(pthread_self(), x->caller);
+	nanosleep(&ts, NULL);
+}
+
+static void pf_wake(void *arg)
+{
+	struct pf *x = arg;
+
+	atomic_fetch_add(&x->wakes, 1);
 }
 
 static size_t resident(unsigned char *m, size_t len)
@@ -525,6 +543,20 @@ static void test_prefault(void **state)
 	assert_int_equal(m[3 * 4096 + 7], 0x5a);
 	assert_int_equal(m[LEN - 1], 0xa5);
 	assert_int_equal(m[5 * 4096], 0);
+
+	/* A waiting submitter waits in its wait hook, woken by the side
+	 * thread once the range is in */
+	assert_int_equal(madvise(m, LEN, MADV_DONTNEED), 0);
+	x.hooks = 0;
+	kvd_pool_set_yield(pf_hook, &x);
+	kvd_pool_set_wait(pf_wait, pf_wake);
+	kvd_pool_prefault(p, m, LEN);
+	kvd_pool_set_yield(NULL, NULL);
+	assert_int_equal(resident(m, LEN), LEN / 4096);
+	assert_int_equal(x.hooks, 0);
+	assert_true(x.waits >= 1);
+	assert_int_equal(atomic_load(&x.wakes), 1);
+	assert_int_equal(x.off_thread, 0);
 	kvd_pool_destroy(p);
 	munmap(m, LEN);
 }
