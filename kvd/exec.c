@@ -15,9 +15,9 @@
  * clients and uids in proportion to their tasks.  Long work inside a unit
  * (copying a prefill chunk into staging, sealing a segment) runs as sliced
  * pool jobs on the pool's bulk threads, and other clients' records run
- * beside each slice (slice_wait) and between slices (slice_yield).  So a client's big batch or prefill delays another
- * client's single ATTEND by about one unit, not by the batch, the seal or
- * a slice.
+ * beside each slice (slice_wait) and between slices (slice_yield).  So a
+ * client's big batch or prefill delays another client's single ATTEND by
+ * about one unit, not by the batch, the seal or a slice.
  *
  * Shared memory.  An entry is copied out and checked once (kvd_wire_sqe) and
  * its SQ slot given back at once; an ATTEND's sequence ids are copied out
@@ -730,12 +730,12 @@ static unsigned recorders(struct client **top, unsigned n)
 /* While a slice of a sliced pool job runs on the pool's bulk threads
  * (kvd_pool_set_wait): others' ATTEND records run as they arrive, on the
  * workers, not after the slice, then the executor sleeps until the slice
- * is done (slice_done) or a client submits.  The same records as
- * slice_yield's, under its rules, but beside the slice's tasks, which
+ * is done (slice_done) or a client submits.  Only what slice_yield may
+ * run (records, and the cheap steps), but beside the slice's tasks, which
  * write only what the unit is making (a segment not yet in its sequence,
  * staging rows past the ones a record may read): nothing a record reads.
- * No fair-share cut: the unit's owner moves meanwhile on the pool, and
- * none of this time is taken off its charge. */
+ * Without slice_yield's fair-share cut: the unit's owner moves meanwhile
+ * on the pool, and none of this time is taken off its charge. */
 static void slice_wait(void *arg)
 {
 	struct kvd_server *s = arg;
