@@ -3,6 +3,7 @@
  * submitting threads at once (this test runs under TSan in `make test`). */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdatomic.h>
 #include <stdarg.h>
@@ -395,6 +396,72 @@ static void test_sliced_waiting_submitter(void **state)
 	kvd_pool_destroy(x.p);
 }
 
+/* Two waiting submitters on one pool: one has the bulk threads, the other
+ * runs its slices as before (the workers and itself); every task of both
+ * runs exactly once, many jobs over. */
+struct two {
+	struct kvd_pool *p;
+	_Atomic uint32_t hits[2][64];
+	_Atomic int bulk_ids[2];
+};
+
+struct two_arg {
+	struct two *x;
+	int who;
+};
+
+static void two_task(void *arg, uint32_t t, unsigned w)
+{
+	struct two_arg *a = arg;
+
+	atomic_fetch_add(&a->x->hits[a->who][t], 1);
+	if (w >= kvd_pool_size(a->x->p))
+		atomic_store(&a->x->bulk_ids[a->who], 1);
+}
+
+static void two_hook(void *arg)
+{
+	(void)arg;
+}
+
+static void two_wait(void *arg)
+{
+	(void)arg;
+	sched_yield();
+}
+
+static void *two_main(void *arg)
+{
+	struct two_arg *a = arg;
+
+	kvd_pool_set_yield(two_hook, a);
+	kvd_pool_set_wait(two_wait, NULL);
+	for (int r = 0; r < 200; r++)
+		kvd_pool_run_sliced(a->x->p, 64, two_task, a);
+	kvd_pool_set_yield(NULL, NULL);
+	return NULL;
+}
+
+static void test_two_waiting_submitters(void **state)
+{
+	struct two x = { 0 };
+	struct two_arg a[2] = { { &x, 0 }, { &x, 1 } };
+	pthread_t th[2];
+
+	(void)state;
+	assert_int_equal(kvd_pool_create(3, 0, &x.p), 0);
+	for (int i = 0; i < 2; i++)
+		assert_int_equal(pthread_create(&th[i], NULL, two_main, &a[i]), 0);
+	for (int i = 0; i < 2; i++)
+		pthread_join(th[i], NULL);
+	for (int i = 0; i < 2; i++)
+		for (int t = 0; t < 64; t++)
+			assert_int_equal(atomic_load(&x.hits[i][t]), 200);
+	/* the bulk threads ran some slices of one of them at least */
+	assert_true(atomic_load(&x.bulk_ids[0]) || atomic_load(&x.bulk_ids[1]));
+	kvd_pool_destroy(x.p);
+}
+
 /* Each task and hook notes the niceness it ran at. */
 struct nices {
 	_Atomic int task_min, task_max;
@@ -636,6 +703,7 @@ int main(void)
 		cmocka_unit_test(test_submitter_runs_its_job),
 		cmocka_unit_test(test_sliced_with_yield_hook),
 		cmocka_unit_test(test_sliced_waiting_submitter),
+		cmocka_unit_test(test_two_waiting_submitters),
 		cmocka_unit_test(test_sliced_bulk_nice),
 		cmocka_unit_test(test_prefault),
 		cmocka_unit_test(test_prefault_nicer),
