@@ -433,13 +433,9 @@ static int run_bulk(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *a
 
 static void run_job(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg, int bulk)
 {
-	struct job j = { .fn = fn, .arg = arg, .ntasks = ntasks, .bulk = bulk > 0 };
+	struct job j = { .fn = fn, .arg = arg, .ntasks = ntasks, .bulk = bulk };
 
 	if (ntasks == 0)
-		return;
-	/* bulk < 0: a plain job.  A waiting submitter waits only for the
-	 * slices of its sliced jobs (never nested: the hook starts none). */
-	if (bulk >= 0 && yield_hook.wait && run_bulk(p, ntasks, fn, arg))
 		return;
 	pthread_mutex_lock(&p->mu);
 	if (p->tail)
@@ -481,7 +477,7 @@ static void run_job(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *a
 
 void kvd_pool_run(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg)
 {
-	run_job(p, ntasks, fn, arg, -1);
+	run_job(p, ntasks, fn, arg, 0);
 }
 
 void kvd_pool_set_yield(void (*fn)(void *arg), void *arg)
@@ -530,10 +526,14 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 
 	for (uint32_t t0 = 0; t0 < ntasks; t0 += n) {
 		struct slice sl = { fn, arg, t0 };
+		uint32_t m = ntasks - t0 < n ? ntasks - t0 : n;
 
 		if (t0)
 			yield_hook.fn(yield_hook.arg);
-		run_job(p, ntasks - t0 < n ? ntasks - t0 : n, slice_task, &sl, bulk);
+		/* A waiting submitter's slices go to the bulk threads (never
+		 * nested: the hook starts no sliced job). */
+		if (!yield_hook.wait || !run_bulk(p, m, slice_task, &sl))
+			run_job(p, m, slice_task, &sl, bulk);
 	}
 }
 

@@ -714,16 +714,19 @@ static void slice_yield(void *arg)
 }
 
 static void set_sleeping(struct kvd_server *s, int on);
+static void exec_sleep(struct kvd_server *s, int ms);
 
-/* The ready clients of top[0..n) whose next unit is an ATTEND record,
- * packed to the front; how many. */
-static unsigned recorders(struct client **top, unsigned n)
+/* The ready clients (after their cheap steps) whose next unit is an ATTEND
+ * record, packed into top; how many. */
+static unsigned ready_records(struct kvd_server *s, struct client **top)
 {
-	unsigned m = 0;
+	unsigned n = pick(s, top), m = 0;
 
-	for (unsigned i = 0; i < n; i++)
+	for (unsigned i = 0; i < n; i++) {
+		prepare(s, top[i]);
 		if (in_records(top[i]))
 			top[m++] = top[i];
+	}
 	return m;
 }
 
@@ -745,34 +748,16 @@ static void slice_wait(void *arg)
 	if (NEVER(s->nested))
 		return;
 	s->nested = 1;
-	for (int round = 0; round < YIELD_ROUNDS; round++) {
-		unsigned n = pick(s, top);
-
-		for (unsigned i = 0; i < n; i++)
-			prepare(s, top[i]);
-		m = recorders(top, n);
-		if (!m)
-			break;
+	for (int round = 0; round < YIELD_ROUNDS && (m = ready_records(s, top)); round++)
 		run_records(s, top, m);
-	}
 	s->nested = 0;
 	if (m)
 		return;         /* more came: the pool calls again */
 	/* As the idle executor does: announce sleep, look once more, and
 	 * only then block; bounded, so no lost wake-up holds the slice. */
 	set_sleeping(s, 1);
-	m = pick(s, top);
-	for (unsigned i = 0; i < m; i++)
-		prepare(s, top[i]);
-	if (!recorders(top, m)) {
-		struct epoll_event ev[16];
-		uint64_t x;
-
-		epoll_wait(s->xepfd, ev, 16, 1);
-		if (read(s->xnfd, &x, sizeof x) < 0) {
-			/* nothing pending: a client's kick woke us */
-		}
-	}
+	if (!ready_records(s, top))
+		exec_sleep(s, 1);
 	set_sleeping(s, 0);
 }
 
@@ -864,6 +849,18 @@ static void set_sleeping(struct kvd_server *s, int on)
 			shm_ring_set_sleeping(&c->r.sq, on);
 }
 
+/* Until a client's kick, a notify (kvd_exec_notify) or ms have passed. */
+static void exec_sleep(struct kvd_server *s, int ms)
+{
+	struct epoll_event ev[16];
+	uint64_t x;
+
+	epoll_wait(s->xepfd, ev, 16, ms);
+	if (read(s->xnfd, &x, sizeof x) < 0) {
+		/* nothing pending: a kick woke us */
+	}
+}
+
 static void *exec_main(void *arg)
 {
 	struct kvd_server *s = arg;
@@ -902,17 +899,11 @@ static void *exec_main(void *arg)
 		 * that commits after it kicks its eventfd and the loop wakes us. */
 		set_sleeping(s, 1);
 		if (!passed(s, exec_pass(s)) && !s->exec_stop) {
-			struct epoll_event ev[16];
-			uint64_t x;
-
 			/* Bounded: no lost wake-up can hold a client longer.  The
 			 * lock is free meanwhile. */
 			atomic_store_explicit(&s->exec_idle, 1, memory_order_relaxed);
 			pthread_mutex_unlock(&s->mu);
-			epoll_wait(s->xepfd, ev, 16, 1000);
-			if (read(s->xnfd, &x, sizeof x) < 0) {
-				/* nothing pending: a kick woke us */
-			}
+			exec_sleep(s, 1000);
 			pthread_mutex_lock(&s->mu);
 			atomic_store_explicit(&s->exec_idle, 0, memory_order_relaxed);
 		}
