@@ -3,8 +3,9 @@
  * answer compared to a private twin: the same entries sent to a second kvd
  * without a budget, where nothing is ever written out.
  *
- * The appender's APPENDs seal a few segments each, and between a seal's
- * slices the executor runs the other clients' ATTEND records; the other two
+ * The appender's APPENDs seal a few segments each, and beside and between
+ * a seal's slices the executor runs the other clients' ATTEND records (the
+ * slices on the pool's bulk threads, the records on its workers); the other two
  * clients write their own sequence out and attend it again, so each of their
  * records restores and needs room that only the appender's sequence can
  * give.  Once, such a record wrote the appender's sequence out in the middle
