@@ -67,15 +67,17 @@ struct job {
 /* The pool's one bulk job, reused slice after slice.  Lock-free: its
  * submitter runs at kvd's niceness and its threads at the users', and a
  * lock that a preempted bulk thread held kept the submitter from its hook
- * for milliseconds.  A thread joins a slice by its number (gen), claims a
- * task by a compare-and-swap on claim, which carries the number too, so
- * that a thread late from an older slice claims nothing of a newer one;
- * what it read of fn, arg and ntasks before a claim that succeeded is the
- * slice's, as the slice cannot end (nor the next be written) before the
- * claimed task has run. */
+ * for milliseconds.  A thread joins a slice by its number (gen) and claims a
+ * task by a compare-and-swap on claim, which holds the number and the tasks
+ * not yet claimed: a thread late from an older slice claims nothing of a
+ * newer one, and a claim needs nothing read outside the word.  Only after
+ * it succeeds are fn, arg and ntasks read: the slice cannot end (nor the
+ * next be written) before the claimed task has run.  Read before it, the
+ * size of a next slice being written let a thread claim past a short
+ * slice's end. */
 struct bulk_job {
 	_Atomic uint32_t gen;           /* futex word: the slice's number; bumped at stop */
-	_Atomic uint64_t claim;         /* gen << 32 | next task */
+	_Atomic uint64_t claim;         /* gen << 32 | tasks left to claim */
 	_Atomic uint32_t done;          /* tasks run */
 	_Atomic uint32_t ntasks;
 	_Atomic(kvd_pool_fn) fn;
@@ -323,23 +325,26 @@ static void futex_wake_all(_Atomic uint32_t *w)
 }
 
 /* Claims and runs tasks of slice g until none is left, or a newer slice is
- * up; the thread whose task is the slice's last wakes the submitter. */
+ * up; the thread whose task is the slice's last wakes the submitter (which
+ * may have gone on by then: the wake only has to be harmless). */
 static void bulk_run(struct bulk_job *b, uint32_t g, unsigned id)
 {
 	for (;;) {
 		uint64_t c = atomic_load_explicit(&b->claim, memory_order_acquire);
+
+		if ((uint32_t)(c >> 32) != g || !(uint32_t)c)
+			return;
+		if (!atomic_compare_exchange_weak_explicit(&b->claim, &c, c - 1, memory_order_acquire,
+							   memory_order_relaxed))
+			continue;
+
 		uint32_t n = atomic_load_explicit(&b->ntasks, memory_order_relaxed);
 		kvd_pool_fn fn = atomic_load_explicit(&b->fn, memory_order_relaxed);
 		void *arg = atomic_load_explicit(&b->arg, memory_order_relaxed);
 		void (*wake)(void *) = atomic_load_explicit(&b->wake, memory_order_relaxed);
 		void *warg = atomic_load_explicit(&b->wake_arg, memory_order_relaxed);
 
-		if ((uint32_t)(c >> 32) != g || (uint32_t)c >= n)
-			return;
-		if (!atomic_compare_exchange_weak_explicit(&b->claim, &c, c + 1, memory_order_acquire,
-							   memory_order_relaxed))
-			continue;
-		fn(arg, (uint32_t)c, id);
+		fn(arg, n - (uint32_t)c, id);
 		/* Release: the task's writes happen-before the submitter's
 		 * acquire load that sees the final count. */
 		if (atomic_fetch_add_explicit(&b->done, 1, memory_order_release) + 1 == n && wake)
@@ -422,7 +427,7 @@ static int run_bulk(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *a
 	atomic_store_explicit(&b->wake, yield_hook.wake, memory_order_relaxed);
 	atomic_store_explicit(&b->wake_arg, yield_hook.arg, memory_order_relaxed);
 	atomic_store_explicit(&b->done, 0, memory_order_relaxed);
-	atomic_store_explicit(&b->claim, (uint64_t)g << 32, memory_order_release);
+	atomic_store_explicit(&b->claim, (uint64_t)g << 32 | ntasks, memory_order_release);
 	atomic_store_explicit(&b->gen, g, memory_order_release);
 	futex_wake_all(&b->gen);
 	while (atomic_load_explicit(&b->done, memory_order_acquire) != ntasks)
@@ -553,9 +558,9 @@ void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, vo
 /* A side thread slower than this (ns a byte: 0.25 GB/s, half the coldest
  * faults measured) is being starved by busier threads, at its niceness:
  * the caller stops waiting and the job's workers fault the rest, at
- * theirs, while the side thread goes on.  At least PREFAULT_WAIT_MIN_NS. */
+ * theirs, while the side thread goes on.  At least
+ * KVD_POOL_PREFAULT_WAIT_MIN_NS. */
 #define PREFAULT_NS_PER_BYTE 4
-#define PREFAULT_WAIT_MIN_NS 5000000ull
 
 
 static void *side_main(void *arg)
@@ -623,8 +628,8 @@ void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes)
 
 	uint64_t wait = (uint64_t)len * PREFAULT_NS_PER_BYTE, t0 = kvd_now_ns();
 
-	if (wait < PREFAULT_WAIT_MIN_NS)
-		wait = PREFAULT_WAIT_MIN_NS;
+	if (wait < KVD_POOL_PREFAULT_WAIT_MIN_NS)
+		wait = KVD_POOL_PREFAULT_WAIT_MIN_NS;
 	if (yield_hook.wait) {
 		/* Woken by the side thread when the range is in. */
 		pthread_mutex_unlock(&p->pf_mu);

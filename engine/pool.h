@@ -63,10 +63,12 @@ void kvd_pool_set_yield(void (*fn)(void *arg), void *arg);
  * still runs between them), and while kvd_pool_prefault's side thread
  * faults.  wait runs what is ready and may then block, until wake(arg) or
  * for a bounded time: wake is called from the pool's thread that ends a
- * slice or a prefault.  The hook's rules hold for wait, and what wait runs
- * runs beside the slice's tasks.  A bulk thread's tasks see worker ids from
- * kvd_pool_size() to 2 kvd_pool_size() - 1: a sliced job's per-worker
- * scratch needs twice the slots.  kvd_pool_set_yield() clears it. */
+ * slice or a prefault, possibly after the call it ended has returned, so
+ * arg must outlive the pool and a late wake be harmless.  The hook's rules
+ * hold for wait, and what wait runs runs beside the slice's tasks.  A bulk
+ * thread's tasks see worker ids from kvd_pool_size() to 2 kvd_pool_size()
+ * - 1: a sliced job's per-worker scratch needs twice the slots.
+ * kvd_pool_set_yield() clears it. */
 void kvd_pool_set_wait(void (*wait)(void *arg), void (*wake)(void *arg));
 void kvd_pool_run_sliced(struct kvd_pool *p, uint32_t ntasks, kvd_pool_fn fn, void *arg);
 void kvd_pool_yield(void);
@@ -88,11 +90,13 @@ void kvd_pool_thread_below_bulk(int by);
  * a low priority) while this thread keeps calling the hook, so other
  * requests run during them; returns when every page is in, or when the
  * side thread is too slow to be worth waiting for (starved by busier
- * threads), leaving the rest to the job.  A first touch is where a big
+ * threads, and never before KVD_POOL_PREFAULT_WAIT_MIN_NS), leaving the
+ * rest to the job while the side thread goes on.  A first touch is where a big
  * job's time can go (a fresh huge page on a VM faulted in 4 ms), and a task
  * faulting one in is a task the hook cannot cut short.  Without a hook, the
  * advice, or the side thread, it does nothing: the job's workers fault
  * their own parts, faster on an idle machine. */
+#define KVD_POOL_PREFAULT_WAIT_MIN_NS 5000000ull
 void kvd_pool_prefault(struct kvd_pool *p, void *mem, size_t bytes);
 
 #endif

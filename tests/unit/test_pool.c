@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -18,6 +19,7 @@
 #include <time.h>
 #include <cmocka.h>
 
+#include "engine/clock.h"
 #include "engine/mem.h"
 #include "engine/pool.h"
 #include "testutil.h"
@@ -377,11 +379,9 @@ static void test_sliced_waiting_submitter(void **state)
 	assert_int_equal(atomic_load(&x.bad_worker), 0);
 	assert_int_equal(atomic_load(&x.nested_on_workers), 2);
 	assert_true(x.waits >= 1);
-	/* ceil(N / size) slices, the hook between them as before, and a
-	 * wake for each */
-	assert_int_equal(atomic_load(&x.wakes), (N + x.size - 1) / x.size);
+	/* ceil(N / size) slices, the hook between them as before (a wake
+	 * for each, counted below: the last may come after the return) */
 	assert_int_equal(x.hooks, (N + x.size - 1) / x.size - 1);
-	assert_int_equal(atomic_load(&x.wake_on_caller), 0);
 	thread_nices(0, "kvd-bulk", NULL, &named, &lo, &hi);
 	assert_int_equal(named, kvd_pool_bulk_nice(0));
 
@@ -394,6 +394,8 @@ static void test_sliced_waiting_submitter(void **state)
 	assert_int_equal(x.waits, 0);
 	free((void *)x.hits);
 	kvd_pool_destroy(x.p);
+	assert_int_equal(atomic_load(&x.wakes), (N + x.size - 1) / x.size);
+	assert_int_equal(atomic_load(&x.wake_on_caller), 0);
 }
 
 /* Two waiting submitters on one pool: one has the bulk threads, the other
@@ -460,6 +462,86 @@ static void test_two_waiting_submitters(void **state)
 	/* the bulk threads ran some slices of one of them at least */
 	assert_true(atomic_load(&x.bulk_ids[0]) || atomic_load(&x.bulk_ids[1]));
 	kvd_pool_destroy(x.p);
+}
+
+/* Slices of different sizes back to back on the bulk threads, more threads
+ * than CPUs so that they are preempted anywhere: every task of every slice
+ * runs once, with its own slice's arguments, and the submitter's count
+ * ends at its slice's size.  A thread that read a short slice's claim and
+ * then a longer next slice's size, still being written, claimed a task
+ * past the short slice's end: it ran a task twice (or with a slice's
+ * arguments that were gone) and its count went one past the next slice's,
+ * whose submitter then waited for ever. */
+enum { MIX_CALLS = 4000, MIX_MAX = 8 };
+
+struct mix_call {
+	uint32_t call;
+	_Atomic uint32_t *hits;         /* [MIX_CALLS][MIX_MAX] */
+	_Atomic int *bad;
+};
+
+struct mix_wait {
+	uint64_t t0;
+	uint32_t calls;
+};
+
+static void mix_task(void *arg, uint32_t t, unsigned w)
+{
+	const struct mix_call *c = arg;
+
+	(void)w;
+	if (t >= MIX_MAX)
+		atomic_store(c->bad, 1);
+	else
+		atomic_fetch_add(&c->hits[c->call * MIX_MAX + t], 1);
+}
+
+static void mix_hook(void *arg)
+{
+	(void)arg;
+}
+
+static void mix_wait(void *arg)
+{
+	struct mix_wait *x = arg;
+
+	/* the old count overran and never ended: fail, not hang */
+	if (kvd_now_ns() - x->t0 > 60ull * 1000000000) {
+		fprintf(stderr, "kvd_pool_run_sliced never ended (call %u)\n", x->calls);
+		abort();
+	}
+	sched_yield();
+}
+
+static void test_bulk_slices_of_every_size(void **state)
+{
+	struct kvd_pool *p;
+	_Atomic int bad = 0;
+	_Atomic uint32_t *hits = calloc((size_t)MIX_CALLS * MIX_MAX, sizeof *hits);
+	struct mix_wait x = { kvd_now_ns(), 0 };
+
+	(void)state;
+	assert_non_null(hits);
+	assert_int_equal(kvd_pool_create(MIX_MAX, 0, &p), 0);
+	kvd_pool_set_yield(mix_hook, &x);
+	kvd_pool_set_wait(mix_wait, NULL);
+	for (uint32_t i = 0; i < MIX_CALLS; i++) {
+		/* one slice each: 1, 8, 2, 7, ... a short one before a long one */
+		uint32_t n = i % 2 ? MIX_MAX - (i / 2) % MIX_MAX : (i / 2) % MIX_MAX + 1;
+		struct mix_call c = { i, hits, &bad };
+
+		x.calls = i;
+		kvd_pool_run_sliced(p, n, mix_task, &c);
+		for (uint32_t t = 0; t < MIX_MAX; t++)
+			assert_int_equal(atomic_load(&hits[i * MIX_MAX + t]), t < n);
+	}
+	kvd_pool_set_yield(NULL, NULL);
+	kvd_pool_destroy(p);
+	assert_int_equal(atomic_load(&bad), 0);
+	/* the tasks of a late, phantom claim land after their call was checked */
+	for (size_t i = 0; i < (size_t)MIX_CALLS * MIX_MAX; i++)
+		assert_true(atomic_load(&hits[i]) <= 1);
+	free((void *)hits);
 }
 
 /* Each task and hook notes the niceness it ran at. */
@@ -579,9 +661,31 @@ static size_t resident(unsigned char *m, size_t len)
 	return n;
 }
 
-/* The range is in when kvd_pool_prefault returns, what was written stays,
- * and the caller's hook ran meanwhile (on the caller); without a hook it
- * leaves the faults to the job. */
+/* kvd_pool_prefault on a fresh pool: the range is in when it returns early
+ * (before it may give up on a starved side thread), and by the time the
+ * pool is gone (its side thread goes on when it gives up). */
+static void prefault_on_new_pool(unsigned char *m, size_t len, unsigned char *a, size_t n,
+				 void (*wait)(void *), void (*wake)(void *), void *arg)
+{
+	struct kvd_pool *p;
+	uint64_t t0;
+
+	assert_int_equal(kvd_pool_create(2, 0, &p), 0);
+	kvd_pool_set_yield(pf_hook, arg);
+	kvd_pool_set_wait(wait, wake);
+	t0 = kvd_now_ns();
+	kvd_pool_prefault(p, a, n);
+	t0 = kvd_now_ns() - t0;
+	kvd_pool_set_yield(NULL, NULL);
+	if (t0 < KVD_POOL_PREFAULT_WAIT_MIN_NS)
+		assert_int_equal(resident(m, len), len / 4096);
+	kvd_pool_destroy(p);
+	assert_int_equal(resident(m, len), len / 4096);
+}
+
+/* The range is in, what was written stays, and the caller's hook ran
+ * meanwhile (on the caller); without a hook it leaves the faults to the
+ * job. */
 static void test_prefault(void **state)
 {
 	enum { LEN = 16 << 20 };
@@ -600,11 +704,10 @@ static void test_prefault(void **state)
 	m[LEN - 1] = 0xa5;
 	kvd_pool_prefault(p, m + 4096, LEN - 4096);     /* no hook */
 	assert_int_equal(resident(m, LEN), 2);
+	kvd_pool_destroy(p);
 	x.caller = pthread_self();
-	kvd_pool_set_yield(pf_hook, &x);
-	kvd_pool_prefault(p, m + 100, LEN - 200);       /* rounded out to whole pages */
-	kvd_pool_set_yield(NULL, NULL);
-	assert_int_equal(resident(m, LEN), LEN / 4096);
+	/* rounded out to whole pages */
+	prefault_on_new_pool(m, LEN, m + 100, LEN - 200, NULL, NULL, &x);
 	assert_true(x.hooks >= 1);
 	assert_int_equal(x.off_thread, 0);
 	assert_int_equal(m[3 * 4096 + 7], 0x5a);
@@ -612,19 +715,14 @@ static void test_prefault(void **state)
 	assert_int_equal(m[5 * 4096], 0);
 
 	/* A waiting submitter waits in its wait hook, woken by the side
-	 * thread once the range is in */
+	 * thread once the range is in (perhaps after the call returned) */
 	assert_int_equal(madvise(m, LEN, MADV_DONTNEED), 0);
 	x.hooks = 0;
-	kvd_pool_set_yield(pf_hook, &x);
-	kvd_pool_set_wait(pf_wait, pf_wake);
-	kvd_pool_prefault(p, m, LEN);
-	kvd_pool_set_yield(NULL, NULL);
-	assert_int_equal(resident(m, LEN), LEN / 4096);
+	prefault_on_new_pool(m, LEN, m, LEN, pf_wait, pf_wake, &x);
 	assert_int_equal(x.hooks, 0);
 	assert_true(x.waits >= 1);
 	assert_int_equal(atomic_load(&x.wakes), 1);
 	assert_int_equal(x.off_thread, 0);
-	kvd_pool_destroy(p);
 	munmap(m, LEN);
 }
 
@@ -704,6 +802,7 @@ int main(void)
 		cmocka_unit_test(test_sliced_with_yield_hook),
 		cmocka_unit_test(test_sliced_waiting_submitter),
 		cmocka_unit_test(test_two_waiting_submitters),
+		cmocka_unit_test(test_bulk_slices_of_every_size),
 		cmocka_unit_test(test_sliced_bulk_nice),
 		cmocka_unit_test(test_prefault),
 		cmocka_unit_test(test_prefault_nicer),
