@@ -421,7 +421,8 @@ static void two_task(void *arg, uint32_t t, unsigned w)
 		atomic_store(&a->x->bulk_ids[a->who], 1);
 }
 
-static void two_hook(void *arg)
+/* A yield hook with nothing to run between slices. */
+static void noop_hook(void *arg)
 {
 	(void)arg;
 }
@@ -436,7 +437,7 @@ static void *two_main(void *arg)
 {
 	struct two_arg *a = arg;
 
-	kvd_pool_set_yield(two_hook, a);
+	kvd_pool_set_yield(noop_hook, a);
 	kvd_pool_set_wait(two_wait, NULL);
 	for (int r = 0; r < 200; r++)
 		kvd_pool_run_sliced(a->x->p, 64, two_task, a);
@@ -496,11 +497,6 @@ static void mix_task(void *arg, uint32_t t, unsigned w)
 		atomic_fetch_add(&c->hits[c->call * MIX_MAX + t], 1);
 }
 
-static void mix_hook(void *arg)
-{
-	(void)arg;
-}
-
 static void mix_wait(void *arg)
 {
 	struct mix_wait *x = arg;
@@ -523,7 +519,7 @@ static void test_bulk_slices_of_every_size(void **state)
 	(void)state;
 	assert_non_null(hits);
 	assert_int_equal(kvd_pool_create(MIX_MAX, 0, &p), 0);
-	kvd_pool_set_yield(mix_hook, &x);
+	kvd_pool_set_yield(noop_hook, &x);
 	kvd_pool_set_wait(mix_wait, NULL);
 	for (uint32_t i = 0; i < MIX_CALLS; i++) {
 		/* one slice each: 1, 8, 2, 7, ... a short one before a long one */
