@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "attn.h"
+#include "rng.h"
 #include "err.h"
 #include "pool.h"
 
@@ -161,7 +162,9 @@ static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s,
 /* A sampled row's 1/|k| (and int8's kfac and vscale) is a random read as
  * its K and V rows are.  rows_consts reads them once, after the scores, into
  * kinv, (int8) vsc and the scores sc, prefetching
- * CONSTS_AHEAD rows ahead.  Prefetching every row's line as soon as the row
+ * CONSTS_AHEAD rows ahead: both ends of a row's 12 bytes, as 2 rows in 16
+ * straddle two lines and the second was a miss in the loop (2-4 % of a
+ * default layer call, MEASUREMENTS.md, "Roulette").  Prefetching every row's line as soon as the row
  * list existed, as this did before, issued ~500 prefetches at once, and the
  * int8 loop after the kernels still stalled on a miss a row (the lines had
  * not come, or the rows' own lines had pushed them out); a window ahead of
@@ -183,12 +186,62 @@ static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh
 	for (uint32_t i = 0; i < m; i++) {
 		const struct kvd_row8 *r = &sh->r8[rows[i]];
 
-		if (i + CONSTS_AHEAD < m)
-			__builtin_prefetch(&sh->r8[rows[i + CONSTS_AHEAD]]);
+		if (i + CONSTS_AHEAD < m) {
+			const struct kvd_row8 *a = &sh->r8[rows[i + CONSTS_AHEAD]];
+
+			__builtin_prefetch(a);
+			__builtin_prefetch(&a->vscale);
+		}
 		kinv[i] = r->kinv;
 		vsc[i] = r->vscale;
 		sc[i] *= r->kfac;
 	}
+}
+
+/* Roulette (attn.h): a weight below tau is worth less than a quarter of
+ * the mean, and its V row two random lines.  The loop has no branch on the
+ * weights (which are in no order); u is compared as a 24-bit fraction of
+ * tau, which loses nothing a float weight holds. */
+uint32_t kvd_attn_roulette(float *w, uint32_t *rows, float *aux, uint32_t m, uint64_t seed)
+{
+	float sa = 0.0f;
+
+	for (uint32_t i = 0; i < m; i++)
+		sa += fabsf(w[i]);
+	if (!(sa > 0.0f) || sa > FLT_MAX)
+		return m;
+
+	const float tau = KVD_RR_SHARE * sa / (float)m, ut = tau * 0x1p-24f;
+	uint32_t k = 0;
+
+	for (uint32_t i = 0; i < m; i++) {
+		float x = w[i], a = fabsf(x);
+		uint32_t r = rows[i];
+		float u = (float)(uint32_t)(kvd_rng_bits_at(seed, r) >> 40) * ut;
+		int big = a >= tau;
+
+		w[k] = big ? x : copysignf(tau, x);
+		rows[k] = r;
+		if (aux)
+			aux[k] = aux[i];
+		k += (uint32_t)(big | (u < a));
+	}
+	return k;
+}
+
+uint64_t kvd_attn_rr_seed(const float *q, const uint16_t *qc, uint32_t nc, uint32_t seg)
+{
+	uint64_t z = kvd_mix64(seg + KVD_RNG_GOLDEN);
+
+	for (int e = 0; e < 8; e++) {
+		uint32_t b;
+
+		memcpy(&b, &q[e], sizeof b);
+		z = kvd_mix64(z ^ b);
+	}
+	for (uint32_t t = 0; t < nc && t < 4; t++)
+		z = kvd_mix64(z ^ qc[t]);
+	return z;
 }
 
 /* og <- the sum over the m rows of weight sc[i] times V row rows[i] (og is
@@ -308,12 +361,16 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
  * x holds s_i - mu (scratch of m floats). */
 static float softmax_v_lcv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 			   const struct kvd_seg_head *sh, int d, float *sc, float *t, float *x,
-			   const uint32_t *rows, const float *vsc, uint32_t m, int16_t *w16,
-			   float *og, const float *sq, float mu, float scale)
+			   uint32_t *rows, float *vsc, uint32_t m, int16_t *w16,
+			   float *og, const float *sq, float mu, float scale, uint64_t rr,
+			   uint32_t *vm)
 {
+	float *aux = seg->kv_dtype == KVD_KV_INT8 ? vsc : NULL;
+
 	float mx = kk->max(sc, m), sum;
 	double s0 = 0, s1 = 0, s2 = 0, b0 = 0, b1 = 0, det, al = 0, be = 0, z = 0;
 
+	*vm = 0;
 	if (mx == -INFINITY)
 		return -INFINITY;
 	for (uint32_t i = 0; i < m; i++) {
@@ -351,11 +408,14 @@ static float softmax_v_lcv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 			break;
 		al = be = 0.0;
 	}
-	if (al == 0.0 && be == 0.0)
+	if (al == 0.0 && be == 0.0) {
+		*vm = m;
 		return plain_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og, mx, sum);
+	}
 	for (uint32_t i = 0; i < m; i++)
 		sc[i] -= (float)((al + be * x[i]) * t[i]);
-	weighted_v(kk, seg, sh, d, sc, rows, vsc, m, w16, og);
+	*vm = kvd_attn_roulette(sc, rows, aux, m, rr);
+	weighted_v(kk, seg, sh, d, sc, rows, vsc, *vm, w16, og);
 	for (int e = 0; e < d; e++)
 		og[e] = (float)((og[e] + al * sh->vsum[e] + be * (double)scale * sq[e]) / z);
 	return mx + (float)log(z);
@@ -642,7 +702,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 	const int G = (int)kvd_geom_group(g), d = (int)g->d, L = (int)g->L;
 	const float scale = 1.0f / sqrtf((float)d);
 	float *sc = s->s;
-	uint64_t cand = 0, rows = 0, walked = 0;
+	uint64_t cand = 0, rows = 0, vrows = 0, walked = 0;
 
 	empty_result(G, d, o, lse);
 	for (int gi = g0; gi < G; gi += gstep) {
@@ -704,18 +764,28 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 		 * whose heads needs the line skips the moments (layer_task). */
 		int cvh = cv == 2 && tab_lo && tb != tab_lo ? 1 : cv;
 
-		if (cvh == 2)
+		uint32_t vm = m;
+
+		if (cvh == 2) {
 			lm = lcv_of(ls, (uint32_t)gi);
-		lse[gi] = cvh == 2 ? softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows, s->vsc, m,
-						  s->w16, og, lm + (size_t)gi * d, lm[G * d + gi],
-						  scale) :
-			  cvh ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m, s->w16, og)
-			     : softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16, og);
+			lse[gi] = softmax_v_lcv(kk, seg, sh, d, sc, s->t, s->t + m, s->rows,
+						s->vsc, m, s->w16, og, lm + (size_t)gi * d,
+						lm[G * d + gi], scale,
+						kvd_attn_rr_seed(qg, qc + (size_t)gi * L,
+								 (uint32_t)L, hv->seg),
+						&vm);
+		} else {
+			lse[gi] = cvh ? softmax_v_cv(kk, seg, sh, d, sc, s->t, s->rows, s->vsc, m,
+						     s->w16, og)
+				      : softmax_v(kk, seg, sh, d, sc, s->rows, s->vsc, m, s->w16,
+						  og);
+		}
+		vrows += vm;
 	}
 	if (st) {
 		st->cand += cand;
 		st->rows += rows;
-		st->vrows += rows;
+		st->vrows += vrows;
 		st->bucket_ids += walked;
 	}
 }

@@ -121,7 +121,9 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
  *   (tab_lo in the request), a sample of that many tables, weighted by
  *   their P, with the line; the others walk all L with hybrid_cv's
  *   constant, and a group none of whose heads has the line reads no
- *   moments ("The per-head budget").
+ *   moments ("The per-head budget").  Where the line answers, the V rows
+ *   of small weight go through Russian roulette (kvd_attn_roulette): most
+ *   of a peaked head's sampled rows are never read for V ("Roulette").
  *
  * The state of one layer is kvd_heavy_words(g) uint32 words, zero-filled
  * when new (empty lists): per q head a count then KVD_HEAVY_MAX entries
@@ -141,6 +143,23 @@ enum kvd_estimator {
 #define KVD_HEAVY_SHARE_LOG2 10
 #define KVD_HEAVY_LO (1u << 16)         /* count word: the reduced budget */
 #define KVD_LCV_LO(L) ((L) / 2 ? (L) / 2 : 1)
+/*
+ * Russian roulette on the weights w[0..m) of rows[0..m) (and aux[0..m),
+ * int8's value scales, when not NULL), in place: a weight of magnitude at
+ * least tau = KVD_RR_SHARE * sum|w| / m stays; a smaller one becomes
+ * sign(w) * tau when u < |w| / tau and is dropped otherwise, u uniform on
+ * [0, 1) in steps of 2^-24 from kvd_rng_bits_at(seed, row).  Given the
+ * weights, every kept weight's expectation over u is its weight (to 2^-24
+ * of tau), so a sum over the rows stays unbiased.  The kept entries are
+ * packed to the front in their order; returns how many.
+ */
+#define KVD_RR_SHARE 0.25f
+uint32_t kvd_attn_roulette(float *w, uint32_t *rows, float *aux, uint32_t m, uint64_t seed);
+/* The roulette's seed for a q head's part of segment `seg` (its number in
+ * the view): from the query's first 8 coordinates (d >= 8), its first nc
+ * codes (up to 4) and seg, so that it changes with every step's query. */
+uint64_t kvd_attn_rr_seed(const float *q, const uint16_t *qc, uint32_t nc, uint32_t seg);
+
 /* "magicpig" / "hybrid" / "adaptive" / "hybrid_cv" / "hybrid_lcv"; NULL for
  * an unknown value.
  * kvd_estimator_parse: 0 and *out, or -EINVAL. */

@@ -14,6 +14,7 @@
 #include "engine/pool.h"
 #include "engine/prep.h"
 #include "engine/ref.h"
+#include "engine/rng.h"
 #include "engine/synth.h"
 #include "testutil.h"
 
@@ -1096,7 +1097,8 @@ static int layer_est(struct kvd_pool *pool, const struct kvd_kern *k, const stru
  * lin: hybrid_lcv's, c_i = alpha + beta (s_i - mu) with raw scores s (all
  * n rows) and their mean mu; else hybrid_cv's constant. */
 static void lcv_ref(const float *vf, uint32_t n, int d, const uint32_t *idx, uint32_t nr,
-		    const double *w, const double *lp, const double *s, double *po, double *pl)
+		    const double *w, const double *lp, const double *s, uint64_t rr, double *po,
+		    double *pl)
 {
 	double R = -INFINITY, mu = 0, s0 = 0, s1 = 0, s2 = 0, b0 = 0, b1 = 0, al = 0, be = 0, z = 0;
 	double sum = 0;
@@ -1143,16 +1145,35 @@ static void lcv_ref(const float *vf, uint32_t n, int d, const uint32_t *idx, uin
 	}
 	if (al == 0 && be == 0)
 		z = sum;
+
+	/* each sampled row's weight in the V sum, through the roulette
+	 * (kvd_attn_roulette) where a control variate answers */
+	double *c = xmalloc((nr ? nr : 1) * sizeof *c), sa = 0;
+
+	for (uint32_t i = 0; i < nr; i++) {
+		c[i] = exp(w[i] - R) - (al + be * (s[idx[i]] - mu)) * exp(-lp[i]);
+		sa += fabs(c[i]);
+	}
+	if ((al != 0 || be != 0) && sa > 0) {
+		double tau = KVD_RR_SHARE * sa / nr;
+
+		for (uint32_t i = 0; i < nr; i++) {
+			double u = (double)(kvd_rng_bits_at(rr, idx[i]) >> 40) * 0x1p-24;
+
+			if (fabs(c[i]) < tau)
+				c[i] = u * tau < fabs(c[i]) ? copysign(tau, c[i]) : 0.0;
+		}
+	}
 	for (int e = 0; e < d; e++) {
 		double t = 0;
 
 		for (uint32_t i = 0; i < n; i++)
 			t += (al + be * (s[i] - mu)) * vf[(size_t)i * d + e];
 		for (uint32_t i = 0; i < nr; i++)
-			t += (exp(w[i] - R) - (al + be * (s[idx[i]] - mu)) * exp(-lp[i])) *
-			     vf[(size_t)idx[i] * d + e];
+			t += c[i] * vf[(size_t)idx[i] * d + e];
 		po[e] = t / z;
 	}
+	free(c);
 	*pl = R + log(z);
 }
 
@@ -1258,7 +1279,9 @@ static void hybrid_ref_b(const struct layer_fix *f, const uint32_t *heavy, int c
 				nr++;
 			}
 			if (cvh == 2)
-				lcv_ref(vf, seg->n, (int)d, idx, nr, w, lp, raw, po, &pl);
+				lcv_ref(vf, seg->n, (int)d, idx, nr, w, lp, raw,
+					kvd_attn_rr_seed(q, f->qc + (size_t)qh * g->L, g->L, s), po,
+					&pl);
 			else if (cvh)
 				cv_ref(vf, seg->n, (int)d, idx, nr, w, lp, po, &pl);
 			else
@@ -2015,6 +2038,76 @@ static void test_hybrid_unbiased_given_heavy(void **state)
 	assert_true(sd[1] < sd[0]);
 }
 
+/* Russian roulette on V weights: over seeds, the mean of each row's kept
+ * weight (0 when dropped) is its weight, within 4 sd of the mean and to
+ * 2^-24 of tau; weights of tau or more, and their rows and aux, go through
+ * unchanged and in order; small ones come out as +-tau or not at all.  The
+ * weights are heavy-tailed, as 1/P makes them, with both signs, as the
+ * control variate leaves them. */
+static void test_roulette_unbiased(void **state)
+{
+	enum { M = 200 };
+	const uint32_t draws = test_size(20000, 4000);
+	float w0[M], w[M], aux[M];
+	uint32_t rows[M];
+	double sum[M] = { 0 }, sum2[M] = { 0 }, sa = 0, kept = 0;
+
+	for (uint32_t i = 0; i < M; i++) {
+		double u = kvd_rng_uniform_at(77, i);
+
+		w0[i] = (float)((i % 3 ? 1.0 : -0.3) * exp(8.0 * u - 6.0));
+		sa += fabs(w0[i]);
+	}
+
+	const double tau = KVD_RR_SHARE * sa / M;
+
+	for (uint32_t t = 0; t < draws; t++) {
+		uint32_t k, j = 0;
+
+		for (uint32_t i = 0; i < M; i++) {
+			w[i] = w0[i];
+			rows[i] = 3 * i + 1;
+			aux[i] = (float)i;
+		}
+		k = kvd_attn_roulette(w, rows, aux, M, kvd_mix64(t + 1));
+		assert_true(k <= M);
+		kept += k;
+		for (uint32_t i = 0; i < k; i++) {
+			uint32_t r = rows[i], src = (r - 1) / 3;
+
+			assert_true(r % 3 == 1 && src < M && (i == 0 || r > rows[i - 1]));
+			assert_true(aux[i] == (float)src);
+			if (fabs(w0[src]) >= tau)
+				assert_true(w[i] == w0[src]);
+			else
+				assert_true(fabs(fabs(w[i]) - tau) <= 1e-6 * tau &&
+					    (w[i] > 0) == (w0[src] > 0));
+			for (; j < src; j++)
+				assert_true(fabs(w0[j]) < tau);     /* only small ones dropped */
+			j = src + 1;
+			sum[src] += w[i];
+			sum2[src] += (double)w[i] * w[i];
+		}
+	}
+	uint32_t small = 0;
+
+	for (uint32_t i = 0; i < M; i++) {
+		double mean = sum[i] / draws, var = sum2[i] / draws - mean * mean;
+
+		small += fabs(w0[i]) < tau;
+		if (fabs(mean - w0[i]) > 4 * sqrt(var / draws) + tau * 0x1p-23)
+			fail_msg("row %u: weight %.6g, mean kept %.6g (tau %.4g)", i, w0[i], mean, tau);
+	}
+	/* the test must roulette something, and drop most of it */
+	assert_true(small > M / 4);
+	assert_true(kept / draws < M - small / 2);
+	print_message("  %u of %d weights below tau, %.1f rows kept a draw\n", small, M,
+		      kept / draws);
+	/* nothing to weigh: everything stays */
+	memset(w, 0, sizeof w);
+	assert_int_equal(kvd_attn_roulette(w, rows, NULL, M, 1), M);
+}
+
 /* On diffuse keys (no key carries much of the mass, and no list helps: the
  * scores' sd is about 0.5 here) the control variate is what cuts the
  * spread.  A constant can take out only the mean of exp(score), so the
@@ -2062,6 +2155,7 @@ int main(void)
 		cmocka_unit_test(test_heavy_state_bounds_and_adaptive),
 		cmocka_unit_test(test_heavy_in_sample_counted_once),
 		cmocka_unit_test(test_hybrid_unbiased_given_heavy),
+		cmocka_unit_test(test_roulette_unbiased),
 		cmocka_unit_test(test_hybrid_cv_cuts_spread_on_diffuse),
 	};
 
