@@ -163,7 +163,7 @@ static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s,
  * its K and V rows are.  rows_consts reads them once, after the scores, into
  * kinv, (int8) vsc and the scores sc, prefetching
  * CONSTS_AHEAD rows ahead: both ends of a row's 12 bytes, as 2 rows in 16
- * straddle two lines and the second was a miss in the loop (2-4 % of a
+ * straddle two lines and the second was a miss in the loop (1-4 % of a
  * default layer call, MEASUREMENTS.md, "Roulette, and where a default
  * layer call's time goes").  Prefetching every row's line as soon as the row
  * list existed, as this did before, issued ~500 prefetches at once, and the
