@@ -359,16 +359,16 @@ static float softmax_v_cv(const struct kvd_kern *kk, const struct kvd_seg *seg,
  * attended rows with a further 1/P_i (heavy rows weigh 0).  Where the fit
  * is singular, or leaves Z not a positive number, the constant of
  * softmax_v_cv is used, and where that fails too, none: hybrid's bits.
- * x holds s_i - mu (scratch of m floats). */
+ * With a control variate, the V sum's weights go through the roulette
+ * (seed rr), which packs the kept ones to the front of sc, rows and int8's
+ * vsc; *vm gets the V rows read.  x holds s_i - mu (scratch of m floats). */
 static float softmax_v_lcv(const struct kvd_kern *kk, const struct kvd_seg *seg,
 			   const struct kvd_seg_head *sh, int d, float *sc, float *t, float *x,
 			   uint32_t *rows, float *vsc, uint32_t m, int16_t *w16,
 			   float *og, const float *sq, float mu, float scale, uint64_t rr,
 			   uint32_t *vm)
 {
-	float *aux = seg->kv_dtype == KVD_KV_INT8 ? vsc : NULL;
-
-	float mx = kk->max(sc, m), sum;
+	float *aux = seg->kv_dtype == KVD_KV_INT8 ? vsc : NULL, mx = kk->max(sc, m), sum;
 	double s0 = 0, s1 = 0, s2 = 0, b0 = 0, b1 = 0, det, al = 0, be = 0, z = 0;
 
 	*vm = 0;

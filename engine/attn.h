@@ -123,7 +123,8 @@ int kvd_attn_layer(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
  *   constant, and a group none of whose heads has the line reads no
  *   moments ("The per-head budget").  Where the line answers, the V rows
  *   of small weight go through Russian roulette (kvd_attn_roulette): most
- *   of a peaked head's sampled rows are never read for V ("Roulette").
+ *   of a peaked head's sampled rows are never read for V ("Roulette on
+ *   the V rows").
  *
  * The state of one layer is kvd_heavy_words(g) uint32 words, zero-filled
  * when new (empty lists): per q head a count then KVD_HEAVY_MAX entries
