@@ -57,7 +57,7 @@ static double run(const struct kvd_kern *k, struct kdata *x, const struct kcase 
 	if (int8) {
 		const int8_t *base = x->r8 + (c->idx ? 0 : c->start * D);
 
-		k->qk8(x->q16, x->qs, c->G, D, base, c->idx, c->m, x->s, lds);
+		k->qk8(x->q16, x->qs, c->G, D, base, c->idx, c->m, x->s, lds, NULL, 0);
 		*qk_ms = bench_now_ms() - t0;
 		k->pv8(x->w16, c->m, x->ws, c->G, D, base, c->idx, c->m, x->o);
 	} else {

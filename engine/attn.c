@@ -170,7 +170,11 @@ static void top_push(float *hs, uint32_t *hid, uint32_t *n, uint32_t k, float s,
  * int8 loop after the kernels still stalled on a miss a row (the lines had
  * not come, or the rows' own lines had pushed them out); a window ahead of
  * the reads took int8's qk8 + pv8 + consts from 0.67 to 0.58 of bf16's
- * qk + pv + consts (Zen 4, kvbench lsh, perf samples). */
+ * qk + pv + consts (Zen 4, kvbench lsh, perf samples).  Even so this loop,
+ * a load a row and little else, waited on its misses: half of sampled()'s
+ * own time on mixed.  int8 rows now have qk8 prefetch their constants
+ * beside the K rows (its side hint), whose misses they overlap; the window
+ * here stays for bf16's kinv and as a second chance. */
 #define CONSTS_AHEAD 32
 
 static void rows_consts(const struct kvd_seg *seg, const struct kvd_seg_head *sh,
@@ -741,7 +745,7 @@ static void sampled(const struct kvd_kern *kk, const struct kvd_geom *g,
 			for (int e = 0; e < d; e++)
 				qs[e] = qg[e] * sh->kscale[e];
 			kvd_q16(qs, 1, d, q16, &qsc);
-			kk->qk8(q16, &qsc, 1, d, sh->k8, s->rows, m, sc, m);
+			kk->qk8(q16, &qsc, 1, d, sh->k8, s->rows, m, sc, m, sh->r8, sizeof *sh->r8);
 		} else {
 			kk->qk(qg, 1, d, sh->k, s->rows, m, sc, m);
 		}
@@ -855,7 +859,7 @@ static void dense(const struct kvd_kern *kk, const float *q, int G, int d,
 				kf[i] = i < b ? rw->r8[at + i].kfac : 0.0f;
 				vf[i] = i < b ? rw->r8[at + i].vscale : 0.0f;
 			}
-			kk->qk8(q16, qsc, G, d, rw->k8 + at * d, NULL, b, s, DENSE_BLOCK);
+			kk->qk8(q16, qsc, G, d, rw->k8 + at * d, NULL, b, s, DENSE_BLOCK, NULL, 0);
 			for (int gi = 0; gi < G; gi++)
 				row_mul(s + (size_t)gi * DENSE_BLOCK, kf, bu);
 		} else

@@ -79,9 +79,16 @@ struct kvd_kern {
 	 * exact in 32 bits (|sum| <= 256 * 32767 * 128 < 2^31).  pv8 takes the
 	 * weights in 16 bits too: o[g*d + j] += wscale[g] * sum_i w[g*ldw + i] *
 	 * row_i[j], the sum split into exact integer parts (a variant's choice)
-	 * added in f32. */
+	 * added in f32.  side, when not NULL, is a hint: records of side_sz
+	 * bytes, one per row of base, that the caller reads for rows idx[]
+	 * next (an int8 row's constants, struct kvd_row8); a gathered head
+	 * (G = 1, idx) prefetches each into L2 beside its row, where its
+	 * misses overlap the row's instead of stalling a loop of their own
+	 * after (5 % of a mixed layer call: MEASUREMENTS.md, "The row
+	 * constants beside the rows").  The results never depend on it. */
 	void (*qk8)(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-		    const uint32_t *idx, size_t m, float *s, size_t lds);
+		    const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+		    size_t side_sz);
 	void (*pv8)(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
 		    const int8_t *base, const uint32_t *idx, size_t m, float *o);
 
@@ -138,12 +145,14 @@ extern const struct kvd_kern kvd_kern_avx512amx;
 void kvd_q16_avx2(const float *q, int G, int d, int16_t *q16, float *qscale);
 /* kern_avx512vnni.c's qk8 and pv8, for kern_avx512.c's avx512vnni table. */
 void kvd_qk8_avx512vnni(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-			const uint32_t *idx, size_t m, float *s, size_t lds);
+			const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+			size_t side_sz);
 void kvd_pv8_avx512vnni(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
 			const int8_t *base, const uint32_t *idx, size_t m, float *o);
 /* kern_amx.c's, for kern_avx512.c's avx512amx table. */
 void kvd_qk8_amx(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-		 const uint32_t *idx, size_t m, float *s, size_t lds);
+		 const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+		 size_t side_sz);
 void kvd_pv8_amx(const int16_t *w, size_t ldw, const float *wscale, int G, int d,
 		 const int8_t *base, const uint32_t *idx, size_t m, float *o);
 

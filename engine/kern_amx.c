@@ -185,10 +185,11 @@ static void qk8_group(const int16_t *q, const float *qs, int GB, int d, const in
 }
 
 void kvd_qk8_amx(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-		 const uint32_t *idx, size_t m, float *s, size_t lds)
+		 const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+		 size_t side_sz)
 {
 	if (idx || d % 64 || m == 0) {
-		kvd_qk8_avx512vnni(q, qscale, G, d, base, idx, m, s, lds);
+		kvd_qk8_avx512vnni(q, qscale, G, d, base, idx, m, s, lds, side, side_sz);
 		return;
 	}
 	int ng = (G + AMX_GB - 1) / AMX_GB;

@@ -561,16 +561,19 @@ INLINE void prefetch_row8(const int8_t *base, const uint32_t *idx, size_t i, siz
 }
 
 INLINE void qk8_one(const int16_t *q, float qscale, const int d, const int8_t *base,
-		    const uint32_t *idx, size_t m, float *s)
+		    const uint32_t *idx, size_t m, float *s, const void *side, size_t side_sz)
 {
-	for (size_t i = 0; i < PF8_GATHER && i < m; i++)
+	for (size_t i = 0; i < PF8_GATHER && i < m; i++) {
 		prefetch_row8(base, idx, i, m, d);
+		side_prefetch(side, side_sz, idx, i, m);
+	}
 	for (size_t i = 0; i < m; i++) {
 		const int8_t *p = row_at(base, idx, i, d);
 		__m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
 		int c = 0;
 
 		prefetch_row8(base, idx, i + PF8_GATHER, m, d);
+		side_prefetch(side, side_sz, idx, i + PF8_GATHER, m);
 #pragma GCC unroll 8
 		for (; c + 32 <= d; c += 32) {
 			a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
@@ -663,7 +666,8 @@ INLINE void pv8_one(const int16_t *w, float ws, const int d, const int8_t *base,
 }
 
 static void qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-		     const uint32_t *idx, size_t m, float *s, size_t lds)
+		     const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+		     size_t side_sz)
 {
 	_Alignas(32) __m256i tmp[GB_MAX * TILE];
 	int ng = (G + GB_MAX - 1) / GB_MAX;
@@ -675,9 +679,9 @@ static void qk8_avx2(const int16_t *q, const float *qscale, int G, int d, const 
 	if (G == 1 && idx) {
 		/* d a constant: the loops over a row unroll */
 		if (d == 128)
-			qk8_one(q, qscale[0], 128, base, idx, m, s);
+			qk8_one(q, qscale[0], 128, base, idx, m, s, side, side_sz);
 		else
-			qk8_one(q, qscale[0], d, base, idx, m, s);
+			qk8_one(q, qscale[0], d, base, idx, m, s, side, side_sz);
 		return;
 	}
 	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);

@@ -14,9 +14,10 @@
 #include "kern_i8_512.h"
 
 void kvd_qk8_avx512vnni(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-			const uint32_t *idx, size_t m, float *s, size_t lds)
+			const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+			size_t side_sz)
 {
-	qk8_512(q, qscale, G, d, base, idx, m, s, lds);
+	qk8_512(q, qscale, G, d, base, idx, m, s, lds, side, side_sz);
 }
 
 void kvd_pv8_avx512vnni(const int16_t *w, size_t ldw, const float *wscale, int G, int d,

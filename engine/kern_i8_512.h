@@ -96,15 +96,17 @@ INLINE __m512i i8_hsum16(const __m512i *v)
 /* One head over gathered rows (the sampled path): rows in blocks of 16, q in
  * registers, one accumulator per row, and the 16 sums reduced together. */
 INLINE void qk8_one_512(const int16_t *q, float qscale, const int d, const int8_t *base,
-			const uint32_t *idx, size_t m, float *s)
+			const uint32_t *idx, size_t m, float *s, const void *side, size_t side_sz)
 {
 	const int nc = (d + 31) / 32, half = d % 32 != 0;
 	__m512i qv[KVD_DMAX / 32];
 
 	for (int c = 0; c < nc; c++)
 		qv[c] = i8_q(q, c, half && c == nc - 1);
-	for (size_t i = 0; i < I8_GATHER && i < m; i++)
+	for (size_t i = 0; i < I8_GATHER && i < m; i++) {
 		i8_prefetch_row(base, idx, i, m, d);
+		side_prefetch(side, side_sz, idx, i, m);
+	}
 	for (size_t i0 = 0; i0 < m; i0 += 16) {
 		const size_t nb = m - i0 < 16 ? m - i0 : 16;
 		__m512i acc[16];
@@ -116,6 +118,7 @@ INLINE void qk8_one_512(const int16_t *q, float qscale, const int d, const int8_
 				const int8_t *p = i8_at(base, idx, i0 + k, d);
 
 				i8_prefetch_row(base, idx, i0 + k + I8_GATHER, m, d);
+				side_prefetch(side, side_sz, idx, i0 + k + I8_GATHER, m);
 #pragma GCC unroll 8
 				for (int c = 0; c < nc; c++)
 					acc[k] = i8_dp(acc[k], qv[c], i8_row(p, c, half && c == nc - 1));
@@ -231,7 +234,8 @@ static qk8_512_fn *const qk8_512_tiles[I8_GB_MAX] = I8_BY_GB_NAMES(qk8_512_tile)
 static qk8_512_fn *const qk8_512_tiles128[I8_GB_MAX] = I8_BY_GB_NAMES(qk8_512_tile128);
 
 static void qk8_512(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
-		    const uint32_t *idx, size_t m, float *s, size_t lds)
+		    const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
+		    size_t side_sz)
 {
 	_Alignas(64) __m512i tmp[I8_GB_MAX * TILE];
 	qk8_512_fn *const *tiles = d == 128 ? qk8_512_tiles128 : qk8_512_tiles;
@@ -244,9 +248,9 @@ static void qk8_512(const int16_t *q, const float *qscale, int G, int d, const i
 	if (G == 1 && idx) {
 		/* d a constant: the loops over a row unroll */
 		if (d == 128)
-			qk8_one_512(q, qscale[0], 128, base, idx, m, s);
+			qk8_one_512(q, qscale[0], 128, base, idx, m, s, side, side_sz);
 		else
-			qk8_one_512(q, qscale[0], d, base, idx, m, s);
+			qk8_one_512(q, qscale[0], d, base, idx, m, s, side, side_sz);
 		return;
 	}
 	walk_init(&w, (const uint16_t *)base, idx, m, d / 2);

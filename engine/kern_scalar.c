@@ -75,8 +75,11 @@ static inline const int8_t *row8(const int8_t *base, const uint32_t *idx, size_t
 }
 
 static void qk8_scalar(const int16_t *q, const float *qscale, int G, int d,
-		       const int8_t *base, const uint32_t *idx, size_t m, float *s, size_t lds)
+		       const int8_t *base, const uint32_t *idx, size_t m, float *s, size_t lds,
+		       const void *side, size_t side_sz)
 {
+	(void)side;
+	(void)side_sz;
 	for (size_t i = 0; i < m; i++) {
 		const int8_t *r = row8(base, idx, i, d);
 

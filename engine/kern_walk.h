@@ -95,4 +95,17 @@ static inline const uint16_t *slot_pf(const struct walk *w, const struct tile *t
 	return walk_ptr(w, p < tl->end[j] ? p : tl->end[j] - 1);
 }
 
+/* qk8's side record of gathered row i (kern.h), into L2 (T1, as the rows
+ * are), both ends: a record may straddle two lines. */
+static inline void side_prefetch(const void *side, size_t sz, const uint32_t *idx, size_t i,
+				 size_t m)
+{
+	if (side && i < m) {
+		const char *p = (const char *)side + (size_t)idx[i] * sz;
+
+		__builtin_prefetch(p, 0, 2);
+		__builtin_prefetch(p + sz - 1, 0, 2);
+	}
+}
+
 #endif

@@ -360,7 +360,9 @@ static void check_q16(const float *q, int G, int d, const int16_t *q16, const fl
 /* qk8 sums in integers: every variant equals the scalar reference bit for
  * bit, and the reference equals the exact (64-bit) sum, converted and
  * scaled.  One head in four has every |q16| = 32767, which with the rows of
- * all -128 or 127 reaches the largest sums. */
+ * all -128 or 127 reaches the largest sums.  The variants get a side array
+ * of 12-byte records when the rows are gathered, as the sampled path
+ * passes its row constants: a hint that must not change a bit. */
 static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 {
 	size_t nrows = gather ? m + 7 : m;
@@ -370,6 +372,7 @@ static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 	int16_t *q16 = xmalloc((size_t)G * d * sizeof *q16);
 	size_t lds = m + 3, ns = (G - 1) * lds + m;
 	float *s0 = xmalloc(ns * sizeof *s0), *s1 = xmalloc(ns * sizeof *s1);
+	char *side = gather ? xmalloc(nrows * 12) : NULL;
 
 	for (int g = 0; g < G; g++)
 		if (kvd_rng_below(r, 4) == 0)
@@ -377,7 +380,7 @@ static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 				q[g * d + e] = kvd_rng_below(r, 2) ? 3.0f : -3.0f;
 	kvd_q16(q, G, d, q16, qsc);
 	check_q16(q, G, d, q16, qsc);
-	ref->qk8(q16, qsc, G, d, rows, idx, m, s0, lds);
+	ref->qk8(q16, qsc, G, d, rows, idx, m, s0, lds, NULL, 0);
 	for (int g = 0; g < G; g++) {
 		for (size_t i = 0; i < m; i++) {
 			const int8_t *p = rowp8(rows, idx, i, d);
@@ -395,7 +398,7 @@ static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 
 		for (size_t i = 0; i < ns; i++)
 			s1[i] = 12345.0f;
-		k->qk8(q16, qsc, G, d, rows, idx, m, s1, lds);
+		k->qk8(q16, qsc, G, d, rows, idx, m, s1, lds, side, side ? 12 : 0);
 		for (int g = 0; g < G; g++) {
 			for (size_t i = 0; i < m; i++) {
 				size_t e = g * lds + i;
@@ -414,6 +417,7 @@ static void check_qk8(struct kvd_rng *r, int d, int G, size_t m, int gather)
 	free(q16);
 	free(s0);
 	free(s1);
+	free(side);
 }
 
 /* kvd_q16 on the edges: a zero head, a head with a NaN or an infinity
