@@ -495,34 +495,19 @@ static float lanes_floor(const float *s, uint32_t n)
 	return lo;
 }
 
-/* Vectorized at -O2 by GCC only with its dynamic cost model (the loop's
- * trip count is not a multiple of the vector); clang vectorizes it anyway
- * and knows no such attribute. */
-#if defined(__clang__)
-#define VEC_DYNAMIC
-#else
-#define VEC_DYNAMIC __attribute__((optimize("vect-cost-model=dynamic")))
-#endif
-
 /* The KVD_HEAVY_MAX largest of n <= 2 * KVD_HEAVY_MAX entries as
  * top_select leaves them: those that fewer than KVD_HEAVY_MAX others beat
  * (ranks under a total order are distinct, so exactly that many), in
- * their order.  n^2 compares without a branch: ~2x faster than a heap at
- * 40-64 entries (Zen 5, random scores). */
-VEC_DYNAMIC
-static uint32_t rank_keep(float *s, uint32_t *id, uint32_t n)
+ * their order.  n^2 compares without a branch (kern.h, rank): ~2x faster
+ * than a heap at 40-64 entries in plain C (Zen 5, random scores), and the
+ * AVX-512 kernel took a further 7-9 % off a dense default layer call. */
+_Static_assert(2 * KVD_HEAVY_MAX <= KVD_KERN_RANK_MAX, "rank_keep ranks 2 lists at once");
+static uint32_t rank_keep(const struct kvd_kern *kk, float *s, uint32_t *id, uint32_t n)
 {
 	uint32_t rk[2 * KVD_HEAVY_MAX], ki[2 * KVD_HEAVY_MAX], c = 0;
 	float ks[2 * KVD_HEAVY_MAX];
 
-	for (uint32_t i = 0; i < n; i++) {
-		float x = s[i];
-		uint32_t y = id[i], r = 0;
-
-		for (uint32_t j = 0; j < n; j++)
-			r += (uint32_t)((s[j] > x) | ((s[j] == x) & (id[j] < y)));
-		rk[i] = r;
-	}
+	kk->rank(s, id, n, rk);
 	for (uint32_t i = 0; i < n; i++) {
 		ks[c] = s[i];
 		ki[c] = id[i];
@@ -547,7 +532,7 @@ static uint32_t rank_keep(float *s, uint32_t *id, uint32_t n)
  * whatever the passes do: only entries below the k-th largest score are
  * ever dropped before the end.
  */
-static uint32_t top_select(float *s, uint32_t *id, uint32_t n)
+static uint32_t top_select(const struct kvd_kern *kk, float *s, uint32_t *id, uint32_t n)
 {
 	const uint32_t k = KVD_HEAVY_MAX;
 
@@ -570,7 +555,7 @@ static uint32_t top_select(float *s, uint32_t *id, uint32_t n)
 	if (n <= k)
 		return n;
 	if (n <= 2 * k)
-		return rank_keep(s, id, n);
+		return rank_keep(kk, s, id, n);
 
 	float hs[KVD_HEAVY_MAX];
 	uint32_t hid[KVD_HEAVY_MAX], hn = 0;
@@ -611,7 +596,7 @@ static void top_of(const struct kvd_kern *kk, const float *sc, const uint32_t *r
 		cid[c] = seg << 16 | rows[i];
 		c += x > -INFINITY && x >= floor;
 	}
-	c = top_select(cs, cid, c);
+	c = top_select(kk, cs, cid, c);
 	for (uint32_t k = 0; k < c; k++) {
 		hs[k] = cs[k] * scale;
 		hid[k] = cid[k];
@@ -1174,8 +1159,8 @@ static void layer_task(void *arg, uint32_t task, unsigned worker)
  * segments, and for adaptive only those that carried at least
  * 2^-KVD_HEAVY_SHARE_LOG2 of the head's mass in this step (r->lse is kvd's
  * part, merged). */
-static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
-			 const uint32_t *tid, const uint32_t *tn)
+static void heavy_update(const struct kvd_kern *kk, struct kvd_attn_req *r, uint32_t h,
+			 const float *ts, const uint32_t *tid, const uint32_t *tn)
 {
 	const struct kvd_geom *g = r->g;
 	uint32_t G = kvd_geom_group(g), nseg = r->lv->nseg, nparts = nparts_of(r->lv);
@@ -1197,7 +1182,7 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 			size_t t = ((size_t)h * nparts + p) * G + gi;
 
 			if (n + tn[t] > 4 * KVD_HEAVY_MAX)
-				n = top_select(hs, hid, n);
+				n = top_select(kk, hs, hid, n);
 			for (uint32_t k = 0; k < tn[t]; k++) {
 				float x = ts[t * KVD_HEAVY_MAX + k];
 
@@ -1206,7 +1191,7 @@ static void heavy_update(struct kvd_attn_req *r, uint32_t h, const float *ts,
 				n += x >= floor;
 			}
 		}
-		n = top_select(hs, hid, n);
+		n = top_select(kk, hs, hid, n);
 		/* ascending ids by insertion: at most 32, and qsort's calls
 		 * were half of this function's time */
 		for (uint32_t k = 0; k < n; k++) {
@@ -1257,7 +1242,7 @@ static void head_done(struct layer_job *j, uint32_t ri, uint32_t h)
 			       j->part_lse + j->pl[ri] + t * G, (int)G, (int)d);
 	}
 	if (j->own_state[ri] && has_state(r))
-		heavy_update(r, h, j->top_s[ri], j->top_id[ri], j->top_n[ri]);
+		heavy_update(j->kk, r, h, j->top_s[ri], j->top_id[ri], j->top_n[ri]);
 }
 
 static int req_check(const struct kvd_attn_req *r, const struct kvd_attn_scratch *scr)
@@ -1423,7 +1408,7 @@ int kvd_attn_layers(struct kvd_pool *pool, struct kvd_attn_scratch *scr,
 	for (uint32_t i = 0; topbuf && i < n; i++)
 		if (!r[i].rc && has_state(&r[i]) && !j.own_state[i])
 			for (uint32_t h = 0; h < r[i].g->kv_heads; h++)
-				heavy_update(&r[i], h, j.top_s[i], j.top_id[i], j.top_n[i]);
+				heavy_update(j.kk, &r[i], h, j.top_s[i], j.top_id[i], j.top_n[i]);
 	if (st) {
 		memset(st, 0, sizeof *st);
 		for (unsigned w = 0; w < nw; w++) {

@@ -106,7 +106,16 @@ struct kvd_kern {
 	void (*mom)(const float *a, const float *b, size_t r, int d, float *kv);
 	void (*mv)(const int8_t *kv, const float *row, const float *col, int d, const float *x,
 		   int G, float *y);
+
+	/* rk[i] = the entries j < n that rank above entry i: s[j] > s[i], or
+	 * s[j] == s[i] and id[j] < id[i] (ids distinct and no NaN make the
+	 * ranks 0 .. n-1), for n <= KVD_KERN_RANK_MAX: the heavy lists' last
+	 * selection (attn.c, rank_keep), n^2 compares, which in the baseline
+	 * ISA's 4 lanes took 7 % of a dense default layer call. */
+	void (*rank)(const float *s, const uint32_t *id, uint32_t n, uint32_t *rk);
 };
+
+#define KVD_KERN_RANK_MAX 64
 
 /* q[G][d] (floats) as qk8 and pv8 take them (queries, or weights with d the
  * row count): per head, q16 = round(q / qscale) with qscale = max|q| /

@@ -1220,6 +1220,41 @@ static void ge8_avx2(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, uint
 	kvd_ge8_summary(bits, words, nz);
 }
 
+/* rank: the n <= 64 entries in 8 vectors, each entry against all of them;
+ * ids compared unsigned by flipping their sign bits.  Lanes past n hold
+ * -inf and are masked out of the count. */
+static void rank_avx2(const float *s, const uint32_t *id, uint32_t n, uint32_t *rk)
+{
+	_Alignas(32) float ps[KVD_KERN_RANK_MAX];
+	_Alignas(32) uint32_t pi[KVD_KERN_RANK_MAX];
+	const uint32_t nv = (n + 7) / 8;
+	const __m256i flip = _mm256_set1_epi32(INT32_MIN);
+	uint64_t valid = n < 64 ? (1ull << n) - 1 : ~0ull;
+
+	for (uint32_t j = 0; j < nv * 8; j++) {
+		ps[j] = j < n ? s[j] : -INFINITY;
+		pi[j] = j < n ? id[j] : 0;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		const __m256 x = _mm256_set1_ps(s[i]);
+		const __m256i y = _mm256_xor_si256(_mm256_set1_epi32((int)id[i]), flip);
+		uint64_t above = 0;
+
+		for (uint32_t v = 0; v < nv; v++) {
+			__m256 a = _mm256_load_ps(ps + 8 * v);
+			__m256i b = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(pi + 8 * v)),
+						     flip);
+			__m256 gt = _mm256_cmp_ps(a, x, _CMP_GT_OQ);
+			__m256 eq = _mm256_cmp_ps(a, x, _CMP_EQ_OQ);
+			__m256 lt = _mm256_castsi256_ps(_mm256_cmpgt_epi32(y, b));
+
+			above |= (uint64_t)(uint32_t)_mm256_movemask_ps(
+					 _mm256_or_ps(gt, _mm256_and_ps(eq, lt))) << (8 * v);
+		}
+		rk[i] = (uint32_t)__builtin_popcountll(above & valid);
+	}
+}
+
 const struct kvd_kern kvd_kern_avx2 = {
 	.name = "avx2",
 	.hash = hash_avx2,
@@ -1234,4 +1269,5 @@ const struct kvd_kern kvd_kern_avx2 = {
 	.ge8 = ge8_avx2,
 	.mom = mom_kern,
 	.mv = mv_kern,
+	.rank = rank_avx2,
 };

@@ -853,6 +853,43 @@ static void ge8_avx512(uint8_t *cnt, size_t words, uint8_t c, uint64_t *bits, ui
 	}
 }
 
+/* rank: the n <= 64 entries in four vectors (past n: -inf, masked out of
+ * the count), each entry against all of them, its count one popcount of
+ * the four masks; ids compared unsigned by flipping their sign bits (the
+ * intrinsics SIMDe has, for the emulated build). */
+static void rank_avx512(const float *s, const uint32_t *id, uint32_t n, uint32_t *rk)
+{
+	_Alignas(64) float ps[KVD_KERN_RANK_MAX];
+	_Alignas(64) uint32_t pi[KVD_KERN_RANK_MAX];
+	const __m512i flip = _mm512_set1_epi32(INT32_MIN);
+	const uint64_t valid = n < 64 ? (1ull << n) - 1 : ~0ull;
+	__m512 sv[4];
+	__m512i iv[4];
+
+	for (uint32_t j = 0; j < KVD_KERN_RANK_MAX; j++) {
+		ps[j] = j < n ? s[j] : -INFINITY;
+		pi[j] = j < n ? id[j] : 0;
+	}
+	for (uint32_t v = 0; v < 4; v++) {
+		sv[v] = _mm512_load_ps(ps + 16 * v);
+		iv[v] = _mm512_xor_si512(_mm512_load_si512(pi + 16 * v), flip);
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		const __m512 x = _mm512_set1_ps(s[i]);
+		const __m512i y = _mm512_xor_si512(_mm512_set1_epi32((int)id[i]), flip);
+		uint64_t above = 0;
+
+		for (uint32_t v = 0; v < 4; v++) {
+			__mmask16 gt = _mm512_cmp_ps_mask(sv[v], x, _CMP_GT_OQ);
+			__mmask16 eq = _mm512_cmp_ps_mask(sv[v], x, _CMP_EQ_OQ);
+			__mmask16 lt = _mm512_cmpgt_epi32_mask(y, iv[v]);
+
+			above |= (uint64_t)(uint16_t)(gt | (eq & lt)) << (16 * v);
+		}
+		rk[i] = (uint32_t)__builtin_popcountll(above & valid);
+	}
+}
+
 const struct kvd_kern kvd_kern_avx512 = {
 	.name = "avx512",
 	.hash = hash_avx512,
@@ -867,6 +904,7 @@ const struct kvd_kern kvd_kern_avx512 = {
 	.ge8 = ge8_avx512,
 	.mom = mom_kern,
 	.mv = mv_kern,
+	.rank = rank_avx512,
 };
 
 const struct kvd_kern kvd_kern_avx512bf16 = {
@@ -883,6 +921,7 @@ const struct kvd_kern kvd_kern_avx512bf16 = {
 	.ge8 = ge8_avx512,
 	.mom = mom_kern,
 	.mv = mv_kern,
+	.rank = rank_avx512,
 };
 
 const struct kvd_kern kvd_kern_avx512vnni = {
@@ -899,6 +938,7 @@ const struct kvd_kern kvd_kern_avx512vnni = {
 	.ge8 = ge8_avx512,
 	.mom = mom_kern,
 	.mv = mv_kern,
+	.rank = rank_avx512,
 };
 
 #ifndef KVD_KERN_EMU
@@ -918,5 +958,6 @@ const struct kvd_kern kvd_kern_avx512amx = {
 	.ge8 = ge8_avx512,
 	.mom = mom_kern,
 	.mv = mv_kern,
+	.rank = rank_avx512,
 };
 #endif

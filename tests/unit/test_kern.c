@@ -942,6 +942,56 @@ static void test_ge8(void **state)
 	report("ge8", "%.0f mismatches");
 }
 
+/* ---- rank ------------------------------------------------------------------ */
+
+/* Every variant, scalar included, against the definition, for every n up to
+ * KVD_KERN_RANK_MAX: scores drawn from few values (ties broken by id), some
+ * -inf, ids with the top bit set (AVX2 compares them signed, flipped), and
+ * the ranks a permutation of 0 .. n-1. */
+static void test_rank(void **state)
+{
+	start();
+	for (size_t sd = 0; sd < NSEEDS; sd++) {
+		struct kvd_rng r = kvd_rng_make(seeds[sd] ^ 0x4a7);
+
+		for (uint32_t n = 0; n <= KVD_KERN_RANK_MAX; n++) {
+			float s[KVD_KERN_RANK_MAX];
+			uint32_t id[KVD_KERN_RANK_MAX], rk[KVD_KERN_RANK_MAX];
+
+			for (uint32_t i = 0; i < n; i++) {
+				uint32_t x = kvd_rng_below(&r, 16);
+
+				s[i] = x == 0 ? -INFINITY : x < 8 ? (float)x - 4.0f :
+					(float)kvd_rng_uniform(&r) * 8.0f - 4.0f;
+				/* distinct: a random high half over the index */
+				id[i] = kvd_rng_below(&r, 4) << 30 | kvd_rng_below(&r, 1u << 20) << 6 | i;
+			}
+			for (size_t v = 0; v <= nvar; v++) {
+				const struct kvd_kern *k = v < nvar ? var[v] : ref;
+				uint64_t seen = 0;
+
+				for (uint32_t i = 0; i < KVD_KERN_RANK_MAX; i++)
+					rk[i] = 0xa5a5a5a5u;
+				k->rank(s, id, n, rk);
+				for (uint32_t i = 0; i < n; i++) {
+					uint32_t want = 0;
+
+					for (uint32_t j = 0; j < n; j++)
+						want += s[j] > s[i] || (s[j] == s[i] && id[j] < id[i]);
+					if (rk[i] != want)
+						fail_msg("%s rank n=%u: rk[%u] = %u, want %u", k->name, n, i,
+							 rk[i], want);
+					seen |= 1ull << rk[i];
+				}
+				assert_true(seen == (n < 64 ? (1ull << n) - 1 : ~0ull));
+				for (uint32_t i = n; i < KVD_KERN_RANK_MAX; i++)
+					assert_true(rk[i] == 0xa5a5a5a5u);
+			}
+		}
+	}
+	report("rank", "%.0f mismatches");
+}
+
 /* ---- hash ------------------------------------------------------------------ */
 
 static void check_hash(struct kvd_rng *r, int d, int K, int L, size_t n)
@@ -1058,6 +1108,7 @@ int main(void)
 		cmocka_unit_test(test_kinv),
 		cmocka_unit_test(test_mv),
 		cmocka_unit_test(test_ge8),
+		cmocka_unit_test(test_rank),
 		cmocka_unit_test(test_hash),
 	};
 
