@@ -84,8 +84,9 @@ struct kvd_kern {
 	 * next (an int8 row's constants, struct kvd_row8); a gathered head
 	 * (G = 1, idx) prefetches each into L2 beside its row, where its
 	 * misses overlap the row's instead of stalling a loop of their own
-	 * after (5 % of a mixed layer call: MEASUREMENTS.md, "The row
-	 * constants beside the rows").  The results never depend on it. */
+	 * after (3-6 % of a mixed layer call: MEASUREMENTS.md, "The row
+	 * constants beside the rows, and the lists' ranks in vectors").
+	 * The results never depend on it. */
 	void (*qk8)(const int16_t *q, const float *qscale, int G, int d, const int8_t *base,
 		    const uint32_t *idx, size_t m, float *s, size_t lds, const void *side,
 		    size_t side_sz);
