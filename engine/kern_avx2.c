@@ -1229,7 +1229,7 @@ static void rank_avx2(const float *s, const uint32_t *id, uint32_t n, uint32_t *
 	_Alignas(32) uint32_t pi[KVD_KERN_RANK_MAX];
 	const uint32_t nv = (n + 7) / 8;
 	const __m256i flip = _mm256_set1_epi32(INT32_MIN);
-	uint64_t valid = n < 64 ? (1ull << n) - 1 : ~0ull;
+	const uint64_t valid = n < 64 ? (1ull << n) - 1 : ~0ull;
 
 	for (uint32_t j = 0; j < nv * 8; j++) {
 		ps[j] = j < n ? s[j] : -INFINITY;
