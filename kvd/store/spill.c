@@ -565,6 +565,8 @@ static void ext_open(struct kvd_spill *sp, struct sp_run *r, unsigned i)
 	const struct kvd_spill_buf *b = &r->j->ext[i];
 
 	if (r->j->op == KVD_SPILL_WRITE) {
+		if (b->fill && b->hdr)
+			memcpy(b->p, b->hdr, PAGE);
 		if (b->fill)
 			b->fill(b->fill_arg, (char *)b->p + PAGE);
 		kvd_sfmt_seal(b->p, (char *)b->p + PAGE);
@@ -1025,7 +1027,7 @@ static int check_job(const struct kvd_spill *sp, struct kvd_spill_job *j)
 		if (!b->p || (uintptr_t)b->p % PAGE || b->bytes < PAGE || b->bytes % PAGE)
 			return bad_job(j, "extent %u: buffer not 4 KiB aligned and sized", i);
 		if (j->op == KVD_SPILL_WRITE) {
-			const struct kvd_sfmt_hdr *h = b->p;
+			const struct kvd_sfmt_hdr *h = b->fill && b->hdr ? b->hdr : b->p;
 
 			if (h->seq != j->seq || h->gen != j->gen || h->index != i)
 				return bad_job(j, "extent %u: header seq/gen/index differ from the job",

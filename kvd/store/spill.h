@@ -76,6 +76,10 @@ struct kvd_spill_buf {
 	 * under its own lock.  fill_arg stays valid until the result is
 	 * reaped. */
 	void (*fill)(void *fill_arg, void *payload);
+	/* WRITE with fill, optional: the extent's header page, kept elsewhere
+	 * until the engine copies it to p just before the fill, so that the
+	 * caller need not touch p at all (a fresh buffer's first page fault). */
+	const void *hdr;
 	/* READ, optional: called on the engine's thread once the extent
 	 * verified (header and CRC), before its progress is posted, with the
 	 * header page: the copy out of it a caller would otherwise make under
