@@ -565,10 +565,11 @@ static void ext_open(struct kvd_spill *sp, struct sp_run *r, unsigned i)
 	const struct kvd_spill_buf *b = &r->j->ext[i];
 
 	if (r->j->op == KVD_SPILL_WRITE) {
-		if (b->fill && b->hdr)
-			memcpy(b->p, b->hdr, PAGE);
-		if (b->fill)
+		if (b->fill) {
+			if (b->hdr)
+				memcpy(b->p, b->hdr, PAGE);
 			b->fill(b->fill_arg, (char *)b->p + PAGE);
+		}
 		kvd_sfmt_seal(b->p, (char *)b->p + PAGE);
 	} else {
 		/* Registering pins the pages and would fault them all in at
